@@ -1,0 +1,169 @@
+//! kvroute-prompt: request → rendered prompt → token ids → block hashes, exactly as the engine.
+//!
+//! Plain functions, no I/O on the request path; the filter (in wasm), the sidecar and the
+//! simulated engines all run this same code, so they cannot disagree about a prompt's tokens.
+//!
+//! - [`request`]: parse an OpenAI `/v1/chat/completions` or `/v1/completions` body.
+//! - [`template`]: render a chat template the way `transformers` does (Jinja with trim/lstrip).
+//! - [`tokenizer`]: HF `tokenizers` 1.0 pipeline.
+//! - [`model_dir`]: read an HF-style model directory into a [`kvroute_protocol::bundle::ModelBundle`].
+//! - [`Preprocessor`]: the three above bound to one model bundle.
+
+pub mod model_dir;
+pub mod request;
+pub mod template;
+pub mod tokenizer;
+
+use kvroute_protocol::bundle::ModelBundle;
+use kvroute_protocol::hash::{token_prefix_hashes, HashSeed, PrefixHash};
+
+pub use request::{LlmRequest, PromptInput, RequestError};
+pub use template::{ChatTemplate, TemplateError};
+pub use tokenizer::{Tokenizer, TokenizerError};
+
+/// Why a request's tokens could not be computed.
+#[derive(Debug, thiserror::Error)]
+pub enum PromptError {
+    /// The body is not a routable request.
+    #[error(transparent)]
+    Request(#[from] RequestError),
+    /// The chat template failed (or the model has none and the request is a chat).
+    #[error(transparent)]
+    Template(#[from] TemplateError),
+    /// The tokenizer failed.
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+}
+
+impl PromptError {
+    /// A short stable label for metrics (`bad_request`, `template`, `tokenizer`).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            PromptError::Request(_) => "bad_request",
+            PromptError::Template(_) => "template",
+            PromptError::Tokenizer(_) => "tokenizer",
+        }
+    }
+}
+
+/// Why a bundle could not be turned into a [`Preprocessor`].
+#[derive(Debug, thiserror::Error)]
+pub enum BundleError {
+    /// The chat template does not compile.
+    #[error("chat template: {0}")]
+    Template(#[from] TemplateError),
+    /// The tokenizer does not load.
+    #[error("tokenizer: {0}")]
+    Tokenizer(#[from] TokenizerError),
+    /// A block size of zero cannot be hashed.
+    #[error("block size must be positive")]
+    ZeroBlockSize,
+}
+
+/// One model's template, tokenizer and block size, ready to process requests.
+pub struct Preprocessor {
+    template: Option<ChatTemplate>,
+    tokenizer: Tokenizer,
+    block_size: usize,
+}
+
+/// A processed request: its tokens and the prefix hash of each full block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromptHashes {
+    /// Token ids as the engine sees them.
+    pub tokens: Vec<u32>,
+    /// One prefix hash per full block.
+    pub hashes: Vec<PrefixHash>,
+}
+
+impl Preprocessor {
+    /// Load a bundle; this compiles the template and builds the tokenizer (slow: do it once).
+    pub fn from_bundle(bundle: &ModelBundle) -> Result<Self, BundleError> {
+        if bundle.block_size == 0 {
+            return Err(BundleError::ZeroBlockSize);
+        }
+        let template = bundle
+            .chat_template
+            .as_deref()
+            .map(|src| {
+                ChatTemplate::new(
+                    src,
+                    bundle.bos_token.as_deref(),
+                    bundle.eos_token.as_deref(),
+                )
+            })
+            .transpose()?;
+        Ok(Preprocessor {
+            template,
+            tokenizer: Tokenizer::from_json(&bundle.tokenizer_json)?,
+            block_size: bundle.block_size as usize,
+        })
+    }
+
+    /// Tokens per KV block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The prompt text the engine would build (chat: the rendered template).
+    pub fn render(&self, req: &LlmRequest) -> Result<Option<String>, PromptError> {
+        match &req.input {
+            PromptInput::Chat(chat) => {
+                let template = self.template.as_ref().ok_or(TemplateError::Missing)?;
+                Ok(Some(template.render(chat)?))
+            }
+            PromptInput::Text(text) => Ok(Some(text.clone())),
+            PromptInput::TokenIds(_) => Ok(None),
+        }
+    }
+
+    /// Token ids exactly as the engine sees them.
+    pub fn tokens(&self, req: &LlmRequest) -> Result<Vec<u32>, PromptError> {
+        match &req.input {
+            PromptInput::Chat(chat) => {
+                let template = self.template.as_ref().ok_or(TemplateError::Missing)?;
+                let text = template.render(chat)?;
+                // The template already holds BOS and friends: engines encode chat prompts
+                // without adding special tokens.
+                Ok(self.tokenizer.encode(&text, false)?)
+            }
+            PromptInput::Text(text) => Ok(self
+                .tokenizer
+                .encode(text, req.add_special_tokens.unwrap_or(true))?),
+            PromptInput::TokenIds(ids) => Ok(ids.clone()),
+        }
+    }
+
+    /// Tokens and block hashes of a request.
+    pub fn hashes(&self, req: &LlmRequest) -> Result<PromptHashes, PromptError> {
+        let tokens = self.tokens(req)?;
+        let seed = HashSeed::for_request(req.lora.as_deref(), req.cache_salt.as_deref());
+        let hashes = token_prefix_hashes(&tokens, self.block_size, seed);
+        Ok(PromptHashes { tokens, hashes })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiny_llama_bundle_hashes_chat_and_completion() {
+        let dir = kvroute_protocol::samples_dir().join("vllm/tiny-llama-tokenizer");
+        let bundle = model_dir::load_bundle(&dir, "tiny", 32).unwrap();
+        let pre = Preprocessor::from_bundle(&bundle).unwrap();
+        let chat = LlmRequest::parse(
+            br#"{"model":"tiny","messages":[{"role":"user","content":"hello world"}]}"#,
+        )
+        .unwrap();
+        let rendered = pre.render(&chat).unwrap().unwrap();
+        assert_eq!(rendered, "<s><|user|>\nhello world<|end|>\n<|assistant|>\n");
+        let out = pre.hashes(&chat).unwrap();
+        // BOS comes from the template, not from the tokenizer's post-processor.
+        assert_eq!(out.tokens.iter().filter(|&&t| t == 1).count(), 1);
+        assert_eq!(out.hashes.len(), out.tokens.len() / 32);
+        let completion = LlmRequest::parse(br#"{"model":"tiny","prompt":"hello world"}"#).unwrap();
+        let toks = pre.tokens(&completion).unwrap();
+        assert_eq!(toks[0], 1, "completions add BOS via the tokenizer");
+    }
+}

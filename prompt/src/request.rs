@@ -1,0 +1,211 @@
+//! Parsing OpenAI-style request bodies into what determines the prompt.
+
+use serde_json::{Map, Value};
+
+/// Why a body is not a routable LLM request.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RequestError {
+    /// Not JSON, or not a JSON object.
+    #[error("body is not a JSON object: {0}")]
+    NotJson(String),
+    /// No `model` string.
+    #[error("no model field")]
+    NoModel,
+    /// Neither `messages` nor `prompt`, or one of them is empty or of the wrong type.
+    #[error("no usable prompt: {0}")]
+    NoPrompt(&'static str),
+}
+
+/// The fields of a chat request that the chat template sees.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatInput {
+    /// `messages`, as sent.
+    pub messages: Vec<Value>,
+    /// `tools`, as sent.
+    pub tools: Option<Value>,
+    /// `add_generation_prompt` (default true, as in vLLM).
+    pub add_generation_prompt: bool,
+    /// `continue_final_message` (default false).
+    pub continue_final_message: bool,
+    /// `chat_template_kwargs`: extra variables for the template.
+    pub template_kwargs: Map<String, Value>,
+}
+
+/// What the prompt is made from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PromptInput {
+    /// `/v1/chat/completions`: messages rendered through the chat template.
+    Chat(ChatInput),
+    /// `/v1/completions` with a string prompt (or the first of a batch of strings).
+    Text(String),
+    /// `/v1/completions` with token ids (or the first of a batch of id lists).
+    TokenIds(Vec<u32>),
+}
+
+/// A routable LLM request: the model and everything that decides its tokens and hash seed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlmRequest {
+    /// `model`, as sent.
+    pub model: String,
+    /// The prompt source.
+    pub input: PromptInput,
+    /// LoRA adapter name, when the request names one (changes the hash seed).
+    pub lora: Option<String>,
+    /// `cache_salt` (tenant isolation: changes the hash seed).
+    pub cache_salt: Option<String>,
+    /// `add_special_tokens` for completions (engine default: true).
+    pub add_special_tokens: Option<bool>,
+    /// OpenAI `user` field.
+    pub user: Option<String>,
+    /// `stream`.
+    pub stream: bool,
+}
+
+impl LlmRequest {
+    /// Parse a chat or completions body. Batches of prompts are routed on their first prompt.
+    pub fn parse(body: &[u8]) -> Result<Self, RequestError> {
+        let value: Value =
+            serde_json::from_slice(body).map_err(|e| RequestError::NotJson(e.to_string()))?;
+        let Value::Object(mut obj) = value else {
+            return Err(RequestError::NotJson("not an object".into()));
+        };
+        let model = match obj.get("model") {
+            Some(Value::String(m)) if !m.is_empty() => m.clone(),
+            _ => return Err(RequestError::NoModel),
+        };
+        let input = if let Some(messages) = obj.remove("messages") {
+            chat_input(messages, &mut obj)?
+        } else if let Some(prompt) = obj.remove("prompt") {
+            completion_input(prompt)?
+        } else {
+            return Err(RequestError::NoPrompt("neither messages nor prompt"));
+        };
+        let string = |key: &str| obj.get(key).and_then(Value::as_str).map(str::to_owned);
+        Ok(LlmRequest {
+            model,
+            input,
+            lora: string("lora_name"),
+            cache_salt: string("cache_salt"),
+            add_special_tokens: obj.get("add_special_tokens").and_then(Value::as_bool),
+            user: string("user"),
+            stream: obj.get("stream").and_then(Value::as_bool).unwrap_or(false),
+        })
+    }
+}
+
+fn chat_input(messages: Value, obj: &mut Map<String, Value>) -> Result<PromptInput, RequestError> {
+    let Value::Array(messages) = messages else {
+        return Err(RequestError::NoPrompt("messages is not an array"));
+    };
+    if messages.is_empty() {
+        return Err(RequestError::NoPrompt("messages is empty"));
+    }
+    if !messages.iter().all(Value::is_object) {
+        return Err(RequestError::NoPrompt("a message is not an object"));
+    }
+    let flag = |obj: &Map<String, Value>, key: &str, default: bool| {
+        obj.get(key).and_then(Value::as_bool).unwrap_or(default)
+    };
+    Ok(PromptInput::Chat(ChatInput {
+        messages,
+        tools: obj.remove("tools").filter(|t| !t.is_null()),
+        add_generation_prompt: flag(obj, "add_generation_prompt", true),
+        continue_final_message: flag(obj, "continue_final_message", false),
+        template_kwargs: match obj.remove("chat_template_kwargs") {
+            Some(Value::Object(kw)) => kw,
+            _ => Map::new(),
+        },
+    }))
+}
+
+fn completion_input(prompt: Value) -> Result<PromptInput, RequestError> {
+    let unsupported = RequestError::NoPrompt("prompt has an unsupported type");
+    match prompt {
+        Value::String(s) => Ok(PromptInput::Text(s)),
+        // A flat list of numbers is one tokenized prompt; anything else is a batch.
+        Value::Array(items) if items.first().is_some_and(Value::is_number) => {
+            token_ids(&items).map(PromptInput::TokenIds)
+        }
+        Value::Array(items) => match items.into_iter().next() {
+            None => Err(RequestError::NoPrompt("prompt is an empty array")),
+            Some(Value::String(s)) => Ok(PromptInput::Text(s)),
+            Some(Value::Array(ids)) => token_ids(&ids).map(PromptInput::TokenIds),
+            Some(_) => Err(unsupported),
+        },
+        _ => Err(unsupported),
+    }
+}
+
+fn token_ids(values: &[Value]) -> Result<Vec<u32>, RequestError> {
+    values
+        .iter()
+        .map(|v| {
+            v.as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or(RequestError::NoPrompt("token ids must be u32"))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(body: &str) -> Result<LlmRequest, RequestError> {
+        LlmRequest::parse(body.as_bytes())
+    }
+
+    #[test]
+    fn chat_fields() {
+        let r = parse(
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,
+               "user":"u1","cache_salt":"t","add_generation_prompt":false,
+               "chat_template_kwargs":{"enable_thinking":false},"tools":null,"unknown":{"x":1}}"#,
+        )
+        .unwrap();
+        assert_eq!(r.model, "m");
+        assert!(r.stream);
+        assert_eq!(r.user.as_deref(), Some("u1"));
+        assert_eq!(r.cache_salt.as_deref(), Some("t"));
+        let PromptInput::Chat(chat) = r.input else {
+            panic!("chat expected")
+        };
+        assert!(!chat.add_generation_prompt);
+        assert_eq!(chat.tools, None);
+        assert_eq!(chat.template_kwargs["enable_thinking"], Value::Bool(false));
+    }
+
+    #[test]
+    fn completion_prompt_shapes() {
+        let text = parse(r#"{"model":"m","prompt":"abc"}"#).unwrap();
+        assert_eq!(text.input, PromptInput::Text("abc".into()));
+        let batch = parse(r#"{"model":"m","prompt":["first","second"]}"#).unwrap();
+        assert_eq!(batch.input, PromptInput::Text("first".into()));
+        let ids = parse(r#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
+        assert_eq!(ids.input, PromptInput::TokenIds(vec![1, 2, 3]));
+        let id_batch = parse(r#"{"model":"m","prompt":[[4,5],[6]]}"#).unwrap();
+        assert_eq!(id_batch.input, PromptInput::TokenIds(vec![4, 5]));
+    }
+
+    #[test]
+    fn rejects_what_cannot_be_routed() {
+        for body in [
+            "",
+            "not json",
+            "[1,2]",
+            r#"{"messages":[{"role":"user","content":"x"}]}"#,
+            r#"{"model":"","prompt":"x"}"#,
+            r#"{"model":"m"}"#,
+            r#"{"model":"m","messages":[]}"#,
+            r#"{"model":"m","messages":"hi"}"#,
+            r#"{"model":"m","messages":[1]}"#,
+            r#"{"model":"m","prompt":[]}"#,
+            r#"{"model":"m","prompt":[1,-2]}"#,
+            r#"{"model":"m","prompt":[1, 4294967296]}"#,
+            r#"{"model":"m","prompt":{"a":1}}"#,
+            r#"{"model":"m","prompt":[{"a":1}]}"#,
+        ] {
+            assert!(parse(body).is_err(), "{body}");
+        }
+    }
+}

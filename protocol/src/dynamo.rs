@@ -1,0 +1,475 @@
+//! NVIDIA Dynamo's KV-event wire format on NATS.
+//!
+//! A NATS message body is a msgpack map [`Envelope`] whose `payload` (msgpack `bin`) holds either
+//! one [`RouterEvent`] (Dynamo 1.2.x) or an array of them (1.6.x). Legacy 1.2.x JetStream mode
+//! carries a plain JSON `RouterEvent` with no envelope. Unknown fields are ignored everywhere;
+//! an array element that is not a known event is skipped and counted, not fatal.
+//!
+//! Subjects: 1.2.x `namespace.<ns>.component.<comp>.kv-events`, 1.6.x
+//! `namespace.<ns>.component.<comp>.endpoint.<ep>.kv-events` (see [`SubjectInfo`]).
+
+use serde::{de::IgnoredAny, Deserialize, Serialize};
+
+/// The `topic` Dynamo writes into envelopes of KV events.
+pub const KV_EVENTS_TOPIC: &str = "kv-events";
+
+/// The msgpack map around every Dynamo NATS message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Envelope {
+    /// Random id of the publishing process.
+    pub publisher_id: u64,
+    /// Per-publisher message counter.
+    pub sequence: u64,
+    /// Publication time, ms since the Unix epoch.
+    pub published_at: u64,
+    /// `kv-events`, `kv_metrics`, …
+    pub topic: String,
+    /// msgpack-encoded body (one event or an array of events).
+    #[serde(with = "serde_bytes")]
+    pub payload: Vec<u8>,
+}
+
+/// One KV-cache event of one worker, as Dynamo's router sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouterEvent {
+    /// Dynamo instance id of the worker (u64, often ≥ 2^63).
+    pub worker_id: u64,
+    /// `device` for GPU memory; other tiers are offload copies.
+    #[serde(default = "default_tier")]
+    pub storage_tier: String,
+    /// Present from 1.6 on (`worker`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub residency_domain: Option<String>,
+    /// The event proper.
+    pub event: KvCacheEvent,
+}
+
+fn default_tier() -> String {
+    "device".to_owned()
+}
+
+/// The body of a [`RouterEvent`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvCacheEvent {
+    /// Per (worker_id, dp_rank) counter: the gap-detection cursor.
+    pub event_id: u64,
+    /// What happened.
+    pub data: KvCacheEventData,
+    /// Data-parallel rank inside the worker; each rank has its own cache.
+    #[serde(default)]
+    pub dp_rank: u32,
+}
+
+/// What happened to the cache.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvCacheEventData {
+    /// Blocks were stored, in order, after `parent_hash`.
+    Stored(StoredBlocks),
+    /// Blocks were evicted.
+    Removed(RemovedBlocks),
+    /// The whole cache was dropped.
+    Cleared,
+}
+
+/// Payload of a `stored` event.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredBlocks {
+    /// Engine hash of the block before the first stored one; `None` at the start of a prompt.
+    pub parent_hash: Option<u64>,
+    /// Position of the first block in the sequence, when the engine reports it (1.6).
+    #[serde(default)]
+    pub start_position: Option<u64>,
+    /// The stored blocks, in sequence order.
+    pub blocks: Vec<StoredBlock>,
+}
+
+/// One stored block.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredBlock {
+    /// The engine's hash of the block *with its prefix*; what later events refer to.
+    pub block_hash: u64,
+    /// Hash of the block's own tokens ([`crate::LocalBlockHash`]).
+    pub tokens_hash: u64,
+    /// Multimodal details; written as nil, ignored when read.
+    #[serde(default, skip_deserializing)]
+    pub mm_extra_info: Option<()>,
+}
+
+/// Payload of a `removed` event.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemovedBlocks {
+    /// Engine hashes of the evicted blocks.
+    pub block_hashes: Vec<u64>,
+}
+
+/// Load report on the `kv_metrics` topic.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvMetrics {
+    /// Dynamo instance id.
+    pub worker_id: u64,
+    /// Data-parallel rank.
+    #[serde(default)]
+    pub dp_rank: u32,
+    /// Blocks held by running decodes.
+    #[serde(default)]
+    pub active_decode_blocks: Option<u64>,
+    /// Prompt tokens waiting for or in prefill.
+    #[serde(default)]
+    pub active_prefill_tokens: Option<u64>,
+    /// KV blocks in use.
+    #[serde(default)]
+    pub kv_used_blocks: Option<u64>,
+}
+
+/// Why a Dynamo message could not be decoded.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    /// The body is not a msgpack envelope.
+    #[error("bad envelope: {0}")]
+    Envelope(rmp_serde::decode::Error),
+    /// The envelope's payload is neither an event nor an array of events.
+    #[error("bad payload: {0}")]
+    Payload(rmp_serde::decode::Error),
+    /// A JetStream body is not a JSON RouterEvent.
+    #[error("bad JSON event: {0}")]
+    Json(serde_json::Error),
+}
+
+/// The events of one message, plus how many array elements were not events we know.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct DecodedEvents {
+    /// Envelope topic (empty for JetStream JSON bodies).
+    pub topic: String,
+    /// The events, in order.
+    pub events: Vec<RouterEvent>,
+    /// Array elements that did not decode as a RouterEvent (unknown variants, bad types).
+    pub skipped: usize,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum MaybeEvent {
+    Known(RouterEvent),
+    Unknown(IgnoredAny),
+}
+
+/// Decode a NATS message body from any Dynamo version: msgpack envelope, or JetStream JSON.
+pub fn decode_message(body: &[u8]) -> Result<DecodedEvents, DecodeError> {
+    if body.first() == Some(&b'{') {
+        let event: RouterEvent = serde_json::from_slice(body).map_err(DecodeError::Json)?;
+        return Ok(DecodedEvents {
+            topic: String::new(),
+            events: vec![event],
+            skipped: 0,
+        });
+    }
+    let envelope: Envelope = rmp_serde::from_slice(body).map_err(DecodeError::Envelope)?;
+    let mut out = decode_payload(&envelope.payload)?;
+    out.topic = envelope.topic;
+    Ok(out)
+}
+
+/// Decode an envelope's payload: one event (1.2.x) or an array of events (1.6.x).
+pub fn decode_payload(payload: &[u8]) -> Result<DecodedEvents, DecodeError> {
+    let is_array = matches!(payload.first(), Some(0x90..=0x9f | 0xdc | 0xdd));
+    if is_array {
+        let items: Vec<MaybeEvent> =
+            rmp_serde::from_slice(payload).map_err(DecodeError::Payload)?;
+        let mut out = DecodedEvents::default();
+        for item in items {
+            match item {
+                MaybeEvent::Known(e) => out.events.push(e),
+                MaybeEvent::Unknown(_) => out.skipped += 1,
+            }
+        }
+        Ok(out)
+    } else {
+        let event: RouterEvent = rmp_serde::from_slice(payload).map_err(DecodeError::Payload)?;
+        Ok(DecodedEvents {
+            topic: String::new(),
+            events: vec![event],
+            skipped: 0,
+        })
+    }
+}
+
+/// Encode events the way Dynamo 1.6 publishes them: envelope around an array.
+pub fn encode_v16(envelope: EnvelopeHeader<'_>, events: &[RouterEvent]) -> Vec<u8> {
+    let payload = rmp_serde::to_vec_named(events).expect("router events serialize");
+    encode_envelope(envelope, payload)
+}
+
+/// Encode one event the way Dynamo 1.2 publishes it: envelope around a single event.
+pub fn encode_v12(envelope: EnvelopeHeader<'_>, event: &RouterEvent) -> Vec<u8> {
+    let payload = rmp_serde::to_vec_named(event).expect("router event serializes");
+    encode_envelope(envelope, payload)
+}
+
+/// The envelope fields other than the payload.
+#[derive(Debug, Clone, Copy)]
+pub struct EnvelopeHeader<'a> {
+    /// Random id of the publishing process.
+    pub publisher_id: u64,
+    /// Per-publisher message counter.
+    pub sequence: u64,
+    /// Publication time, ms since the Unix epoch.
+    pub published_at: u64,
+    /// Envelope topic.
+    pub topic: &'a str,
+}
+
+fn encode_envelope(h: EnvelopeHeader<'_>, payload: Vec<u8>) -> Vec<u8> {
+    let env = Envelope {
+        publisher_id: h.publisher_id,
+        sequence: h.sequence,
+        published_at: h.published_at,
+        topic: h.topic.to_owned(),
+        payload,
+    };
+    rmp_serde::to_vec_named(&env).expect("envelope serializes")
+}
+
+/// What a KV-events subject says about its publisher.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SubjectInfo {
+    /// Dynamo namespace.
+    pub namespace: String,
+    /// Component (`backend`, `prefill`, …).
+    pub component: String,
+    /// Endpoint (1.6.x subjects only).
+    pub endpoint: Option<String>,
+}
+
+/// Parse a KV-events subject of either version; segments are percent-decoded.
+pub fn parse_subject(subject: &str) -> Option<SubjectInfo> {
+    let parts: Vec<&str> = subject.split('.').collect();
+    match parts.as_slice() {
+        ["namespace", ns, "component", comp, "kv-events"] => Some(SubjectInfo {
+            namespace: percent_decode(ns),
+            component: percent_decode(comp),
+            endpoint: None,
+        }),
+        ["namespace", ns, "component", comp, "endpoint", ep, "kv-events"] => Some(SubjectInfo {
+            namespace: percent_decode(ns),
+            component: percent_decode(comp),
+            endpoint: Some(percent_decode(ep)),
+        }),
+        _ => None,
+    }
+}
+
+/// The 1.6.x subject a worker publishes KV events on.
+pub fn subject_v16(namespace: &str, component: &str, endpoint: &str) -> String {
+    format!(
+        "namespace.{}.component.{}.endpoint.{}.kv-events",
+        percent_encode(namespace),
+        percent_encode(component),
+        percent_encode(endpoint)
+    )
+}
+
+fn percent_encode(segment: &str) -> String {
+    let mut out = String::with_capacity(segment.len());
+    for b in segment.bytes() {
+        match b {
+            b'.' | b'%' | b'*' | b'>' | b' ' => out.push_str(&format!("%{b:02X}")),
+            _ => out.push(b as char),
+        }
+    }
+    out
+}
+
+fn percent_decode(segment: &str) -> String {
+    let bytes = segment.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (bytes[i], hex) {
+            (b'%', Some(v)) => {
+                out.push(v);
+                i += 3;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    fn dynamo(name: &str) -> PathBuf {
+        crate::samples_dir().join("dynamo").join(name)
+    }
+
+    fn read(name: &str) -> Vec<u8> {
+        std::fs::read(dynamo(name)).expect("shared samples are laid beside the repository")
+    }
+
+    #[test]
+    fn decodes_every_captured_kv_event_message() {
+        let mut decoded = 0;
+        for entry in std::fs::read_dir(dynamo("")).unwrap() {
+            let path = entry.unwrap().path();
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            if !(name.starts_with("kv-events") && name.ends_with(".msgpack")) {
+                continue;
+            }
+            let body = std::fs::read(&path).unwrap();
+            let out = decode_message(&body).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(out.topic, KV_EVENTS_TOPIC, "{name}");
+            assert_eq!(out.skipped, 0, "{name}");
+            assert!(!out.events.is_empty(), "{name}");
+            decoded += 1;
+        }
+        assert_eq!(decoded, 5);
+    }
+
+    #[test]
+    fn stored_prompt_matches_golden_hashes() {
+        let out = decode_message(&read("kv-events_stored_prompt_4blocks.msgpack")).unwrap();
+        let [event] = out.events.as_slice() else {
+            panic!("one event expected")
+        };
+        assert_eq!(event.worker_id, 13140558925506144034);
+        assert_eq!(event.event.event_id, 1);
+        let KvCacheEventData::Stored(stored) = &event.event.data else {
+            panic!("stored expected")
+        };
+        assert_eq!(stored.parent_hash, None);
+        let g: serde_json::Value =
+            serde_json::from_slice(&read("hash_golden.json")).expect("golden");
+        let tokens: Vec<u32> = g["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        let locals = crate::hash::local_block_hashes(&tokens, 16, crate::HashSeed::default());
+        let prefixes = crate::hash::prefix_hashes(&locals);
+        for (i, b) in stored.blocks.iter().enumerate() {
+            assert_eq!(b.tokens_hash, locals[i].0);
+            assert_eq!(b.block_hash, prefixes[i].0);
+        }
+    }
+
+    #[test]
+    fn encoding_is_byte_exact_with_dynamo_1_6() {
+        for name in [
+            "kv-events_stored_prompt_4blocks.msgpack",
+            "kv-events_removed_plus_stored_batch.msgpack",
+            "kv-events_stored_decode_block_with_parent.msgpack",
+        ] {
+            let body = read(name);
+            let env: Envelope = rmp_serde::from_slice(&body).unwrap();
+            let out = decode_payload(&env.payload).unwrap();
+            let header = EnvelopeHeader {
+                publisher_id: env.publisher_id,
+                sequence: env.sequence,
+                published_at: env.published_at,
+                topic: &env.topic,
+            };
+            assert_eq!(encode_v16(header, &out.events), body, "{name}");
+        }
+    }
+
+    #[test]
+    fn decodes_dynamo_1_2_single_event_and_jetstream_json() {
+        let json = read("v1.2.1/jetstream_kv-events_removed.json");
+        let out = decode_message(&json).unwrap();
+        assert!(
+            matches!(out.events[0].event.data, KvCacheEventData::Removed(ref r) if r.block_hashes.len() == 6)
+        );
+        let event = out.events[0].clone();
+        let header = EnvelopeHeader {
+            publisher_id: 1,
+            sequence: 2,
+            published_at: 3,
+            topic: KV_EVENTS_TOPIC,
+        };
+        let again = decode_message(&encode_v12(header, &event)).unwrap();
+        assert_eq!(again.events, vec![event]);
+    }
+
+    #[test]
+    fn cleared_and_unknown_variants() {
+        let cleared = RouterEvent {
+            worker_id: 7,
+            storage_tier: "device".into(),
+            residency_domain: None,
+            event: KvCacheEvent {
+                event_id: 9,
+                data: KvCacheEventData::Cleared,
+                dp_rank: 1,
+            },
+        };
+        let header = EnvelopeHeader {
+            publisher_id: 1,
+            sequence: 0,
+            published_at: 0,
+            topic: KV_EVENTS_TOPIC,
+        };
+        let mut items = rmp_serde::to_vec_named(&vec![cleared.clone()]).unwrap();
+        // Append an element of a kind we do not know by rewriting the array header to 2.
+        assert_eq!(items[0], 0x91);
+        items[0] = 0x92;
+        items.extend(rmp_serde::to_vec_named(&serde_json::json!({"worker_id": 1, "event": {"event_id": 1, "data": {"moved": {}}}})).unwrap());
+        let out = decode_payload(&items).unwrap();
+        assert_eq!(out.events, vec![cleared.clone()]);
+        assert_eq!(out.skipped, 1);
+        assert!(decode_message(&encode_v16(header, &[cleared])).is_ok());
+    }
+
+    #[test]
+    fn garbage_is_an_error_not_a_panic() {
+        for body in [
+            &b""[..],
+            b"\xc1",
+            b"\x85\xa1",
+            b"{not json",
+            b"\x91\x01",
+            b"\xdd\xff\xff\xff\xff",
+        ] {
+            assert!(decode_message(body).is_err() || decode_payload(body).is_err());
+        }
+    }
+
+    #[test]
+    fn subjects_of_both_versions() {
+        let v16 = parse_subject("namespace.dynamo.component.prefill.endpoint.generate.kv-events")
+            .unwrap();
+        assert_eq!(v16.component, "prefill");
+        assert_eq!(v16.endpoint.as_deref(), Some("generate"));
+        let v12 = parse_subject("namespace.dynamo.component.backend.kv-events").unwrap();
+        assert_eq!(v12.component, "backend");
+        assert_eq!(v12.endpoint, None);
+        assert!(
+            parse_subject("namespace.dynamo.component.backend.endpoint.generate.kv_metrics")
+                .is_none()
+        );
+        let s = subject_v16("my.ns", "backend", "generate");
+        assert_eq!(
+            s,
+            "namespace.my%2Ens.component.backend.endpoint.generate.kv-events"
+        );
+        assert_eq!(parse_subject(&s).unwrap().namespace, "my.ns");
+    }
+
+    #[test]
+    fn kv_metrics_decode() {
+        let env: Envelope = rmp_serde::from_slice(&read("kv_metrics.msgpack")).unwrap();
+        assert_eq!(env.topic, "kv_metrics");
+        let m: KvMetrics = rmp_serde::from_slice(&env.payload).unwrap();
+        assert_eq!(m.kv_used_blocks, Some(5));
+    }
+}

@@ -1,0 +1,25 @@
+//! kvroute-protocol: everything the filter, the sidecar and the simulated engines must agree on.
+//!
+//! No I/O lives here, and the crate builds for `wasm32-wasip1` as well as natively.
+//!
+//! - [`hash`]: the Dynamo-compatible per-block hash ([`LocalBlockHash`]) and the prefix
+//!   (sequence) hash ([`PrefixHash`]) that identifies a block *and everything before it*.
+//! - [`hint`]: the filter ↔ sidecar hint exchange (`POST /v1/hint`).
+//! - [`bundle`]: the model bundle the filter fetches from the sidecar (tokenizer, template, block size).
+//! - [`dynamo`]: NVIDIA Dynamo's KV-event wire format on NATS (msgpack envelope and `RouterEvent`).
+
+pub mod bundle;
+pub mod dynamo;
+pub mod hash;
+pub mod hint;
+
+pub use hash::{HashSeed, LocalBlockHash, PrefixHash};
+
+/// Where the captured samples of real engines live (`shared/data/samples`, beside the repository),
+/// overridable with `KVROUTE_SAMPLES`. Used by golden tests across the workspace.
+pub fn samples_dir() -> std::path::PathBuf {
+    match std::env::var_os("KVROUTE_SAMPLES") {
+        Some(dir) => dir.into(),
+        None => std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/samples"),
+    }
+}
