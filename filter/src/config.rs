@@ -1,0 +1,70 @@
+//! The filter's plugin configuration.
+
+use serde::Deserialize;
+
+/// Plugin configuration, given as JSON in Envoy's wasm `PluginConfig.configuration`.
+/// Every field has a default, so `{}` is a valid configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FilterConfig {
+    /// Envoy cluster of the sidecar.
+    pub sidecar_cluster: String,
+    /// `:authority` sent to the sidecar.
+    pub sidecar_authority: String,
+    /// How long a request may wait for a hint before it goes on unhinted.
+    pub hint_timeout_ms: u64,
+    /// Ask the sidecar for hints; `false` leaves only the fallback key (ring-hash-only mode).
+    pub hints: bool,
+    /// Header read by Envoy's override_host policy.
+    pub worker_header: String,
+    /// Header the route's ring-hash/maglev hash policy reads.
+    pub key_header: String,
+    /// Bodies larger than this are not buffered or parsed; they go on unhinted.
+    pub max_body_bytes: usize,
+    /// The fallback key is the prefix hash of this many leading blocks (or fewer, if shorter).
+    pub fallback_key_blocks: usize,
+    /// How often each VM checks the sidecar's catalog for new or changed bundles.
+    pub bundle_refresh_ms: u64,
+}
+
+impl Default for FilterConfig {
+    fn default() -> Self {
+        FilterConfig {
+            sidecar_cluster: "kvroute_sidecar".into(),
+            sidecar_authority: "kvroute-sidecar".into(),
+            hint_timeout_ms: 50,
+            hints: true,
+            worker_header: "x-kvroute-worker".into(),
+            key_header: "x-kvroute-key".into(),
+            max_body_bytes: 4 << 20,
+            fallback_key_blocks: 8,
+            bundle_refresh_ms: 5000,
+        }
+    }
+}
+
+impl FilterConfig {
+    /// Parse the plugin configuration; empty means all defaults.
+    pub fn parse(bytes: &[u8]) -> Result<Self, serde_json::Error> {
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Ok(FilterConfig::default());
+        }
+        serde_json::from_slice(bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_overrides() {
+        assert_eq!(FilterConfig::parse(b"").unwrap(), FilterConfig::default());
+        assert_eq!(FilterConfig::parse(b"{}").unwrap(), FilterConfig::default());
+        let c = FilterConfig::parse(br#"{"hints": false, "hint_timeout_ms": 20}"#).unwrap();
+        assert!(!c.hints);
+        assert_eq!(c.hint_timeout_ms, 20);
+        assert_eq!(c.worker_header, "x-kvroute-worker");
+        assert!(FilterConfig::parse(br#"{"hint_timeout": 20}"#).is_err(), "typos are errors");
+    }
+}

@@ -1,0 +1,20 @@
+//! kvroute-filter: the proxy-wasm HTTP filter that runs inside Envoy.
+//!
+//! The request path: buffer an OpenAI body → tokenize and hash it with the model's bundle
+//! ([`plan`]) → set the fallback key header → ask the sidecar for a worker (`POST /v1/hint`) →
+//! set the override-host header → resume. Every failure resumes the request unhinted: routing
+//! never breaks serving.
+//!
+//! - [`config`]: the plugin configuration (JSON in Envoy's `PluginConfig`).
+//! - [`plan`]: which requests to handle and what to do with a body — pure, tested natively.
+//! - [`models`]: the bundles this VM has loaded, refreshed from the sidecar's catalog.
+//! - [`metrics`]: names of the counters Envoy exports as `wasmcustom.kvroute.*`.
+//! - `glue` (wasm32 only): the thin proxy-wasm context structs that call the above.
+
+pub mod config;
+pub mod metrics;
+pub mod models;
+pub mod plan;
+
+#[cfg(target_arch = "wasm32")]
+mod glue;

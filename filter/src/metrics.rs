@@ -1,0 +1,126 @@
+//! The filter's counters. Envoy exports each as `wasmcustom.<name>` in `/stats`.
+
+/// A counter the filter increments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Counter {
+    /// LLM requests the filter handled (POST to a completions path).
+    Requests,
+    /// Requests sent on with a worker hint.
+    Hinted,
+    /// Requests sent on without a hint, by reason.
+    Fallback(FallbackReason),
+    /// Hint calls that failed: no answer in time, or the sidecar unreachable.
+    SidecarTimeouts,
+    /// Hint calls answered with an error status or an unreadable body.
+    SidecarErrors,
+    /// Sum of matched blocks over hinted requests.
+    MatchedBlocks,
+    /// Sum of full blocks over hashed requests.
+    PromptBlocks,
+    /// Bundles loaded into this VM.
+    BundlesLoaded,
+    /// Bundles (or catalogs) that could not be fetched or loaded.
+    BundleErrors,
+    /// Host calls that failed (header writes, resume); the request still goes on.
+    HostErrors,
+}
+
+/// Why a request went on without a hint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FallbackReason {
+    /// Body over `max_body_bytes`.
+    TooLarge,
+    /// The body is not a routable request (bad JSON, no model, empty messages, …).
+    BadRequest,
+    /// No bundle loaded (yet) for the request's model.
+    NoBundle,
+    /// The chat template failed.
+    Template,
+    /// The tokenizer failed.
+    Tokenizer,
+    /// The prompt is shorter than one block: nothing any engine could have cached.
+    NoBlocks,
+    /// Hints are disabled in the configuration.
+    HintsDisabled,
+    /// The sidecar had no useful match.
+    NoMatch,
+    /// The sidecar did not answer usefully (timeout, down, error).
+    Sidecar,
+}
+
+impl FallbackReason {
+    /// Every reason, for defining the counters up front.
+    pub const ALL: [FallbackReason; 9] = [
+        FallbackReason::TooLarge,
+        FallbackReason::BadRequest,
+        FallbackReason::NoBundle,
+        FallbackReason::Template,
+        FallbackReason::Tokenizer,
+        FallbackReason::NoBlocks,
+        FallbackReason::HintsDisabled,
+        FallbackReason::NoMatch,
+        FallbackReason::Sidecar,
+    ];
+
+    /// Stable label used in the metric name.
+    pub fn label(self) -> &'static str {
+        match self {
+            FallbackReason::TooLarge => "too_large",
+            FallbackReason::BadRequest => "bad_request",
+            FallbackReason::NoBundle => "no_bundle",
+            FallbackReason::Template => "template",
+            FallbackReason::Tokenizer => "tokenizer",
+            FallbackReason::NoBlocks => "no_blocks",
+            FallbackReason::HintsDisabled => "hints_disabled",
+            FallbackReason::NoMatch => "no_match",
+            FallbackReason::Sidecar => "sidecar",
+        }
+    }
+}
+
+impl Counter {
+    /// Every counter, for defining them when a VM starts.
+    pub fn all() -> impl Iterator<Item = Counter> {
+        [
+            Counter::Requests,
+            Counter::Hinted,
+            Counter::SidecarTimeouts,
+            Counter::SidecarErrors,
+            Counter::MatchedBlocks,
+            Counter::PromptBlocks,
+            Counter::BundlesLoaded,
+            Counter::BundleErrors,
+            Counter::HostErrors,
+        ]
+        .into_iter()
+        .chain(FallbackReason::ALL.into_iter().map(Counter::Fallback))
+    }
+
+    /// The metric name (Envoy prefixes `wasmcustom.`).
+    pub fn name(self) -> String {
+        match self {
+            Counter::Requests => "kvroute.requests".into(),
+            Counter::Hinted => "kvroute.hinted".into(),
+            Counter::Fallback(r) => format!("kvroute.fallback.{}", r.label()),
+            Counter::SidecarTimeouts => "kvroute.sidecar.timeouts".into(),
+            Counter::SidecarErrors => "kvroute.sidecar.errors".into(),
+            Counter::MatchedBlocks => "kvroute.matched_blocks".into(),
+            Counter::PromptBlocks => "kvroute.prompt_blocks".into(),
+            Counter::BundlesLoaded => "kvroute.bundles.loaded".into(),
+            Counter::BundleErrors => "kvroute.bundles.errors".into(),
+            Counter::HostErrors => "kvroute.host_errors".into(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique() {
+        let names: std::collections::HashSet<String> = Counter::all().map(Counter::name).collect();
+        assert_eq!(names.len(), Counter::all().count());
+        assert!(names.contains("kvroute.fallback.no_bundle"));
+    }
+}

@@ -1,0 +1,191 @@
+//! What the filter does with a request: pure decisions, no host calls.
+
+use kvroute_prompt::{LlmRequest, PromptError, PromptInput};
+use kvroute_protocol::hint::HintRequest;
+use serde_json::Value;
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::config::FilterConfig;
+use crate::metrics::FallbackReason;
+use crate::models::ModelRegistry;
+
+/// The request paths kvroute routes; everything else passes through untouched.
+pub const ROUTED_PATHS: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];
+
+/// Whether the request headers describe a routable LLM request whose body should be read.
+pub fn wants_body(method: Option<&str>, path: Option<&str>, content_type: Option<&str>) -> bool {
+    let path = path.unwrap_or_default();
+    let path = path.split_once('?').map_or(path, |(p, _)| p);
+    method == Some("POST")
+        && ROUTED_PATHS.contains(&path)
+        && content_type.is_none_or(|ct| ct.to_ascii_lowercase().contains("json"))
+}
+
+/// What to do with a complete body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    /// Value for the fallback key header (what ring hash / maglev hash on), if any.
+    pub key: Option<String>,
+    /// The hint request to send, when the sidecar should be asked.
+    pub hint: Option<HintRequest>,
+    /// Why no hint will be asked for, when it will not.
+    pub fallback: Option<FallbackReason>,
+    /// Full blocks in the prompt (0 when it was not tokenized).
+    pub blocks: usize,
+}
+
+/// Decide what to do with a complete request body.
+pub fn plan(body: &[u8], models: &ModelRegistry, cfg: &FilterConfig) -> Plan {
+    let unhinted = |key, reason| Plan {
+        key,
+        hint: None,
+        fallback: Some(reason),
+        blocks: 0,
+    };
+    let req = match LlmRequest::parse(body) {
+        Ok(r) => r,
+        Err(_) => return unhinted(None, FallbackReason::BadRequest),
+    };
+    let Some(model) = models.get(&req.model) else {
+        return unhinted(Some(text_key(&req)), FallbackReason::NoBundle);
+    };
+    let hashed = match model.preprocessor.hashes(&req) {
+        Ok(h) => h,
+        Err(e) => {
+            let reason = match e {
+                PromptError::Request(_) => FallbackReason::BadRequest,
+                PromptError::Template(_) => FallbackReason::Template,
+                PromptError::Tokenizer(_) => FallbackReason::Tokenizer,
+            };
+            return unhinted(Some(text_key(&req)), reason);
+        }
+    };
+    let blocks = hashed.hashes.len();
+    if blocks == 0 {
+        let bytes: Vec<u8> = hashed.tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        return unhinted(Some(hex(xxh3_64(&bytes))), FallbackReason::NoBlocks);
+    }
+    // The prefix hash of block K names the first K blocks: stable across the turns of a
+    // conversation and shared by requests with the same leading K blocks.
+    let key = Some(hex(hashed.hashes[blocks.min(cfg.fallback_key_blocks.max(1)) - 1].0));
+    if !cfg.hints {
+        return Plan {
+            blocks,
+            ..unhinted(key, FallbackReason::HintsDisabled)
+        };
+    }
+    Plan {
+        key,
+        hint: Some(HintRequest {
+            model: req.model,
+            hashes: hashed.hashes,
+        }),
+        fallback: None,
+        blocks,
+    }
+}
+
+/// A fallback key without tokens: the messages up to the first user turn (or the prompt).
+fn text_key(req: &LlmRequest) -> String {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(req.model.as_bytes());
+    match &req.input {
+        PromptInput::Chat(chat) => {
+            for m in &chat.messages {
+                h.update(m.to_string().as_bytes());
+                if m.get("role").and_then(Value::as_str) == Some("user") {
+                    break;
+                }
+            }
+        }
+        PromptInput::Text(text) => {
+            let end = text.floor_char_boundary(4096);
+            h.update(text[..end].as_bytes());
+        }
+        PromptInput::TokenIds(ids) => {
+            for t in ids.iter().take(1024) {
+                h.update(&t.to_le_bytes());
+            }
+        }
+    }
+    hex(h.digest())
+}
+
+fn hex(v: u64) -> String {
+    format!("{v:016x}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::tests::tiny_bundle;
+
+    fn registry(block_size: u32) -> ModelRegistry {
+        let mut reg = ModelRegistry::default();
+        reg.install(&serde_json::to_vec(&tiny_bundle(block_size)).unwrap())
+            .unwrap();
+        reg
+    }
+
+    fn chat(text: &str) -> Vec<u8> {
+        serde_json::json!({"model": "tiny", "messages": [
+            {"role": "system", "content": "You are a careful assistant who answers briefly."},
+            {"role": "user", "content": text}
+        ]})
+        .to_string()
+        .into_bytes()
+    }
+
+    #[test]
+    fn headers_select_llm_posts_only() {
+        assert!(wants_body(Some("POST"), Some("/v1/chat/completions"), None));
+        assert!(wants_body(Some("POST"), Some("/v1/completions?x=1"), Some("application/json; charset=utf-8")));
+        assert!(!wants_body(Some("GET"), Some("/v1/chat/completions"), None));
+        assert!(!wants_body(Some("POST"), Some("/v1/embeddings"), None));
+        assert!(!wants_body(Some("POST"), Some("/v1/completions"), Some("text/plain")));
+        assert!(!wants_body(None, None, None));
+    }
+
+    #[test]
+    fn hashes_and_asks_for_a_hint() {
+        let reg = registry(4);
+        let cfg = FilterConfig::default();
+        let p = plan(&chat("tell me about the weather in the mountains today"), &reg, &cfg);
+        assert_eq!(p.fallback, None);
+        let hint = p.hint.unwrap();
+        assert_eq!(hint.model, "tiny");
+        assert_eq!(hint.hashes.len(), p.blocks);
+        assert!(p.blocks > cfg.fallback_key_blocks);
+        assert_eq!(p.key.unwrap(), hex(hint.hashes[cfg.fallback_key_blocks - 1].0));
+    }
+
+    #[test]
+    fn fallback_key_is_stable_across_turns() {
+        let reg = registry(4);
+        let cfg = FilterConfig::default();
+        let turn1 = plan(&chat("first question about routing"), &reg, &cfg);
+        let turn2 = plan(&chat("first question about routing, and a follow-up"), &reg, &cfg);
+        assert_eq!(turn1.key, turn2.key);
+    }
+
+    #[test]
+    fn fallbacks_name_their_reason() {
+        let reg = registry(16);
+        let cfg = FilterConfig::default();
+        assert_eq!(plan(b"{oops", &reg, &cfg).fallback, Some(FallbackReason::BadRequest));
+        assert_eq!(plan(b"{oops", &reg, &cfg).key, None);
+        let other = br#"{"model":"other","messages":[{"role":"user","content":"x"}]}"#;
+        let p = plan(other, &reg, &cfg);
+        assert_eq!(p.fallback, Some(FallbackReason::NoBundle));
+        assert!(p.key.is_some(), "unknown models still get a stable key");
+        let short = br#"{"model":"tiny","prompt":"hi"}"#;
+        assert_eq!(plan(short, &reg, &cfg).fallback, Some(FallbackReason::NoBlocks));
+        let no_hints = FilterConfig {
+            hints: false,
+            ..FilterConfig::default()
+        };
+        let p = plan(&chat("a question that is long enough to fill a block or two of tokens"), &reg, &no_hints);
+        assert_eq!(p.fallback, Some(FallbackReason::HintsDisabled));
+        assert!(p.hint.is_none() && p.key.is_some());
+    }
+}
