@@ -65,6 +65,9 @@ mod tests {
         assert!(!c.hints);
         assert_eq!(c.hint_timeout_ms, 20);
         assert_eq!(c.worker_header, "x-kvroute-worker");
-        assert!(FilterConfig::parse(br#"{"hint_timeout": 20}"#).is_err(), "typos are errors");
+        assert!(
+            FilterConfig::parse(br#"{"hint_timeout": 20}"#).is_err(),
+            "typos are errors"
+        );
     }
 }

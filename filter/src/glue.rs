@@ -63,9 +63,17 @@ impl Root {
         let (cluster, authority, timeout) = {
             let s = self.shared.borrow();
             let c = &s.config;
-            (c.sidecar_cluster.clone(), c.sidecar_authority.clone(), Duration::from_secs(5))
+            (
+                c.sidecar_cluster.clone(),
+                c.sidecar_authority.clone(),
+                Duration::from_secs(5),
+            )
         };
-        let headers = vec![(":method", "GET"), (":path", path), (":authority", authority.as_str())];
+        let headers = vec![
+            (":method", "GET"),
+            (":path", path),
+            (":authority", authority.as_str()),
+        ];
         match hostcalls::dispatch_http_call(&cluster, headers, None, vec![], timeout) {
             Ok(token) => {
                 self.pending.insert(token, what);
@@ -120,7 +128,10 @@ impl Root {
                 let took = started
                     .and_then(|t| hostcalls::get_current_time().ok()?.duration_since(t).ok())
                     .unwrap_or_default();
-                log::info!("kvroute: loaded bundle of model {model} version {version} in {} ms", took.as_millis());
+                log::info!(
+                    "kvroute: loaded bundle of model {model} version {version} in {} ms",
+                    took.as_millis()
+                );
                 shared.bump(Counter::BundlesLoaded, 1);
             }
             Err(e) => {
@@ -132,7 +143,13 @@ impl Root {
 }
 
 impl Context for Root {
-    fn on_http_call_response(&mut self, token: u32, num_headers: usize, body_size: usize, _: usize) {
+    fn on_http_call_response(
+        &mut self,
+        token: u32,
+        num_headers: usize,
+        body_size: usize,
+        _: usize,
+    ) {
         let Some(fetch) = self.pending.remove(&token) else {
             return;
         };
@@ -316,7 +333,11 @@ impl HttpContext for Request {
             let s = self.shared.borrow();
             s.bump(Counter::Requests, 1);
             let c = &s.config;
-            (c.worker_header.clone(), c.key_header.clone(), c.max_body_bytes)
+            (
+                c.worker_header.clone(),
+                c.key_header.clone(),
+                c.max_body_bytes,
+            )
         };
         // Only kvroute decides these; a client must not be able to pick a worker.
         self.set_header(&worker_header, None);
@@ -345,7 +366,8 @@ impl HttpContext for Request {
         if !end_of_stream {
             return Action::Pause;
         }
-        let Ok(Some(body)) = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size) else {
+        let Ok(Some(body)) = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size)
+        else {
             self.shared.borrow().bump(Counter::HostErrors, 1);
             return self.fall_back(FallbackReason::BadRequest);
         };
@@ -356,7 +378,9 @@ impl HttpContext for Request {
         if let Some(key) = &decision.key {
             self.set_header(&config.key_header, Some(key));
         }
-        self.shared.borrow().bump(Counter::PromptBlocks, decision.blocks as u64);
+        self.shared
+            .borrow()
+            .bump(Counter::PromptBlocks, decision.blocks as u64);
         if let Some(reason) = decision.fallback {
             return self.fall_back(reason);
         }
@@ -370,7 +394,13 @@ impl HttpContext for Request {
             ("content-type", HINT_CONTENT_TYPE),
         ];
         let timeout = Duration::from_millis(config.hint_timeout_ms);
-        match hostcalls::dispatch_http_call(&config.sidecar_cluster, headers, Some(&hint.encode()), vec![], timeout) {
+        match hostcalls::dispatch_http_call(
+            &config.sidecar_cluster,
+            headers,
+            Some(&hint.encode()),
+            vec![],
+            timeout,
+        ) {
             Ok(_) => {
                 self.state = State::AwaitingHint;
                 Action::Pause

@@ -67,7 +67,8 @@ impl ModelRegistry {
             .map(|e| (e.model.as_str(), e.version.as_str()))
             .collect();
         self.loaded.retain(|m, _| listed.contains_key(m.as_str()));
-        self.failed.retain(|m, v| listed.get(m.as_str()) == Some(&v.as_str()));
+        self.failed
+            .retain(|m, v| listed.get(m.as_str()) == Some(&v.as_str()));
         catalog
             .models
             .iter()
@@ -131,12 +132,23 @@ pub(crate) mod tests {
     fn fetches_new_and_changed_bundles_only() {
         let mut reg = ModelRegistry::default();
         let bundle = tiny_bundle(16);
-        assert_eq!(reg.reconcile(&catalog(&[("tiny", &bundle.version)])), vec!["tiny"]);
+        assert_eq!(
+            reg.reconcile(&catalog(&[("tiny", &bundle.version)])),
+            vec!["tiny"]
+        );
         let (model, version) = reg.install(&serde_json::to_vec(&bundle).unwrap()).unwrap();
-        assert_eq!((model.as_str(), version.as_str()), ("tiny", bundle.version.as_str()));
-        assert!(reg.reconcile(&catalog(&[("tiny", &bundle.version)])).is_empty());
+        assert_eq!(
+            (model.as_str(), version.as_str()),
+            ("tiny", bundle.version.as_str())
+        );
+        assert!(reg
+            .reconcile(&catalog(&[("tiny", &bundle.version)]))
+            .is_empty());
         assert_eq!(reg.reconcile(&catalog(&[("tiny", "v2")])), vec!["tiny"]);
-        assert!(reg.get("tiny").is_some(), "the old version serves until the new one loads");
+        assert!(
+            reg.get("tiny").is_some(),
+            "the old version serves until the new one loads"
+        );
         assert!(reg.reconcile(&catalog(&[])).is_empty());
         assert!(reg.is_empty());
     }
@@ -147,10 +159,15 @@ pub(crate) mod tests {
         let mut bundle = tiny_bundle(16);
         bundle.tokenizer_json = "{\"model\": {\"type\": \"Nope\"}}".into();
         bundle.version = "broken".into();
-        let err = reg.install(&serde_json::to_vec(&bundle).unwrap()).unwrap_err();
+        let err = reg
+            .install(&serde_json::to_vec(&bundle).unwrap())
+            .unwrap_err();
         assert!(err.to_string().contains("tiny"), "{err}");
         assert!(reg.reconcile(&catalog(&[("tiny", "broken")])).is_empty());
         assert_eq!(reg.reconcile(&catalog(&[("tiny", "fixed")])), vec!["tiny"]);
-        assert!(matches!(reg.install(b"not json"), Err(InstallError::Json(_))));
+        assert!(matches!(
+            reg.install(b"not json"),
+            Err(InstallError::Json(_))
+        ));
     }
 }

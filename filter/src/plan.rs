@@ -67,7 +67,9 @@ pub fn plan(body: &[u8], models: &ModelRegistry, cfg: &FilterConfig) -> Plan {
     }
     // The prefix hash of block K names the first K blocks: stable across the turns of a
     // conversation and shared by requests with the same leading K blocks.
-    let key = Some(hex(hashed.hashes[blocks.min(cfg.fallback_key_blocks.max(1)) - 1].0));
+    let key = Some(hex(hashed.hashes
+        [blocks.min(cfg.fallback_key_blocks.max(1)) - 1]
+        .0));
     if !cfg.hints {
         return Plan {
             blocks,
@@ -139,10 +141,18 @@ mod tests {
     #[test]
     fn headers_select_llm_posts_only() {
         assert!(wants_body(Some("POST"), Some("/v1/chat/completions"), None));
-        assert!(wants_body(Some("POST"), Some("/v1/completions?x=1"), Some("application/json; charset=utf-8")));
+        assert!(wants_body(
+            Some("POST"),
+            Some("/v1/completions?x=1"),
+            Some("application/json; charset=utf-8")
+        ));
         assert!(!wants_body(Some("GET"), Some("/v1/chat/completions"), None));
         assert!(!wants_body(Some("POST"), Some("/v1/embeddings"), None));
-        assert!(!wants_body(Some("POST"), Some("/v1/completions"), Some("text/plain")));
+        assert!(!wants_body(
+            Some("POST"),
+            Some("/v1/completions"),
+            Some("text/plain")
+        ));
         assert!(!wants_body(None, None, None));
     }
 
@@ -150,13 +160,20 @@ mod tests {
     fn hashes_and_asks_for_a_hint() {
         let reg = registry(4);
         let cfg = FilterConfig::default();
-        let p = plan(&chat("tell me about the weather in the mountains today"), &reg, &cfg);
+        let p = plan(
+            &chat("tell me about the weather in the mountains today"),
+            &reg,
+            &cfg,
+        );
         assert_eq!(p.fallback, None);
         let hint = p.hint.unwrap();
         assert_eq!(hint.model, "tiny");
         assert_eq!(hint.hashes.len(), p.blocks);
         assert!(p.blocks > cfg.fallback_key_blocks);
-        assert_eq!(p.key.unwrap(), hex(hint.hashes[cfg.fallback_key_blocks - 1].0));
+        assert_eq!(
+            p.key.unwrap(),
+            hex(hint.hashes[cfg.fallback_key_blocks - 1].0)
+        );
     }
 
     #[test]
@@ -164,7 +181,11 @@ mod tests {
         let reg = registry(4);
         let cfg = FilterConfig::default();
         let turn1 = plan(&chat("first question about routing"), &reg, &cfg);
-        let turn2 = plan(&chat("first question about routing, and a follow-up"), &reg, &cfg);
+        let turn2 = plan(
+            &chat("first question about routing, and a follow-up"),
+            &reg,
+            &cfg,
+        );
         assert_eq!(turn1.key, turn2.key);
     }
 
@@ -172,19 +193,29 @@ mod tests {
     fn fallbacks_name_their_reason() {
         let reg = registry(16);
         let cfg = FilterConfig::default();
-        assert_eq!(plan(b"{oops", &reg, &cfg).fallback, Some(FallbackReason::BadRequest));
+        assert_eq!(
+            plan(b"{oops", &reg, &cfg).fallback,
+            Some(FallbackReason::BadRequest)
+        );
         assert_eq!(plan(b"{oops", &reg, &cfg).key, None);
         let other = br#"{"model":"other","messages":[{"role":"user","content":"x"}]}"#;
         let p = plan(other, &reg, &cfg);
         assert_eq!(p.fallback, Some(FallbackReason::NoBundle));
         assert!(p.key.is_some(), "unknown models still get a stable key");
         let short = br#"{"model":"tiny","prompt":"hi"}"#;
-        assert_eq!(plan(short, &reg, &cfg).fallback, Some(FallbackReason::NoBlocks));
+        assert_eq!(
+            plan(short, &reg, &cfg).fallback,
+            Some(FallbackReason::NoBlocks)
+        );
         let no_hints = FilterConfig {
             hints: false,
             ..FilterConfig::default()
         };
-        let p = plan(&chat("a question that is long enough to fill a block or two of tokens"), &reg, &no_hints);
+        let p = plan(
+            &chat("a question that is long enough to fill a block or two of tokens"),
+            &reg,
+            &no_hints,
+        );
         assert_eq!(p.fallback, Some(FallbackReason::HintsDisabled));
         assert!(p.hint.is_none() && p.key.is_some());
     }

@@ -1,0 +1,77 @@
+//! The HTTP API: hints for the filter, bundles, metrics and health.
+//!
+//! - `POST /v1/hint` — binary [`HintRequest`] in, JSON [`kvroute_protocol::hint::HintResponse`] out.
+//! - `GET /v1/models` — the bundle catalog; `GET /v1/models/{name}/bundle` — one bundle.
+//! - `GET /metrics` — Prometheus text; `GET /healthz` — `ok`.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use kvroute_protocol::hint::{HintRequest, HINT_PATH};
+
+use crate::metrics::label;
+use crate::state::AppState;
+
+/// The API router.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route(HINT_PATH, post(hint))
+        .route("/v1/models", get(catalog))
+        .route("/v1/models/{name}/bundle", get(bundle))
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok" }))
+        .with_state(state)
+}
+
+async fn hint(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let req = match HintRequest::decode(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            state
+                .metrics
+                .hints
+                .get_or_create(&label("result", "bad_request"))
+                .inc();
+            return (StatusCode::BAD_REQUEST, e.to_string()).into_response();
+        }
+    };
+    match state.hint(&req) {
+        Some(resp) => Json(resp).into_response(),
+        None => (
+            StatusCode::NOT_FOUND,
+            format!("unknown model {}", req.model),
+        )
+            .into_response(),
+    }
+}
+
+fn json_bytes(body: Vec<u8>) -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+async fn catalog(State(state): State<Arc<AppState>>) -> Response {
+    json_bytes(state.bundles.catalog.clone())
+}
+
+async fn bundle(State(state): State<Arc<AppState>>, Path(name): Path<String>) -> Response {
+    match state.bundles.by_model.get(&name) {
+        Some(b) => json_bytes(b.clone()),
+        None => (StatusCode::NOT_FOUND, format!("no bundle for model {name}")).into_response(),
+    }
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        state.metrics.render(),
+    )
+        .into_response()
+}

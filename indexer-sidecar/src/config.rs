@@ -1,0 +1,232 @@
+//! The sidecar's configuration file (TOML).
+//!
+//! ```toml
+//! listen = "127.0.0.1:9100"        # HTTP API (hints, bundles, metrics); loopback by default
+//! unix_socket = "/run/kvroute.sock" # optional: the same API on a Unix socket
+//!
+//! [nats]                            # Dynamo KV events; omit the section to disable
+//! url = "nats://127.0.0.1:4222"
+//! subjects = ["namespace.*.component.*.kv-events", "namespace.*.component.*.endpoint.*.kv-events"]
+//!
+//! [[models]]
+//! name = "tiny-llama"               # the request's `model`
+//! dir = "examples/models/tiny-llama" # tokenizer.json, tokenizer_config.json, chat_template.jinja
+//! block_size = 16                   # must equal the engines' KV block size
+//!
+//! [[workers]]
+//! address = "127.0.0.1:8001"        # as in Envoy's `workers` cluster
+//! model = "tiny-llama"
+//! dynamo_worker_id = 1001           # the worker_id in its KV events
+//!
+//! [routing]
+//! min_matched_blocks = 1            # a shorter match is not worth a hint
+//! max_hinted_workers = 3            # length of the override_host list (retries go down it)
+//! ```
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context as _};
+use serde::Deserialize;
+
+/// The whole configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// TCP address of the HTTP API.
+    #[serde(default = "default_listen")]
+    pub listen: SocketAddr,
+    /// Optional Unix socket serving the same API.
+    #[serde(default)]
+    pub unix_socket: Option<PathBuf>,
+    /// Dynamo event plane on NATS.
+    #[serde(default)]
+    pub nats: Option<NatsConfig>,
+    /// Served models.
+    #[serde(default)]
+    pub models: Vec<ModelConfig>,
+    /// Workers (engines) that may be hinted.
+    #[serde(default)]
+    pub workers: Vec<WorkerConfig>,
+    /// Hint policy knobs.
+    #[serde(default)]
+    pub routing: RoutingConfig,
+}
+
+fn default_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 9100))
+}
+
+/// Where Dynamo KV events come from.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NatsConfig {
+    /// NATS server URL.
+    pub url: String,
+    /// Subjects to subscribe to (wildcards allowed).
+    #[serde(default = "default_subjects")]
+    pub subjects: Vec<String>,
+}
+
+/// Both Dynamo subject layouts, any namespace and component.
+pub fn default_subjects() -> Vec<String> {
+    vec![
+        "namespace.*.component.*.kv-events".into(),
+        "namespace.*.component.*.endpoint.*.kv-events".into(),
+    ]
+}
+
+/// One served model.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// Model name, as requests send it.
+    pub name: String,
+    /// HF-style directory with tokenizer.json (relative paths are relative to the config file).
+    pub dir: PathBuf,
+    /// KV block size of the engines serving it.
+    pub block_size: u32,
+}
+
+/// One worker.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerConfig {
+    /// `ip:port` exactly as in Envoy's cluster (override_host matches on it).
+    pub address: String,
+    /// The model it serves.
+    pub model: String,
+    /// Its Dynamo instance id (the `worker_id` of its KV events).
+    #[serde(default)]
+    pub dynamo_worker_id: Option<u64>,
+}
+
+/// Hint policy knobs.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RoutingConfig {
+    /// Matches shorter than this many blocks give no hint (use the fallback).
+    pub min_matched_blocks: u32,
+    /// At most this many workers in a hint (Envoy retries go down the list).
+    pub max_hinted_workers: usize,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        RoutingConfig {
+            min_matched_blocks: 1,
+            max_hinted_workers: 3,
+        }
+    }
+}
+
+impl Config {
+    /// Read and check a configuration file; relative model dirs resolve against its folder.
+    pub fn load(path: &Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading config {}", path.display()))?;
+        let mut config: Config =
+            toml::from_str(&text).with_context(|| format!("parsing config {}", path.display()))?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        for m in &mut config.models {
+            if m.dir.is_relative() {
+                m.dir = base.join(&m.dir);
+            }
+        }
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Reject configurations that could only route wrongly.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        let mut names = std::collections::HashSet::new();
+        for m in &self.models {
+            if m.block_size == 0 {
+                bail!("model {}: block_size must be positive", m.name);
+            }
+            if !names.insert(m.name.as_str()) {
+                bail!("model {} is configured twice", m.name);
+            }
+        }
+        let mut addresses = std::collections::HashSet::new();
+        let mut ids = std::collections::HashSet::new();
+        for w in &self.workers {
+            if !names.contains(w.model.as_str()) {
+                bail!(
+                    "worker {} serves model {}, which is not configured",
+                    w.address,
+                    w.model
+                );
+            }
+            if w.address.parse::<SocketAddr>().is_err() {
+                bail!("worker address {} is not ip:port", w.address);
+            }
+            if !addresses.insert(w.address.as_str()) {
+                bail!("worker {} is configured twice", w.address);
+            }
+            if let Some(id) = w.dynamo_worker_id {
+                if !ids.insert(id) {
+                    bail!("dynamo_worker_id {id} is configured twice");
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EXAMPLE: &str = r#"
+listen = "127.0.0.1:9200"
+[nats]
+url = "nats://127.0.0.1:4222"
+[[models]]
+name = "tiny"
+dir = "models/tiny"
+block_size = 16
+[[workers]]
+address = "127.0.0.1:8001"
+model = "tiny"
+dynamo_worker_id = 18446744073709551615
+"#;
+
+    #[test]
+    fn parses_and_resolves_dirs() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sidecar.toml");
+        std::fs::write(&path, EXAMPLE).unwrap();
+        let c = Config::load(&path).unwrap();
+        assert_eq!(c.listen.port(), 9200);
+        assert_eq!(c.nats.unwrap().subjects, default_subjects());
+        assert_eq!(c.models[0].dir, dir.path().join("models/tiny"));
+        assert_eq!(c.workers[0].dynamo_worker_id, Some(u64::MAX));
+        assert_eq!(c.routing.max_hinted_workers, 3);
+    }
+
+    #[test]
+    fn rejects_inconsistent_configs() {
+        for (bad, why) in [
+            (
+                EXAMPLE.replace("block_size = 16", "block_size = 0"),
+                "block_size",
+            ),
+            (
+                EXAMPLE.replace("model = \"tiny\"", "model = \"other\""),
+                "not configured",
+            ),
+            (EXAMPLE.replace("127.0.0.1:8001", "localhost"), "ip:port"),
+            (
+                EXAMPLE.replace("[nats]", "[nats]\nurll = 1"),
+                "unknown field",
+            ),
+        ] {
+            let err = toml::from_str::<Config>(&bad)
+                .map_err(anyhow::Error::from)
+                .and_then(|c| c.validate())
+                .unwrap_err();
+            assert!(format!("{err:#}").contains(why), "{why}: {err:#}");
+        }
+    }
+}

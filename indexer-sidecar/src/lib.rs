@@ -1,0 +1,25 @@
+//! kvroute-sidecar: knows which worker holds which KV blocks, and answers the filter's hints.
+//!
+//! - [`config`]: the TOML configuration (models, workers, event sources, listen address).
+//! - [`registry`]: the workers: dense [`WorkerId`]s, addresses, Dynamo instance ids, models.
+//! - [`event`]: [`KvEvent`], the source-independent form of an engine's cache event.
+//! - [`index`]: [`RadixIndex`], prefix → workers holding it, fed by events, queried by hints.
+//! - [`router`]: turns index matches into an ordered list of worker addresses.
+//! - [`sources`]: transports that produce events (NATS for Dynamo).
+//! - [`metrics`]: the Prometheus metrics served on `/metrics`.
+//! - [`api`]: the HTTP API (`/v1/hint`, bundles, `/metrics`, `/healthz`).
+//! - [`state`]: everything above, shared by the API and the sources.
+
+pub mod api;
+pub mod config;
+pub mod event;
+pub mod index;
+pub mod metrics;
+pub mod registry;
+pub mod router;
+pub mod sources;
+pub mod state;
+
+pub use event::KvEvent;
+pub use index::RadixIndex;
+pub use registry::WorkerId;

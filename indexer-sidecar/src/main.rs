@@ -1,0 +1,89 @@
+//! `kvroute-sidecar`: the native sidecar binary.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use kvroute_sidecar::config::Config;
+use kvroute_sidecar::state::AppState;
+use kvroute_sidecar::{api, sources};
+
+#[derive(Parser)]
+#[command(
+    version,
+    about = "kvroute sidecar: KV-event indexer and routing-hint server"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Index KV events and serve hints, bundles and metrics.
+    Serve {
+        /// Configuration file (TOML).
+        #[arg(long, short)]
+        config: PathBuf,
+        /// Override `listen` from the configuration.
+        #[arg(long)]
+        listen: Option<std::net::SocketAddr>,
+    },
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    match Cli::parse().command {
+        Command::Serve { config, listen } => {
+            let mut config = Config::load(&config)?;
+            if let Some(listen) = listen {
+                config.listen = listen;
+            }
+            serve(config).await
+        }
+    }
+}
+
+async fn serve(config: Config) -> anyhow::Result<()> {
+    let state = Arc::new(AppState::from_config(&config)?);
+    tracing::info!(
+        models = config.models.len(),
+        workers = config.workers.len(),
+        "bundles loaded"
+    );
+    let app = api::router(state.clone());
+    let tcp = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("binding {}", config.listen))?;
+    tracing::info!(listen = %tcp.local_addr()?, "serving the hint API");
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn(async move {
+        axum::serve(tcp, app.clone())
+            .await
+            .map_err(anyhow::Error::from)
+    });
+    if let Some(path) = &config.unix_socket {
+        let _ = std::fs::remove_file(path);
+        let uds = tokio::net::UnixListener::bind(path)
+            .with_context(|| format!("binding unix socket {}", path.display()))?;
+        tracing::info!(socket = %path.display(), "serving the hint API on a Unix socket");
+        let app = api::router(state.clone());
+        tasks.spawn(async move { axum::serve(uds, app).await.map_err(anyhow::Error::from) });
+    }
+    if let Some(nats) = config.nats.clone() {
+        let state = state.clone();
+        tasks.spawn(sources::nats::run(nats, state));
+    } else {
+        tracing::warn!("no [nats] section: no KV events will arrive, hints will stay empty");
+    }
+    tokio::select! {
+        Some(done) = tasks.join_next() => done?.context("a sidecar task stopped"),
+        _ = tokio::signal::ctrl_c() => Ok(()),
+    }
+}

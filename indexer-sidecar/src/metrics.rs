@@ -1,0 +1,107 @@
+//! Prometheus metrics of the sidecar, served as text on `/metrics`.
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+type Labels = Vec<(&'static str, String)>;
+
+/// Every metric the sidecar exports.
+pub struct Metrics {
+    registry: Registry,
+    /// Hint requests by result (`hinted`, `no_match`, `unknown_model`, `bad_request`).
+    pub hints: Family<Labels, Counter>,
+    /// Sum of matched blocks over hinted requests.
+    pub hint_matched_blocks: Counter,
+    /// Blocks the index holds per worker.
+    pub index_blocks: Family<Labels, Gauge>,
+    /// Events applied, by subject (or endpoint) and type.
+    pub events: Family<Labels, Counter>,
+    /// Messages that did not decode, by source.
+    pub decode_errors: Family<Labels, Counter>,
+    /// Array elements of a message that were not events we know, by source.
+    pub skipped_events: Family<Labels, Counter>,
+    /// Events from a worker id that is not configured.
+    pub unknown_worker_events: Family<Labels, Counter>,
+    /// Stores whose parent block was unknown, by worker.
+    pub orphan_stores: Family<Labels, Counter>,
+    /// Removals of blocks the index did not hold.
+    pub unknown_removals: Counter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut m = Metrics {
+            registry: Registry::with_prefix("kvroute"),
+            hints: Family::default(),
+            hint_matched_blocks: Counter::default(),
+            index_blocks: Family::default(),
+            events: Family::default(),
+            decode_errors: Family::default(),
+            skipped_events: Family::default(),
+            unknown_worker_events: Family::default(),
+            orphan_stores: Family::default(),
+            unknown_removals: Counter::default(),
+        };
+        m.registry
+            .register("hints", "Hint requests by result", m.hints.clone());
+        m.registry.register(
+            "hint_matched_blocks",
+            "Matched blocks summed over hinted requests",
+            m.hint_matched_blocks.clone(),
+        );
+        m.registry.register(
+            "index_blocks",
+            "Blocks indexed per worker",
+            m.index_blocks.clone(),
+        );
+        m.registry.register(
+            "events",
+            "KV events applied by subject and type",
+            m.events.clone(),
+        );
+        m.registry.register(
+            "decode_errors",
+            "Messages that did not decode",
+            m.decode_errors.clone(),
+        );
+        m.registry.register(
+            "skipped_events",
+            "Elements of a message that were not known events",
+            m.skipped_events.clone(),
+        );
+        m.registry.register(
+            "unknown_worker_events",
+            "Events from workers not in the configuration",
+            m.unknown_worker_events.clone(),
+        );
+        m.registry.register(
+            "orphan_stores",
+            "Stored events whose parent block is unknown",
+            m.orphan_stores.clone(),
+        );
+        m.registry.register(
+            "unknown_removals",
+            "Removed blocks the index did not hold",
+            m.unknown_removals.clone(),
+        );
+        m
+    }
+}
+
+impl Metrics {
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// One label pair, for the families above.
+pub fn label(key: &'static str, value: impl Into<String>) -> Labels {
+    vec![(key, value.into())]
+}

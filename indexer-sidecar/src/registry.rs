@@ -1,0 +1,66 @@
+//! The workers the sidecar may hint: dense ids, addresses and how events name them.
+
+use std::collections::HashMap;
+
+use crate::config::WorkerConfig;
+
+/// Dense index of a worker in the [`WorkerRegistry`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkerId(pub u32);
+
+/// One worker.
+#[derive(Debug, Clone)]
+pub struct Worker {
+    /// Its dense id.
+    pub id: WorkerId,
+    /// `ip:port`, as Envoy's override_host expects it.
+    pub address: String,
+    /// The model it serves.
+    pub model: String,
+    /// Its Dynamo instance id, if it publishes Dynamo events.
+    pub dynamo_worker_id: Option<u64>,
+}
+
+/// All configured workers.
+#[derive(Debug, Default)]
+pub struct WorkerRegistry {
+    workers: Vec<Worker>,
+    by_dynamo_id: HashMap<u64, WorkerId>,
+}
+
+impl WorkerRegistry {
+    /// Build from the configuration (already validated: addresses and ids are unique).
+    pub fn new(configs: &[WorkerConfig]) -> Self {
+        let mut reg = WorkerRegistry::default();
+        for (i, c) in configs.iter().enumerate() {
+            let id = WorkerId(i as u32);
+            if let Some(d) = c.dynamo_worker_id {
+                reg.by_dynamo_id.insert(d, id);
+            }
+            reg.workers.push(Worker {
+                id,
+                address: c.address.clone(),
+                model: c.model.clone(),
+                dynamo_worker_id: c.dynamo_worker_id,
+            });
+        }
+        reg
+    }
+
+    /// The worker with this id.
+    pub fn get(&self, id: WorkerId) -> Option<&Worker> {
+        self.workers.get(id.0 as usize)
+    }
+
+    /// The worker whose Dynamo events carry this `worker_id`.
+    pub fn by_dynamo_id(&self, dynamo_id: u64) -> Option<&Worker> {
+        self.by_dynamo_id
+            .get(&dynamo_id)
+            .and_then(|&id| self.get(id))
+    }
+
+    /// Every worker.
+    pub fn iter(&self) -> impl Iterator<Item = &Worker> {
+        self.workers.iter()
+    }
+}

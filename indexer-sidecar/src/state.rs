@@ -1,0 +1,167 @@
+//! [`AppState`]: the registry, the per-model indexes, the bundles and the metrics, shared by the
+//! HTTP API and the event sources.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::RwLock;
+
+use anyhow::Context as _;
+use kvroute_protocol::bundle::{Catalog, CatalogEntry};
+use kvroute_protocol::dynamo::RouterEvent;
+use kvroute_protocol::hint::{HintRequest, HintResponse};
+
+use crate::config::{Config, RoutingConfig};
+use crate::event::KvEvent;
+use crate::index::RadixIndex;
+use crate::metrics::{label, Metrics};
+use crate::registry::{WorkerId, WorkerRegistry};
+use crate::router;
+
+/// Model bundles, serialized once at start.
+#[derive(Default)]
+pub struct Bundles {
+    /// `GET /v1/models` body.
+    pub catalog: Vec<u8>,
+    /// `GET /v1/models/{name}/bundle` bodies.
+    pub by_model: HashMap<String, Vec<u8>>,
+}
+
+/// Everything the sidecar knows.
+pub struct AppState {
+    /// The workers.
+    pub registry: WorkerRegistry,
+    /// One index per model.
+    pub indexes: RwLock<HashMap<String, RadixIndex>>,
+    /// Bundles served to filters.
+    pub bundles: Bundles,
+    /// Hint policy.
+    pub routing: RoutingConfig,
+    /// Metrics.
+    pub metrics: Metrics,
+    rotation: AtomicU64,
+}
+
+impl AppState {
+    /// Build from a configuration, loading every model's bundle (fails on a bundle that the
+    /// filter could not load, naming the model).
+    pub fn from_config(config: &Config) -> anyhow::Result<Self> {
+        let mut bundles = Bundles::default();
+        let mut catalog = Catalog::default();
+        for m in &config.models {
+            let bundle = kvroute_prompt::model_dir::load_bundle(&m.dir, &m.name, m.block_size)
+                .with_context(|| format!("model {} ({})", m.name, m.dir.display()))?;
+            catalog.models.push(CatalogEntry {
+                model: m.name.clone(),
+                version: bundle.version.clone(),
+            });
+            bundles
+                .by_model
+                .insert(m.name.clone(), serde_json::to_vec(&bundle)?);
+        }
+        bundles.catalog = serde_json::to_vec(&catalog)?;
+        let state = AppState {
+            registry: WorkerRegistry::new(&config.workers),
+            indexes: RwLock::new(
+                config
+                    .models
+                    .iter()
+                    .map(|m| (m.name.clone(), RadixIndex::default()))
+                    .collect(),
+            ),
+            bundles,
+            routing: config.routing.clone(),
+            metrics: Metrics::default(),
+            rotation: AtomicU64::new(0),
+        };
+        for w in state.registry.iter() {
+            state
+                .metrics
+                .index_blocks
+                .get_or_create(&label("worker", w.address.clone()))
+                .set(0);
+        }
+        Ok(state)
+    }
+
+    /// Apply one Dynamo event received on `subject`.
+    pub fn apply_dynamo(&self, subject: &str, event: &RouterEvent) {
+        let Some(worker) = self.registry.by_dynamo_id(event.worker_id) else {
+            self.metrics
+                .unknown_worker_events
+                .get_or_create(&label("worker_id", event.worker_id.to_string()))
+                .inc();
+            return;
+        };
+        let (id, model) = (worker.id, worker.model.clone());
+        let kv = KvEvent::from_dynamo(event);
+        self.metrics
+            .events
+            .get_or_create(&vec![
+                ("subject", subject.to_owned()),
+                ("type", kv.kind.label().to_owned()),
+            ])
+            .inc();
+        self.apply(id, &model, &kv);
+    }
+
+    /// Apply an event of a known worker to its model's index.
+    pub fn apply(&self, worker: WorkerId, model: &str, event: &KvEvent) {
+        let mut indexes = self.indexes.write().unwrap_or_else(|e| e.into_inner());
+        let Some(index) = indexes.get_mut(model) else {
+            return;
+        };
+        let out = index.apply(worker, event);
+        let held = index.blocks_of(worker);
+        drop(indexes);
+        let address = self
+            .registry
+            .get(worker)
+            .map(|w| w.address.clone())
+            .unwrap_or_default();
+        if out.orphan {
+            tracing::debug!(worker = %address, "stored event with unknown parent dropped");
+            self.metrics
+                .orphan_stores
+                .get_or_create(&label("worker", address.clone()))
+                .inc();
+        }
+        if out.unknown_removals > 0 {
+            self.metrics
+                .unknown_removals
+                .inc_by(out.unknown_removals as u64);
+        }
+        self.metrics
+            .index_blocks
+            .get_or_create(&label("worker", address))
+            .set(held as i64);
+    }
+
+    /// Answer a hint request.
+    pub fn hint(&self, req: &HintRequest) -> Option<HintResponse> {
+        let indexes = self.indexes.read().unwrap_or_else(|e| e.into_inner());
+        let Some(index) = indexes.get(&req.model) else {
+            self.metrics
+                .hints
+                .get_or_create(&label("result", "unknown_model"))
+                .inc();
+            return None;
+        };
+        let matches = index.find_matches(&req.hashes);
+        drop(indexes);
+        let rotation = self.rotation.fetch_add(1, Ordering::Relaxed);
+        let resp = router::choose(&matches, &self.registry, &self.routing, rotation);
+        let result = if resp.workers.is_empty() {
+            "no_match"
+        } else {
+            self.metrics
+                .hint_matched_blocks
+                .inc_by(u64::from(resp.matched_blocks));
+            "hinted"
+        };
+        self.metrics
+            .hints
+            .get_or_create(&label("result", result))
+            .inc();
+        Some(resp)
+    }
+}
