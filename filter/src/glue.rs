@@ -325,8 +325,7 @@ impl HttpContext for Request {
     fn on_http_request_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
         let method = self.header(":method");
         let path = self.header(":path");
-        let content_type = self.header("content-type");
-        if !wants_body(method.as_deref(), path.as_deref(), content_type.as_deref()) {
+        if !wants_body(method.as_deref(), path.as_deref()) {
             return Action::Continue;
         }
         let (worker_header, key_header, max) = {

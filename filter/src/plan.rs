@@ -13,12 +13,13 @@ use crate::models::ModelRegistry;
 pub const ROUTED_PATHS: [&str; 2] = ["/v1/chat/completions", "/v1/completions"];
 
 /// Whether the request headers describe a routable LLM request whose body should be read.
-pub fn wants_body(method: Option<&str>, path: Option<&str>, content_type: Option<&str>) -> bool {
+///
+/// The content type is not checked: clients (curl -d among them) often send JSON labelled as a
+/// form, and engines parse it anyway; a body that is not JSON falls back like any bad body.
+pub fn wants_body(method: Option<&str>, path: Option<&str>) -> bool {
     let path = path.unwrap_or_default();
     let path = path.split_once('?').map_or(path, |(p, _)| p);
-    method == Some("POST")
-        && ROUTED_PATHS.contains(&path)
-        && content_type.is_none_or(|ct| ct.to_ascii_lowercase().contains("json"))
+    method == Some("POST") && ROUTED_PATHS.contains(&path)
 }
 
 /// What to do with a complete body.
@@ -101,8 +102,7 @@ fn text_key(req: &LlmRequest) -> String {
             }
         }
         PromptInput::Text(text) => {
-            let end = text.floor_char_boundary(4096);
-            h.update(text[..end].as_bytes());
+            h.update(&text.as_bytes()[..text.len().min(4096)]);
         }
         PromptInput::TokenIds(ids) => {
             for t in ids.iter().take(1024) {
@@ -140,20 +140,15 @@ mod tests {
 
     #[test]
     fn headers_select_llm_posts_only() {
-        assert!(wants_body(Some("POST"), Some("/v1/chat/completions"), None));
-        assert!(wants_body(
-            Some("POST"),
-            Some("/v1/completions?x=1"),
-            Some("application/json; charset=utf-8")
-        ));
-        assert!(!wants_body(Some("GET"), Some("/v1/chat/completions"), None));
-        assert!(!wants_body(Some("POST"), Some("/v1/embeddings"), None));
+        assert!(wants_body(Some("POST"), Some("/v1/chat/completions")));
+        assert!(wants_body(Some("POST"), Some("/v1/completions?x=1")));
+        assert!(!wants_body(Some("GET"), Some("/v1/chat/completions")));
+        assert!(!wants_body(Some("POST"), Some("/v1/embeddings")));
         assert!(!wants_body(
             Some("POST"),
-            Some("/v1/completions"),
-            Some("text/plain")
+            Some("/v1/chat/completions/extra")
         ));
-        assert!(!wants_body(None, None, None));
+        assert!(!wants_body(None, None));
     }
 
     #[test]

@@ -1,0 +1,136 @@
+//! Sending requests the way a client would, and measuring what it sees.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use indicatif::ProgressBar;
+use serde_json::Value;
+
+use crate::workload::ChatWorkload;
+
+/// Response header naming the simulated engine that served a request.
+pub const ENGINE_HEADER: &str = "x-sim-engine";
+
+/// What one request saw.
+#[derive(Debug, Clone, Default)]
+pub struct Outcome {
+    /// HTTP status (0: no response).
+    pub status: u16,
+    /// Transport or protocol error, if any.
+    pub error: Option<String>,
+    /// Time to the first streamed chunk.
+    pub ttft: Duration,
+    /// Prompt tokens, as the engine counted them.
+    pub prompt_tokens: u64,
+    /// Prompt tokens served from the engine's prefix cache.
+    pub cached_tokens: u64,
+    /// Index of the engine that served it.
+    pub engine: Option<usize>,
+}
+
+impl Outcome {
+    /// Whether the request succeeded.
+    pub fn ok(&self) -> bool {
+        self.status == 200 && self.error.is_none()
+    }
+}
+
+/// Send one request streaming (`stream: true` with usage) and measure it.
+pub async fn send_streaming(http: &reqwest::Client, url: &str, body: &Value) -> Outcome {
+    let mut body = body.clone();
+    body["stream"] = Value::Bool(true);
+    body["stream_options"] = serde_json::json!({"include_usage": true});
+    let start = Instant::now();
+    let mut out = Outcome::default();
+    let resp = match http
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+    {
+        Ok(r) => r,
+        Err(e) => {
+            out.error = Some(e.to_string());
+            return out;
+        }
+    };
+    out.status = resp.status().as_u16();
+    out.engine = resp
+        .headers()
+        .get(ENGINE_HEADER)
+        .and_then(|v| v.to_str().ok()?.parse().ok());
+    let mut text = Vec::new();
+    let mut stream = resp.bytes_stream();
+    let mut first = true;
+    while let Some(chunk) = stream.next().await {
+        match chunk {
+            Ok(bytes) => {
+                if first {
+                    out.ttft = start.elapsed();
+                    first = false;
+                }
+                text.extend_from_slice(&bytes);
+            }
+            Err(e) => {
+                out.error = Some(e.to_string());
+                return out;
+            }
+        }
+    }
+    let text = String::from_utf8_lossy(&text);
+    for line in text.lines() {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        let Ok(v) = serde_json::from_str::<Value>(data) else {
+            continue;
+        };
+        if let Some(usage) = v.get("usage").filter(|u| !u.is_null()) {
+            out.prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0);
+            out.cached_tokens = usage
+                .pointer("/prompt_tokens_details/cached_tokens")
+                .and_then(Value::as_u64)
+                .unwrap_or(0);
+        }
+    }
+    if out.status == 200 && out.prompt_tokens == 0 {
+        out.error = Some("no usage in the stream".into());
+    }
+    out
+}
+
+/// Run every conversation of `workload` against `base_url`, `concurrency` conversations at a
+/// time, each conversation's turns in order. Outcomes come back in completion order.
+pub async fn run_chat(
+    http: &reqwest::Client,
+    base_url: &str,
+    model: &str,
+    workload: &ChatWorkload,
+    concurrency: usize,
+    progress: &ProgressBar,
+) -> Vec<Outcome> {
+    let url = format!("{base_url}/v1/chat/completions");
+    let next = Mutex::new(0usize);
+    let outcomes = Mutex::new(Vec::with_capacity(workload.requests()));
+    let worker = || async {
+        loop {
+            let conv = {
+                let mut n = next.lock().unwrap_or_else(|e| e.into_inner());
+                if *n >= workload.conversations.len() {
+                    return;
+                }
+                *n += 1;
+                *n - 1
+            };
+            for turn in 0..workload.conversations[conv].user_turns.len() {
+                let o = send_streaming(http, &url, &workload.body(model, conv, turn)).await;
+                outcomes.lock().unwrap_or_else(|e| e.into_inner()).push(o);
+                progress.inc(1);
+            }
+        }
+    };
+    futures::future::join_all((0..concurrency.max(1)).map(|_| worker())).await;
+    outcomes.into_inner().unwrap_or_else(|e| e.into_inner())
+}

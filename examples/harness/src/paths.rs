@@ -1,0 +1,60 @@
+//! Where things are: the workspace, its release binaries, the `.venv`, run directories.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use anyhow::{bail, Result};
+
+/// The workspace root.
+pub fn workspace() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn existing(path: PathBuf, hint: &str) -> Result<PathBuf> {
+    if path.exists() {
+        Ok(path)
+    } else {
+        bail!("{} not found ({hint})", path.display())
+    }
+}
+
+/// A release binary of this workspace (`KVROUTE_BIN_DIR` overrides `target/release`).
+pub fn binary(name: &str) -> Result<PathBuf> {
+    let dir = std::env::var_os("KVROUTE_BIN_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace().join("target/release"));
+    existing(dir.join(name), "run `make build` first")
+}
+
+/// A tool from the project's venv (`KVROUTE_VENV` overrides `.venv`): `envoy`, `nats-server`.
+pub fn venv_tool(name: &str) -> Result<PathBuf> {
+    let venv = std::env::var_os("KVROUTE_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace().join(".venv"));
+    existing(venv.join("bin").join(name), "run `make venv` first")
+}
+
+/// The filter's wasm module.
+pub fn filter_wasm() -> Result<PathBuf> {
+    existing(
+        workspace().join("target/wasm32-wasip1/release/kvroute_filter.wasm"),
+        "run `make build` first",
+    )
+}
+
+/// The demo model directory.
+pub fn model_dir() -> PathBuf {
+    workspace().join("examples/models/tiny-llama")
+}
+
+/// A fresh directory for one stack's configs and logs: `target/e2e/<name>-<pid>-<n>`.
+pub fn run_dir(name: &str) -> Result<PathBuf> {
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let dir = workspace()
+        .join("target/e2e")
+        .join(format!("{name}-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}

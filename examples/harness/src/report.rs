@@ -1,0 +1,136 @@
+//! Summaries per routing mode, as a markdown table and JSON.
+
+use std::path::Path;
+
+use anyhow::Result;
+use serde::Serialize;
+use serde_json::json;
+
+use crate::client::Outcome;
+
+/// What one mode achieved on one workload.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModeReport {
+    /// Mode name.
+    pub mode: String,
+    /// Requests sent.
+    pub requests: usize,
+    /// Requests that failed.
+    pub errors: usize,
+    /// Cached prompt tokens / prompt tokens, as the engines counted them.
+    pub hit_rate: f64,
+    /// Median time to first token, ms.
+    pub ttft_p50_ms: f64,
+    /// 95th percentile time to first token, ms.
+    pub ttft_p95_ms: f64,
+    /// Requests served by each engine.
+    pub requests_per_engine: Vec<usize>,
+}
+
+/// The `q` quantile (0..=1) of `values` (nearest rank); 0 for none.
+pub fn quantile(values: &[f64], q: f64) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    v[rank - 1]
+}
+
+impl ModeReport {
+    /// Summarize the outcomes of one mode over a fleet of `engines`.
+    pub fn new(mode: &str, outcomes: &[Outcome], engines: usize) -> Self {
+        let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok()).collect();
+        let prompt: u64 = ok.iter().map(|o| o.prompt_tokens).sum();
+        let cached: u64 = ok.iter().map(|o| o.cached_tokens).sum();
+        let ttfts: Vec<f64> = ok.iter().map(|o| o.ttft.as_secs_f64() * 1000.0).collect();
+        let mut per_engine = vec![0; engines];
+        for o in &ok {
+            if let Some(slot) = o.engine.and_then(|e| per_engine.get_mut(e)) {
+                *slot += 1;
+            }
+        }
+        ModeReport {
+            mode: mode.to_owned(),
+            requests: outcomes.len(),
+            errors: outcomes.len() - ok.len(),
+            hit_rate: if prompt == 0 {
+                0.0
+            } else {
+                cached as f64 / prompt as f64
+            },
+            ttft_p50_ms: quantile(&ttfts, 0.5),
+            ttft_p95_ms: quantile(&ttfts, 0.95),
+            requests_per_engine: per_engine,
+        }
+    }
+}
+
+/// A markdown table of the reports.
+pub fn markdown(title: &str, reports: &[ModeReport]) -> String {
+    let mut out = format!(
+        "## {title}\n\n| mode | hit rate | TTFT p50 (ms) | TTFT p95 (ms) | requests | errors | requests per engine |\n|---|---|---|---|---|---|---|\n"
+    );
+    for r in reports {
+        let per: Vec<String> = r
+            .requests_per_engine
+            .iter()
+            .map(|n| n.to_string())
+            .collect();
+        out.push_str(&format!(
+            "| {} | {:.1}% | {:.1} | {:.1} | {} | {} | {} |\n",
+            r.mode,
+            r.hit_rate * 100.0,
+            r.ttft_p50_ms,
+            r.ttft_p95_ms,
+            r.requests,
+            r.errors,
+            per.join(" / ")
+        ));
+    }
+    out
+}
+
+/// Write `report.md` and `report.json` (`{"modes": {"<mode>": {...}}}`) into `dir`.
+pub fn write(dir: &Path, title: &str, reports: &[ModeReport]) -> Result<()> {
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(dir.join("report.md"), markdown(title, reports))?;
+    let modes: serde_json::Map<String, serde_json::Value> = reports
+        .iter()
+        .map(|r| (r.mode.clone(), serde_json::to_value(r).unwrap_or_default()))
+        .collect();
+    let doc = json!({"title": title, "modes": modes});
+    std::fs::write(dir.join("report.json"), serde_json::to_string_pretty(&doc)?)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn quantiles_and_summary() {
+        assert_eq!(quantile(&[], 0.5), 0.0);
+        assert_eq!(quantile(&[3.0, 1.0, 2.0], 0.5), 2.0);
+        assert_eq!(quantile(&[1.0, 2.0, 3.0, 4.0], 0.95), 4.0);
+        let o = |cached, engine| Outcome {
+            status: 200,
+            ttft: Duration::from_millis(10),
+            prompt_tokens: 100,
+            cached_tokens: cached,
+            engine: Some(engine),
+            ..Outcome::default()
+        };
+        let failed = Outcome {
+            status: 503,
+            ..Outcome::default()
+        };
+        let r = ModeReport::new("x", &[o(50, 0), o(100, 1), failed], 2);
+        assert_eq!((r.requests, r.errors), (3, 1));
+        assert!((r.hit_rate - 0.75).abs() < 1e-9);
+        assert_eq!(r.requests_per_engine, vec![1, 1]);
+        assert!(markdown("t", &[r]).contains("| x | 75.0% |"));
+    }
+}

@@ -1,0 +1,383 @@
+//! A whole fleet for one routing mode: NATS, simulated engines, the sidecar and Envoy.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{bail, Context as _, Result};
+use serde::Deserialize;
+
+use crate::paths;
+use crate::process::{free_port, wait_for, Process};
+
+/// The model name the demo fleet serves.
+pub const MODEL: &str = "tiny-llama";
+
+/// How Envoy routes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// The kvroute filter with sidecar hints, ring hash as fallback.
+    Kvroute,
+    /// The kvroute filter setting only the fallback key: Envoy's ring hash alone.
+    RingHash,
+    /// Plain Envoy round robin, no filter.
+    RoundRobin,
+}
+
+impl Mode {
+    /// Name used in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Kvroute => "kvroute",
+            Mode::RingHash => "ring_hash",
+            Mode::RoundRobin => "round_robin",
+        }
+    }
+}
+
+/// Settings of the simulated engines.
+#[derive(Debug, Clone)]
+pub struct SimOptions {
+    /// Number of engines.
+    pub engines: usize,
+    /// KV block size.
+    pub block_size: u32,
+    /// Cache capacity per engine, in blocks.
+    pub capacity_blocks: usize,
+    /// Running requests per engine.
+    pub max_running: usize,
+    /// Fixed cost per request, µs.
+    pub base_latency_us: u64,
+    /// Prefill cost per uncached token, µs.
+    pub prefill_us_per_token: u64,
+    /// Decode cost per output token, µs.
+    pub decode_us_per_token: u64,
+    /// Default output tokens.
+    pub output_tokens: u32,
+}
+
+impl Default for SimOptions {
+    fn default() -> Self {
+        SimOptions {
+            engines: 4,
+            block_size: 16,
+            capacity_blocks: 4096,
+            max_running: 8,
+            base_latency_us: 1000,
+            prefill_us_per_token: 40,
+            decode_us_per_token: 1000,
+            output_tokens: 8,
+        }
+    }
+}
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct StackOptions {
+    /// Run-directory name.
+    pub name: String,
+    /// Routing mode.
+    pub mode: Mode,
+    /// Engines.
+    pub sim: SimOptions,
+    /// How long the filter waits for a hint.
+    pub hint_timeout_ms: u64,
+    /// Envoy worker threads.
+    pub envoy_concurrency: usize,
+}
+
+impl StackOptions {
+    /// Defaults for `mode`, with run directory `name`.
+    pub fn new(name: &str, mode: Mode) -> Self {
+        StackOptions {
+            name: name.to_owned(),
+            mode,
+            sim: SimOptions::default(),
+            hint_timeout_ms: 200,
+            envoy_concurrency: 2,
+        }
+    }
+}
+
+/// One simulated engine as the fleet reported it.
+#[derive(Debug, Clone, Deserialize)]
+pub struct EngineInfo {
+    /// Position in the fleet.
+    pub index: usize,
+    /// `127.0.0.1:port`.
+    pub address: String,
+    /// Dynamo instance id in its events.
+    pub dynamo_worker_id: u64,
+}
+
+#[derive(Deserialize)]
+struct SimReady {
+    engines: Vec<EngineInfo>,
+}
+
+/// A running fleet. Every process is killed when it is dropped.
+pub struct Stack {
+    /// Its directory (configs and logs).
+    pub dir: PathBuf,
+    /// The routing mode.
+    pub mode: Mode,
+    /// The engines.
+    pub engines: Vec<EngineInfo>,
+    /// Envoy's listener, `http://127.0.0.1:port`.
+    pub envoy_url: String,
+    /// Envoy's admin endpoint.
+    pub admin_url: String,
+    /// The sidecar's API (kvroute and ring_hash modes).
+    pub sidecar_url: Option<String>,
+    /// HTTP client for the stack's endpoints.
+    pub http: reqwest::Client,
+    processes: Vec<Process>,
+}
+
+impl Stack {
+    /// Start NATS, the engines, the sidecar (unless round robin) and Envoy; wait until each is
+    /// ready and, for the filter modes, until every Envoy VM has loaded the model bundle.
+    pub async fn start(opts: StackOptions) -> Result<Stack> {
+        let dir = paths::run_dir(&opts.name)?;
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(60))
+            .build()?;
+        let mut processes = Vec::new();
+
+        let nats_port = free_port()?;
+        let mut nats = Command::new(paths::venv_tool("nats-server")?);
+        nats.args(["-a", "127.0.0.1", "-p", &nats_port.to_string()]);
+        processes.push(Process::spawn("nats", nats, &dir)?);
+        let nats_url = format!("nats://127.0.0.1:{nats_port}");
+        wait_for("nats-server", Duration::from_secs(10), || async move {
+            tokio::net::TcpStream::connect(("127.0.0.1", nats_port))
+                .await
+                .ok()
+        })
+        .await?;
+
+        let s = &opts.sim;
+        let mut sim = Command::new(paths::binary("kvroute-sim")?);
+        sim.arg("--model-dir").arg(paths::model_dir());
+        sim.args(["--model", MODEL, "--nats", &nats_url]);
+        for (flag, value) in [
+            ("--engines", s.engines.to_string()),
+            ("--block-size", s.block_size.to_string()),
+            ("--capacity-blocks", s.capacity_blocks.to_string()),
+            ("--max-running", s.max_running.to_string()),
+            ("--base-latency-us", s.base_latency_us.to_string()),
+            ("--prefill-us-per-token", s.prefill_us_per_token.to_string()),
+            ("--decode-us-per-token", s.decode_us_per_token.to_string()),
+            ("--output-tokens", s.output_tokens.to_string()),
+        ] {
+            sim.args([flag, &value]);
+        }
+        let (sim, ready) =
+            Process::spawn_until_line("sim", sim, &dir, "READY", Duration::from_secs(30))?;
+        processes.push(sim);
+        let engines = serde_json::from_str::<SimReady>(&ready)
+            .context("parsing the simulator's READY line")?
+            .engines;
+
+        let sidecar_port = free_port()?;
+        let sidecar_url = if opts.mode == Mode::RoundRobin {
+            None
+        } else {
+            let config = dir.join("sidecar.toml");
+            std::fs::write(
+                &config,
+                sidecar_config(&opts, &engines, &nats_url, sidecar_port),
+            )?;
+            let mut cmd = Command::new(paths::binary("kvroute-sidecar")?);
+            cmd.arg("serve").arg("--config").arg(&config);
+            processes.push(Process::spawn("sidecar", cmd, &dir)?);
+            let url = format!("http://127.0.0.1:{sidecar_port}");
+            let (probe, http) = (&format!("{url}/healthz"), &http);
+            wait_for("sidecar /healthz", Duration::from_secs(30), || async move {
+                http.get(probe)
+                    .send()
+                    .await
+                    .ok()
+                    .filter(|r| r.status().is_success())
+            })
+            .await?;
+            Some(url)
+        };
+
+        let (listen, admin) = (free_port()?, free_port()?);
+        let envoy_config = dir.join("envoy.yaml");
+        std::fs::write(
+            &envoy_config,
+            render_envoy(&opts, &engines, listen, admin, sidecar_port)?,
+        )?;
+        let mut envoy = Command::new(paths::venv_tool("envoy")?);
+        envoy
+            .arg("-c")
+            .arg(&envoy_config)
+            .args(["--concurrency", &opts.envoy_concurrency.to_string()])
+            .args(["--disable-hot-restart", "-l", "info"]);
+        processes.push(Process::spawn("envoy", envoy, &dir)?);
+        let admin_url = format!("http://127.0.0.1:{admin}");
+        let mut stack = Stack {
+            dir,
+            mode: opts.mode,
+            engines,
+            envoy_url: format!("http://127.0.0.1:{listen}"),
+            admin_url,
+            sidecar_url,
+            http,
+            processes,
+        };
+        let (ready, http) = (&format!("{}/ready", stack.admin_url), &stack.http);
+        let live = wait_for("envoy /ready", Duration::from_secs(60), || async move {
+            let r = http.get(ready).send().await.ok()?;
+            r.status().is_success().then_some(())
+        })
+        .await;
+        if let Err(e) = live {
+            bail!("{e}: {}", stack.log_tail("envoy"));
+        }
+        if opts.mode != Mode::RoundRobin {
+            // One VM per worker thread plus the main thread's.
+            let vms = opts.envoy_concurrency as u64 + 1;
+            let stack_ref = &stack;
+            let loaded = wait_for(
+                "every Envoy VM to load the bundle",
+                Duration::from_secs(60),
+                || async move {
+                    let n = stack_ref
+                        .envoy_stat("wasmcustom.kvroute.bundles.loaded")
+                        .await?;
+                    (n >= vms).then_some(())
+                },
+            )
+            .await;
+            if let Err(e) = loaded {
+                bail!("{e}: {}", stack.log_tail("envoy"));
+            }
+        }
+        stack.check_alive()?;
+        Ok(stack)
+    }
+
+    /// The last lines of a process's log.
+    pub fn log_tail(&self, name: &str) -> String {
+        self.processes
+            .iter()
+            .find(|p| p.name() == name)
+            .map(Process::log_tail)
+            .unwrap_or_default()
+    }
+
+    /// Fail if any process has exited.
+    pub fn check_alive(&mut self) -> Result<()> {
+        for p in &mut self.processes {
+            if !p.is_running() {
+                bail!("{} exited: {}", p.name(), p.log_tail());
+            }
+        }
+        Ok(())
+    }
+
+    /// Kill one process (`nats`, `sim`, `sidecar`, `envoy`) and forget it.
+    pub fn kill(&mut self, name: &str) {
+        self.processes.retain_mut(|p| {
+            if p.name() == name {
+                p.kill();
+                false
+            } else {
+                true
+            }
+        });
+    }
+
+    /// A counter or gauge from Envoy's `/stats`.
+    pub async fn envoy_stat(&self, name: &str) -> Option<u64> {
+        let url = format!(
+            "{}/stats?filter=^{}$",
+            self.admin_url,
+            name.replace('.', "\\.")
+        );
+        let text = self.http.get(url).send().await.ok()?.text().await.ok()?;
+        text.lines().find_map(|l| {
+            l.strip_prefix(name)?
+                .strip_prefix(": ")?
+                .trim()
+                .parse()
+                .ok()
+        })
+    }
+
+    /// The sidecar's `/metrics` text.
+    pub async fn sidecar_metrics(&self) -> Result<String> {
+        let url = self
+            .sidecar_url
+            .as_ref()
+            .context("no sidecar in this mode")?;
+        Ok(self
+            .http
+            .get(format!("{url}/metrics"))
+            .send()
+            .await?
+            .text()
+            .await?)
+    }
+}
+
+fn sidecar_config(
+    opts: &StackOptions,
+    engines: &[EngineInfo],
+    nats_url: &str,
+    port: u16,
+) -> String {
+    let mut out = format!(
+        "listen = \"127.0.0.1:{port}\"\n\n[nats]\nurl = \"{nats_url}\"\n\n[[models]]\nname = \"{MODEL}\"\ndir = \"{}\"\nblock_size = {}\n",
+        paths::model_dir().display(),
+        opts.sim.block_size
+    );
+    for e in engines {
+        out.push_str(&format!(
+            "\n[[workers]]\naddress = \"{}\"\nmodel = \"{MODEL}\"\ndynamo_worker_id = {}\n",
+            e.address, e.dynamo_worker_id
+        ));
+    }
+    out
+}
+
+/// Fill the shipped Envoy template (`envoy/kvroute.yaml` or `envoy/round-robin.yaml`).
+pub fn render_envoy(
+    opts: &StackOptions,
+    engines: &[EngineInfo],
+    listen: u16,
+    admin: u16,
+    sidecar_port: u16,
+) -> Result<String> {
+    let template = match opts.mode {
+        Mode::RoundRobin => "envoy/round-robin.yaml",
+        Mode::Kvroute | Mode::RingHash => "envoy/kvroute.yaml",
+    };
+    let text = std::fs::read_to_string(paths::workspace().join(template))?;
+    let endpoints: Vec<String> = engines
+        .iter()
+        .map(|e| {
+            let (ip, port) = e.address.rsplit_once(':').unwrap_or((&e.address, "0"));
+            format!("        - endpoint: {{ address: {{ socket_address: {{ address: {ip}, port_value: {port} }} }} }}")
+        })
+        .collect();
+    let filter_config = serde_json::json!({
+        "hints": opts.mode == Mode::Kvroute,
+        "hint_timeout_ms": opts.hint_timeout_ms,
+    });
+    let wasm = paths::filter_wasm()?;
+    let out = text
+        .replace("${ADMIN_PORT}", &admin.to_string())
+        .replace("${LISTEN_PORT}", &listen.to_string())
+        .replace("${SIDECAR_PORT}", &sidecar_port.to_string())
+        .replace("${WORKER_ENDPOINTS}", &endpoints.join("\n"))
+        .replace("${FILTER_CONFIG}", &filter_config.to_string())
+        .replace("${WASM_PATH}", &wasm.display().to_string());
+    if out.contains("${") {
+        bail!("{template} has a placeholder the harness does not fill");
+    }
+    Ok(out)
+}

@@ -1,0 +1,278 @@
+//! Deterministic workloads: multi-turn conversations behind shared system prompts.
+//!
+//! Several "apps" each have a system prompt; many users hold multi-turn conversations with one
+//! app. Each turn re-sends the whole history, so turn k+1 extends turn k's prompt — the prefix an
+//! engine can reuse if the turn lands where the previous one ran. System prompts of different
+//! lengths matter: a short one leaves the conversation's own text inside the first blocks
+//! (a fallback hash key can tell conversations apart), a long one does not.
+
+use serde_json::{json, Value};
+
+/// A small deterministic PRNG (SplitMix64): same seed, same workload, on every machine.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// Seeded generator.
+    pub fn new(seed: u64) -> Self {
+        Rng(seed)
+    }
+
+    /// Next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `lo..=hi`.
+    pub fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + (self.next_u64() % (hi - lo + 1) as u64) as usize
+    }
+}
+
+const WORDS: &[&str] = &[
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "cache",
+    "prefix",
+    "routing",
+    "model",
+    "token",
+    "block",
+    "worker",
+    "router",
+    "hello",
+    "world",
+    "please",
+    "explain",
+    "what",
+    "means",
+    "in",
+    "one",
+    "sentence",
+    "tell",
+    "me",
+    "about",
+    "kv",
+    "blocks",
+    "you",
+    "are",
+    "a",
+    "helpful",
+    "assistant",
+    "system",
+    "user",
+    "request",
+    "latency",
+    "memory",
+    "engine",
+    "prompt",
+    "answer",
+    "question",
+    "data",
+    "fleet",
+    "replica",
+    "load",
+    "balance",
+    "hash",
+    "ring",
+    "mesh",
+    "proxy",
+    "envoy",
+    "filter",
+    "sidecar",
+    "index",
+    "event",
+    "stream",
+    "server",
+    "client",
+    "time",
+    "first",
+    "second",
+    "third",
+    "again",
+    "never",
+    "always",
+    "often",
+    "with",
+    "without",
+    "before",
+    "after",
+    "under",
+    "above",
+    "between",
+    "simple",
+    "careful",
+    "short",
+    "long",
+    "fast",
+    "slow",
+    "good",
+    "better",
+    "best",
+    "small",
+    "large",
+    "many",
+    "few",
+    "every",
+    "some",
+    "other",
+    "same",
+    "write",
+    "read",
+    "send",
+    "keep",
+    "find",
+    "make",
+    "take",
+    "give",
+    "show",
+    "use",
+    "work",
+    "run",
+];
+
+fn words(rng: &mut Rng, n: usize) -> String {
+    let mut out = String::new();
+    for i in 0..n {
+        if i > 0 {
+            out.push(' ');
+        }
+        out.push_str(WORDS[(rng.next_u64() % WORDS.len() as u64) as usize]);
+    }
+    out
+}
+
+/// Shape of a multi-turn chat workload.
+#[derive(Debug, Clone)]
+pub struct ChatSpec {
+    /// Seed of the generator.
+    pub seed: u64,
+    /// Length in words of each app's system prompt (one app per entry).
+    pub system_prompt_words: Vec<usize>,
+    /// Conversations (users); conversation i talks to app i mod apps.
+    pub conversations: usize,
+    /// Turns per conversation.
+    pub turns: usize,
+    /// Words per user message, min and max.
+    pub user_words: (usize, usize),
+    /// Words per assistant reply carried in the history, min and max.
+    pub reply_words: (usize, usize),
+    /// `max_tokens` of each request.
+    pub max_tokens: u32,
+}
+
+impl ChatSpec {
+    /// The demo's workload: four apps (two short system prompts, two long ones), 64 users,
+    /// four turns each.
+    pub fn demo() -> Self {
+        ChatSpec {
+            seed: 42,
+            system_prompt_words: vec![20, 40, 180, 300],
+            conversations: 64,
+            turns: 4,
+            user_words: (20, 50),
+            reply_words: (15, 40),
+            max_tokens: 8,
+        }
+    }
+}
+
+/// One user's conversation.
+#[derive(Debug, Clone)]
+pub struct Conversation {
+    /// Which system prompt.
+    pub app: usize,
+    /// The user's messages, one per turn.
+    pub user_turns: Vec<String>,
+    /// The assistant's replies, as the client keeps them in the history.
+    pub replies: Vec<String>,
+}
+
+/// A generated chat workload.
+#[derive(Debug, Clone)]
+pub struct ChatWorkload {
+    /// System prompt of each app.
+    pub system_prompts: Vec<String>,
+    /// The conversations.
+    pub conversations: Vec<Conversation>,
+    /// `max_tokens` of each request.
+    pub max_tokens: u32,
+}
+
+impl ChatWorkload {
+    /// Generate from a spec (deterministic).
+    pub fn generate(spec: &ChatSpec) -> Self {
+        let mut rng = Rng::new(spec.seed);
+        let system_prompts = spec
+            .system_prompt_words
+            .iter()
+            .map(|&n| words(&mut rng, n))
+            .collect::<Vec<_>>();
+        let apps = system_prompts.len().max(1);
+        let conversations = (0..spec.conversations)
+            .map(|i| {
+                let mut turn = |(lo, hi): (usize, usize)| {
+                    let n = rng.range(lo, hi);
+                    words(&mut rng, n)
+                };
+                let user_turns = (0..spec.turns).map(|_| turn(spec.user_words)).collect();
+                let replies = (0..spec.turns).map(|_| turn(spec.reply_words)).collect();
+                Conversation {
+                    app: i % apps,
+                    user_turns,
+                    replies,
+                }
+            })
+            .collect();
+        ChatWorkload {
+            system_prompts,
+            conversations,
+            max_tokens: spec.max_tokens,
+        }
+    }
+
+    /// Total requests (conversations × turns).
+    pub fn requests(&self) -> usize {
+        self.conversations.iter().map(|c| c.user_turns.len()).sum()
+    }
+
+    /// The chat request of conversation `conv` at `turn` (0-based), for `model`.
+    pub fn body(&self, model: &str, conv: usize, turn: usize) -> Value {
+        let c = &self.conversations[conv];
+        let mut messages = vec![json!({"role": "system", "content": self.system_prompts[c.app]})];
+        for t in 0..turn {
+            messages.push(json!({"role": "user", "content": c.user_turns[t]}));
+            messages.push(json!({"role": "assistant", "content": c.replies[t]}));
+        }
+        messages.push(json!({"role": "user", "content": c.user_turns[turn]}));
+        json!({"model": model, "messages": messages, "max_tokens": self.max_tokens})
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deterministic_and_growing() {
+        let spec = ChatSpec::demo();
+        let a = ChatWorkload::generate(&spec);
+        let b = ChatWorkload::generate(&spec);
+        assert_eq!(a.body("m", 3, 2), b.body("m", 3, 2));
+        assert_eq!(a.requests(), 256);
+        let t0 = a.body("m", 5, 0)["messages"].as_array().unwrap().len();
+        let t2 = a.body("m", 5, 2)["messages"].as_array().unwrap().len();
+        assert_eq!((t0, t2), (2, 6));
+        assert_eq!(a.conversations[5].app, 1);
+    }
+}

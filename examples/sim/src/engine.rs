@@ -1,0 +1,231 @@
+//! One simulated engine: admission, cache, latency and the events it publishes.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvroute_prompt::{LlmRequest, Preprocessor, PromptError};
+use kvroute_protocol::hash::{local_block_hashes, prefix_hashes};
+use kvroute_protocol::{HashSeed, PrefixHash};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use crate::cache::PrefixCache;
+use crate::publish::CacheChange;
+
+/// Settings of one engine.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Position in the fleet (shown in the `x-sim-engine` response header).
+    pub index: usize,
+    /// Served model name.
+    pub model: String,
+    /// KV cache capacity in blocks.
+    pub capacity_blocks: usize,
+    /// Requests running at once; more wait in a queue.
+    pub max_running: usize,
+    /// Fixed cost of every request, µs.
+    pub base_latency_us: u64,
+    /// Prefill cost per prompt token that was not cached, µs.
+    pub prefill_us_per_token: u64,
+    /// Decode cost per output token, µs.
+    pub decode_us_per_token: u64,
+    /// Output tokens when the request does not set `max_tokens`.
+    pub default_output_tokens: u32,
+    /// Longest prompt accepted, in tokens (vLLM's `max_model_len`).
+    pub max_model_len: usize,
+}
+
+/// Counters in vLLM's terms.
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    /// Requests holding a slot.
+    pub running: AtomicU64,
+    /// Requests waiting for a slot.
+    pub waiting: AtomicU64,
+    /// Prompt tokens looked up in the prefix cache.
+    pub prefix_queries: AtomicU64,
+    /// Prompt tokens found in the prefix cache.
+    pub prefix_hits: AtomicU64,
+    /// Requests finished.
+    pub requests: AtomicU64,
+}
+
+/// What prefill found and cost.
+#[derive(Debug, Clone, Copy)]
+pub struct Prefilled {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Prompt tokens served from the cache.
+    pub cached_tokens: usize,
+}
+
+/// A running request: holds its slot until dropped.
+pub struct Running {
+    /// Prefill results.
+    pub prefilled: Prefilled,
+    _slot: OwnedSemaphorePermit,
+    engine: Arc<Engine>,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.engine.stats.running.fetch_sub(1, Ordering::Relaxed);
+        self.engine.stats.requests.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// A simulated engine.
+pub struct Engine {
+    /// Settings.
+    pub config: EngineConfig,
+    /// Counters.
+    pub stats: EngineStats,
+    preprocessor: Arc<Preprocessor>,
+    cache: Mutex<PrefixCache>,
+    slots: Arc<Semaphore>,
+    events: Option<mpsc::UnboundedSender<Vec<CacheChange>>>,
+    hash_salt: u64,
+}
+
+impl Engine {
+    /// An engine; cache changes go to `events` when given (a publisher drains it).
+    pub fn new(
+        config: EngineConfig,
+        preprocessor: Arc<Preprocessor>,
+        events: Option<mpsc::UnboundedSender<Vec<CacheChange>>>,
+    ) -> Self {
+        Engine {
+            cache: Mutex::new(PrefixCache::new(config.capacity_blocks)),
+            slots: Arc::new(Semaphore::new(config.max_running.max(1))),
+            stats: EngineStats::default(),
+            // Engines name blocks with their own hash (vLLM: seeded sha256); a per-engine salt
+            // keeps the index honest: it must map engine hashes, not assume they are ours.
+            hash_salt: 0x5eed_0000 + config.index as u64,
+            config,
+            preprocessor,
+            events,
+        }
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.preprocessor.block_size()
+    }
+
+    /// Fraction of the cache in use.
+    pub fn kv_usage(&self) -> f64 {
+        let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        cache.len() as f64 / cache.capacity() as f64
+    }
+
+    fn blocks(&self, req: &LlmRequest) -> Result<(usize, Vec<(u64, PrefixHash)>), PromptError> {
+        let tokens = self.preprocessor.tokens(req)?;
+        let seed = HashSeed::for_request(req.lora.as_deref(), req.cache_salt.as_deref());
+        let locals = local_block_hashes(&tokens, self.block_size(), seed);
+        let prefixes = prefix_hashes(&locals);
+        Ok((
+            tokens.len(),
+            locals.iter().map(|l| l.0).zip(prefixes).collect(),
+        ))
+    }
+
+    /// Leading blocks of the request this engine holds now (the oracle's answer).
+    pub fn cached_blocks(&self, req: &LlmRequest) -> Result<(usize, usize), PromptError> {
+        let (_, blocks) = self.blocks(req)?;
+        let prefixes: Vec<PrefixHash> = blocks.iter().map(|b| b.1).collect();
+        let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        Ok((cache.peek(&prefixes), prefixes.len()))
+    }
+
+    fn engine_hash(&self, p: PrefixHash) -> u64 {
+        xxh3_64_with_seed(&p.0.to_le_bytes(), self.hash_salt)
+    }
+
+    /// Queue for a slot, then prefill: look up the cache, pay for the uncached tokens, store the
+    /// prompt's blocks (publishing the changes). `None`: the prompt exceeds `max_model_len`.
+    pub async fn prefill(
+        self: &Arc<Self>,
+        req: &LlmRequest,
+    ) -> Result<Option<Running>, PromptError> {
+        let (prompt_tokens, blocks) = self.blocks(req)?;
+        if prompt_tokens > self.config.max_model_len {
+            return Ok(None);
+        }
+        let prefixes: Vec<PrefixHash> = blocks.iter().map(|b| b.1).collect();
+        self.stats.waiting.fetch_add(1, Ordering::Relaxed);
+        let slot = self
+            .slots
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("engine semaphore is never closed");
+        self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
+        self.stats.running.fetch_add(1, Ordering::Relaxed);
+        let running = |cached_tokens| Running {
+            prefilled: Prefilled {
+                prompt_tokens,
+                cached_tokens,
+            },
+            _slot: slot,
+            engine: self.clone(),
+        };
+        let hit_blocks = self
+            .cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .peek(&prefixes);
+        let cached_tokens = hit_blocks * self.block_size();
+        self.stats
+            .prefix_queries
+            .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+        self.stats
+            .prefix_hits
+            .fetch_add(cached_tokens as u64, Ordering::Relaxed);
+        let uncached = (prompt_tokens - cached_tokens) as u64;
+        let cost = self.config.base_latency_us + uncached * self.config.prefill_us_per_token;
+        tokio::time::sleep(Duration::from_micros(cost)).await;
+        self.store(&blocks);
+        Ok(Some(running(cached_tokens)))
+    }
+
+    fn store(&self, blocks: &[(u64, PrefixHash)]) {
+        let prefixes: Vec<PrefixHash> = blocks.iter().map(|b| b.1).collect();
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        let admitted = cache.admit(&prefixes);
+        let Some(events) = &self.events else {
+            return;
+        };
+        let mut batch = Vec::new();
+        if !admitted.evicted.is_empty() {
+            let removed = admitted
+                .evicted
+                .iter()
+                .map(|&p| self.engine_hash(p))
+                .collect();
+            batch.push(CacheChange::Removed(removed));
+        }
+        let kept = blocks.len().min(cache.capacity());
+        if admitted.stored_from < kept {
+            let parent = admitted
+                .stored_from
+                .checked_sub(1)
+                .map(|i| self.engine_hash(blocks[i].1));
+            let stored = blocks[admitted.stored_from..kept]
+                .iter()
+                .map(|&(local, prefix)| (self.engine_hash(prefix), local))
+                .collect();
+            batch.push(CacheChange::Stored {
+                parent,
+                blocks: stored,
+            });
+        }
+        // Sent under the cache lock so the publisher sees changes in cache order.
+        let _ = events.send(batch);
+    }
+
+    /// Decode time for `tokens` output tokens.
+    pub fn decode_time(&self, tokens: u32) -> Duration {
+        Duration::from_micros(self.config.decode_us_per_token * u64::from(tokens))
+    }
+}

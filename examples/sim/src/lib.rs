@@ -1,0 +1,18 @@
+//! kvroute-sim: simulated LLM engines that behave, on the wire, like vLLM.
+//!
+//! Only the GPU is fake. Each engine tokenizes with the model's real tokenizer and template (the
+//! same [`kvroute_prompt`] code as the filter), keeps a paged prefix cache with a capacity and
+//! LRU eviction ([`cache`]), charges latency per *uncached* prompt token and per output token
+//! with a bounded number of running requests ([`engine`]), answers the OpenAI API with
+//! `usage.prompt_tokens_details.cached_tokens` and vLLM-named metrics ([`server`]), and publishes
+//! its cache events in Dynamo's exact NATS format ([`publish`]).
+//!
+//! It also answers an oracle query (`POST /oracle`: how many leading blocks of this request do
+//! you hold?) so benchmarks can compare routing against perfect knowledge.
+
+pub mod cache;
+pub mod engine;
+pub mod publish;
+pub mod server;
+
+pub use engine::{Engine, EngineConfig};

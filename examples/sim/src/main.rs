@@ -1,0 +1,143 @@
+//! `kvroute-sim`: run a fleet of simulated engines in one process.
+//!
+//! Prints one line `READY {"engines": [{"index", "address", "dynamo_worker_id"}, …]}` on stdout
+//! once every engine listens, then serves until interrupted.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use clap::Parser;
+use kvroute_prompt::Preprocessor;
+use kvroute_protocol::dynamo::subject_v16;
+use kvroute_sim::publish::DynamoPublisher;
+use kvroute_sim::{server, Engine, EngineConfig};
+
+#[derive(Parser)]
+#[command(
+    version,
+    about = "Simulated vLLM-like engines publishing real KV events"
+)]
+struct Args {
+    /// HF-style model directory (tokenizer.json, tokenizer_config.json, chat_template.jinja).
+    #[arg(long)]
+    model_dir: PathBuf,
+    /// Served model name.
+    #[arg(long)]
+    model: String,
+    /// KV block size in tokens.
+    #[arg(long, default_value_t = 16)]
+    block_size: u32,
+    /// Number of engines.
+    #[arg(long, default_value_t = 4)]
+    engines: usize,
+    /// Port of the first engine (the others follow); 0 picks free ports.
+    #[arg(long, default_value_t = 0)]
+    base_port: u16,
+    /// KV cache capacity per engine, in blocks.
+    #[arg(long, default_value_t = 4096)]
+    capacity_blocks: usize,
+    /// Requests running at once per engine.
+    #[arg(long, default_value_t = 8)]
+    max_running: usize,
+    /// Fixed cost per request, µs.
+    #[arg(long, default_value_t = 1000)]
+    base_latency_us: u64,
+    /// Prefill cost per uncached prompt token, µs.
+    #[arg(long, default_value_t = 40)]
+    prefill_us_per_token: u64,
+    /// Decode cost per output token, µs.
+    #[arg(long, default_value_t = 1000)]
+    decode_us_per_token: u64,
+    /// Output tokens when a request sets no max_tokens.
+    #[arg(long, default_value_t = 8)]
+    output_tokens: u32,
+    /// Longest prompt accepted, in tokens.
+    #[arg(long, default_value_t = 32768)]
+    max_model_len: usize,
+    /// NATS server to publish Dynamo KV events to; none: no events.
+    #[arg(long)]
+    nats: Option<String>,
+    /// Dynamo instance id of engine 0 (engine i gets base + i).
+    #[arg(long, default_value_t = 7_000_000_000_000_000_000)]
+    worker_id_base: u64,
+    /// Dynamo namespace, component and endpoint of the KV-events subject.
+    #[arg(long, default_value = "dynamo")]
+    namespace: String,
+    #[arg(long, default_value = "backend")]
+    component: String,
+    #[arg(long, default_value = "generate")]
+    endpoint: String,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let bundle =
+        kvroute_prompt::model_dir::load_bundle(&args.model_dir, &args.model, args.block_size)
+            .with_context(|| format!("loading {}", args.model_dir.display()))?;
+    let preprocessor = Arc::new(Preprocessor::from_bundle(&bundle)?);
+    let nats = match &args.nats {
+        Some(url) => Some(
+            async_nats::connect(url.as_str())
+                .await
+                .with_context(|| format!("connecting to NATS at {url}"))?,
+        ),
+        None => None,
+    };
+    let subject = subject_v16(&args.namespace, &args.component, &args.endpoint);
+    let mut ready = Vec::new();
+    let mut servers = tokio::task::JoinSet::new();
+    for index in 0..args.engines {
+        let worker_id = args.worker_id_base.wrapping_add(index as u64);
+        let events = nats.clone().map(|client| {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            let publisher = DynamoPublisher {
+                client,
+                subject: subject.clone(),
+                worker_id,
+                publisher_id: worker_id ^ 0x9e37_79b9_7f4a_7c15,
+            };
+            tokio::spawn(publisher.run(rx));
+            tx
+        });
+        let config = EngineConfig {
+            index,
+            model: args.model.clone(),
+            capacity_blocks: args.capacity_blocks,
+            max_running: args.max_running,
+            base_latency_us: args.base_latency_us,
+            prefill_us_per_token: args.prefill_us_per_token,
+            decode_us_per_token: args.decode_us_per_token,
+            default_output_tokens: args.output_tokens,
+            max_model_len: args.max_model_len,
+        };
+        let engine = Arc::new(Engine::new(config, preprocessor.clone(), events));
+        let port = if args.base_port == 0 {
+            0
+        } else {
+            args.base_port + index as u16
+        };
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+        let address = listener.local_addr()?.to_string();
+        ready.push(
+            serde_json::json!({"index": index, "address": address, "dynamo_worker_id": worker_id}),
+        );
+        servers.spawn(async move { axum::serve(listener, server::router(engine)).await });
+    }
+    println!(
+        "READY {}",
+        serde_json::json!({"engines": ready, "subject": subject})
+    );
+    tokio::select! {
+        Some(done) = servers.join_next() => { done??; Ok(()) }
+        _ = tokio::signal::ctrl_c() => Ok(()),
+    }
+}

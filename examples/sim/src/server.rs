@@ -1,0 +1,259 @@
+//! The OpenAI-compatible HTTP face of an engine, with vLLM's metric names.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use kvroute_prompt::LlmRequest;
+use serde_json::{json, Value};
+
+use crate::engine::{Engine, Running};
+
+/// Response header naming the engine that served a request (for tests and the demo).
+pub const ENGINE_HEADER: &str = "x-sim-engine";
+
+/// The engine's router. Every response names the engine in [`ENGINE_HEADER`].
+pub fn router(engine: Arc<Engine>) -> Router {
+    let id = header::HeaderValue::from(engine.config.index);
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { "" }))
+        .route("/metrics", get(metrics))
+        .route("/oracle", post(oracle))
+        // vLLM takes bodies of any size and rejects prompts by length, not bytes.
+        .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
+        .layer(axum::middleware::map_response(move |mut resp: Response| {
+            let id = id.clone();
+            async move {
+                resp.headers_mut()
+                    .insert(header::HeaderName::from_static(ENGINE_HEADER), id);
+                resp
+            }
+        }))
+        .with_state(engine)
+}
+
+fn error(status: StatusCode, message: String) -> Response {
+    let body = json!({"object": "error", "message": message, "type": "BadRequestError", "code": status.as_u16()});
+    (status, Json(body)).into_response()
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Api {
+    Chat,
+    Completions,
+}
+
+async fn chat(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
+    generate(engine, body, Api::Chat).await
+}
+
+async fn completions(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
+    generate(engine, body, Api::Completions).await
+}
+
+async fn generate(engine: Arc<Engine>, body: Bytes, api: Api) -> Response {
+    let req = match LlmRequest::parse(&body) {
+        Ok(r) => r,
+        Err(e) => return error(StatusCode::BAD_REQUEST, e.to_string()),
+    };
+    if req.model != engine.config.model {
+        return error(
+            StatusCode::NOT_FOUND,
+            format!("model {} is not served here", req.model),
+        );
+    }
+    let extras: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let max_tokens = extras
+        .get("max_tokens")
+        .or_else(|| extras.get("max_completion_tokens"))
+        .and_then(Value::as_u64)
+        .map_or(engine.config.default_output_tokens, |n| {
+            n.clamp(1, 4096) as u32
+        });
+    let include_usage = extras
+        .pointer("/stream_options/include_usage")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let running = match engine.prefill(&req).await {
+        Ok(None) => {
+            let limit = engine.config.max_model_len;
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("This model's maximum context length is {limit} tokens"),
+            );
+        }
+        Ok(Some(r)) => r,
+        Err(e) => return error(StatusCode::BAD_REQUEST, e.to_string()),
+    };
+    if req.stream {
+        let stream = token_stream(
+            engine.clone(),
+            running,
+            api,
+            req.model,
+            max_tokens,
+            include_usage,
+        );
+        return (
+            [(header::CONTENT_TYPE, "text/event-stream")],
+            Body::from_stream(stream),
+        )
+            .into_response();
+    }
+    tokio::time::sleep(engine.decode_time(max_tokens)).await;
+    let text = " token".repeat(max_tokens as usize);
+    let choice = match api {
+        Api::Chat => {
+            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
+        }
+        Api::Completions => json!({"index": 0, "text": text, "finish_reason": "length"}),
+    };
+    let object = match api {
+        Api::Chat => "chat.completion",
+        Api::Completions => "text_completion",
+    };
+    let body = json!({
+        "id": format!("sim-{}", engine.config.index),
+        "object": object,
+        "model": req.model,
+        "choices": [choice],
+        "usage": usage(&running, max_tokens),
+    });
+    drop(running);
+    Json(body).into_response()
+}
+
+fn usage(running: &Running, completion_tokens: u32) -> Value {
+    let p = running.prefilled;
+    json!({
+        "prompt_tokens": p.prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": p.prompt_tokens + completion_tokens as usize,
+        "prompt_tokens_details": {"cached_tokens": p.cached_tokens},
+    })
+}
+
+/// Server-sent events: the first token right after prefill (that is the TTFT), then one per
+/// decode step, then the usage chunk (when asked for) and `[DONE]`.
+fn token_stream(
+    engine: Arc<Engine>,
+    running: Running,
+    api: Api,
+    model: String,
+    max_tokens: u32,
+    include_usage: bool,
+) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> {
+    let step = engine.decode_time(1);
+    let object = match api {
+        Api::Chat => "chat.completion.chunk",
+        Api::Completions => "text_completion",
+    };
+    let chunk = move |choices: Value, usage: Option<Value>| {
+        let mut v = json!({"id": "sim", "object": object, "model": model, "choices": choices});
+        if let Some(u) = usage {
+            v["usage"] = u;
+        }
+        Bytes::from(format!("data: {v}\n\n"))
+    };
+    let delta = move |last: bool| {
+        let finish = if last { json!("length") } else { Value::Null };
+        match api {
+            Api::Chat => {
+                json!([{"index": 0, "delta": {"content": " token"}, "finish_reason": finish}])
+            }
+            Api::Completions => json!([{"index": 0, "text": " token", "finish_reason": finish}]),
+        }
+    };
+    futures::stream::unfold((0u32, Some(running)), move |(sent, running)| {
+        let chunk = chunk.clone();
+        async move {
+            let running = running?;
+            if sent > 0 && sent < max_tokens {
+                tokio::time::sleep(step).await;
+            }
+            if sent < max_tokens {
+                let out = chunk(delta(sent + 1 == max_tokens), None);
+                return Some((Ok(out), (sent + 1, Some(running))));
+            }
+            let mut tail = Vec::new();
+            if include_usage {
+                tail.extend_from_slice(&chunk(json!([]), Some(usage(&running, max_tokens))));
+            }
+            tail.extend_from_slice(b"data: [DONE]\n\n");
+            drop(running);
+            Some((Ok(Bytes::from(tail)), (sent + 1, None)))
+        }
+    })
+}
+
+async fn models(State(engine): State<Arc<Engine>>) -> Json<Value> {
+    Json(
+        json!({"object": "list", "data": [{"id": engine.config.model, "object": "model", "owned_by": "kvroute-sim"}]}),
+    )
+}
+
+async fn metrics(State(engine): State<Arc<Engine>>) -> Response {
+    let s = &engine.stats;
+    let labels = format!(
+        "model_name=\"{}\",engine=\"{}\"",
+        engine.config.model, engine.config.index
+    );
+    let mut out = String::new();
+    let mut metric = |name: &str, kind: &str, value: String| {
+        out.push_str(&format!(
+            "# TYPE {name} {kind}\n{name}{{{labels}}} {value}\n"
+        ));
+    };
+    metric(
+        "vllm:num_requests_running",
+        "gauge",
+        s.running.load(Ordering::Relaxed).to_string(),
+    );
+    metric(
+        "vllm:num_requests_waiting",
+        "gauge",
+        s.waiting.load(Ordering::Relaxed).to_string(),
+    );
+    metric(
+        "vllm:kv_cache_usage_perc",
+        "gauge",
+        format!("{:.6}", engine.kv_usage()),
+    );
+    metric(
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        s.prefix_queries.load(Ordering::Relaxed).to_string(),
+    );
+    metric(
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        s.prefix_hits.load(Ordering::Relaxed).to_string(),
+    );
+    metric(
+        "vllm:request_success_total",
+        "counter",
+        s.requests.load(Ordering::Relaxed).to_string(),
+    );
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+}
+
+/// `POST /oracle` with a request body: `{"cached_blocks": n, "prompt_blocks": m}` right now.
+async fn oracle(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
+    let result = LlmRequest::parse(&body)
+        .map_err(kvroute_prompt::PromptError::from)
+        .and_then(|req| engine.cached_blocks(&req));
+    match result {
+        Ok((cached, total)) => {
+            Json(json!({"cached_blocks": cached, "prompt_blocks": total})).into_response()
+        }
+        Err(e) => error(StatusCode::BAD_REQUEST, e.to_string()),
+    }
+}

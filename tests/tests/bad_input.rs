@@ -1,0 +1,105 @@
+//! Bad input never makes the filter fail a request: every status below comes from the engine.
+
+mod common;
+
+use common::*;
+use kvroute_harness::{Mode, Stack, StackOptions};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_served_or_rejected_by_the_engine_never_by_the_filter() {
+    let stack = Stack::start(StackOptions::new("bad-input", Mode::Kvroute))
+        .await
+        .expect("stack starts");
+    let base = &stack.envoy_url;
+    let chat_url = format!("{base}/v1/chat/completions");
+    let ten_mb = {
+        let big = "x".repeat(10 << 20);
+        serde_json::json!({"model": "tiny-llama", "messages": [{"role": "user", "content": big}]})
+            .to_string()
+    };
+    let cases: Vec<(&str, reqwest::RequestBuilder, u16)> = vec![
+        (
+            "invalid JSON",
+            stack.http.post(&chat_url).body("{not json"),
+            400,
+        ),
+        (
+            "JSON labelled as text",
+            stack
+                .http
+                .post(&chat_url)
+                .header("content-type", "text/plain")
+                .body(chat("be brief", "hi").to_string()),
+            200,
+        ),
+        (
+            "empty messages",
+            stack
+                .http
+                .post(&chat_url)
+                .body(r#"{"model":"tiny-llama","messages":[]}"#),
+            400,
+        ),
+        ("no body", stack.http.post(&chat_url), 400),
+        (
+            "10 MB body",
+            stack.http.post(&chat_url).body(ten_mb.clone()),
+            400,
+        ),
+        (
+            "10 MB chunked body",
+            stack
+                .http
+                .post(&chat_url)
+                .body(reqwest::Body::wrap_stream(chunked(ten_mb.clone()))),
+            400,
+        ),
+        ("GET", stack.http.get(&chat_url), 405),
+        (
+            "unknown path",
+            stack.http.post(format!("{base}/v1/embeddings")).body("{}"),
+            404,
+        ),
+        (
+            "deep JSON",
+            stack.http.post(&chat_url).body(format!(
+                "{}{}",
+                "[".repeat(100_000),
+                "]".repeat(100_000)
+            )),
+            400,
+        ),
+    ];
+    for (name, req, want) in cases {
+        let resp = req.send().await.unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(resp.status().as_u16(), want, "{name}");
+    }
+    // The VMs are alive and still route.
+    let o = via_envoy(&stack, &chat(&text(60, 50), "still there?")).await;
+    assert!(o.ok(), "{o:?}");
+    let stat = |name: &'static str| {
+        let stack = &stack;
+        async move { stack.envoy_stat(name).await.unwrap_or(0) }
+    };
+    assert!(stat("wasmcustom.kvroute.fallback.bad_request").await >= 4);
+    assert!(stat("wasmcustom.kvroute.fallback.too_large").await >= 2);
+    assert_eq!(stat("wasmcustom.kvroute.host_errors").await, 0);
+    // No request was answered by Envoy itself with a 5xx.
+    assert_eq!(
+        stack
+            .envoy_stat("http.llm.downstream_rq_5xx")
+            .await
+            .unwrap_or(0),
+        0
+    );
+}
+
+/// A body as a stream of 1 MiB chunks without a length, so Envoy sees a chunked request.
+fn chunked(body: String) -> impl futures::Stream<Item = Result<Vec<u8>, std::io::Error>> {
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> = body
+        .into_bytes()
+        .chunks(1 << 20)
+        .map(|c| Ok(c.to_vec()))
+        .collect();
+    futures::stream::iter(chunks)
+}

@@ -1,0 +1,108 @@
+//! Helpers shared by the end-to-end tests.
+
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use kvroute_harness::client::{send_streaming, Outcome};
+use kvroute_harness::process::wait_for;
+use kvroute_harness::stack::MODEL;
+use kvroute_harness::workload::Rng;
+use kvroute_harness::Stack;
+use serde_json::{json, Value};
+
+/// `n` deterministic pseudo-words from `seed` (all in the demo tokenizer's vocabulary).
+pub fn text(seed: u64, n: usize) -> String {
+    const WORDS: &[&str] = &[
+        "cache",
+        "prefix",
+        "routing",
+        "model",
+        "token",
+        "block",
+        "worker",
+        "router",
+        "hello",
+        "world",
+        "quick",
+        "brown",
+        "fox",
+        "lazy",
+        "dog",
+        "explain",
+        "sentence",
+        "helpful",
+        "assistant",
+        "system",
+        "user",
+        "please",
+        "about",
+        "blocks",
+        "tokens",
+        "over",
+        "jumps",
+    ];
+    let mut rng = Rng::new(seed);
+    (0..n)
+        .map(|_| WORDS[(rng.next_u64() % WORDS.len() as u64) as usize])
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// A chat request body.
+pub fn chat(system: &str, user: &str) -> Value {
+    json!({"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "system", "content": system},
+        {"role": "user", "content": user}
+    ]})
+}
+
+/// Send through Envoy.
+pub async fn via_envoy(stack: &Stack, body: &Value) -> Outcome {
+    send_streaming(
+        &stack.http,
+        &format!("{}/v1/chat/completions", stack.envoy_url),
+        body,
+    )
+    .await
+}
+
+/// Send straight to engine `engine`, bypassing Envoy.
+pub async fn direct(stack: &Stack, engine: usize, body: &Value) -> Outcome {
+    let url = format!(
+        "http://{}/v1/chat/completions",
+        stack.engines[engine].address
+    );
+    send_streaming(&stack.http, &url, body).await
+}
+
+/// A sample's value from Prometheus text: the first line starting with `series`.
+pub fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+}
+
+/// Wait until the sidecar's index holds at least `blocks` blocks of engine `engine`.
+pub async fn wait_indexed(stack: &Stack, engine: usize, blocks: f64) {
+    let series = format!(
+        "kvroute_index_blocks{{worker=\"{}\"}}",
+        stack.engines[engine].address
+    );
+    let series = &series;
+    wait_for(
+        "the sidecar to index the warmed blocks",
+        Duration::from_secs(10),
+        || async move {
+            let text = stack.sidecar_metrics().await.ok()?;
+            (metric(&text, series)? >= blocks).then_some(())
+        },
+    )
+    .await
+    .expect("events reach the index");
+}
+
+/// Assert a request succeeded and return the engine that served it.
+pub fn served_by(o: &Outcome) -> usize {
+    assert!(o.ok(), "request failed: {o:?}");
+    o.engine.expect("engine header")
+}

@@ -1,0 +1,150 @@
+//! The data path end to end: the index steers Envoy, the fallback keeps affinity, counters show it.
+
+mod common;
+
+use common::*;
+use kvroute_harness::{Mode, Stack, StackOptions};
+
+/// A prefix warmed on engine K (sent directly to K) is routed to K through Envoy, although the
+/// ring hash picks another engine for that key; with the sidecar killed, the ring's engine
+/// serves every request of that prefix and nothing fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn index_steers_envoy_and_fallback_keeps_affinity() {
+    let mut stack = Stack::start(StackOptions::new("routing", Mode::Kvroute))
+        .await
+        .expect("stack starts");
+    let n = stack.engines.len();
+    // A system prompt longer than the fallback key's 8 blocks: every request below has the same
+    // ring-hash key, so the ring alone would send them all to one engine.
+    let system = text(1, 200);
+    let user = text(2, 20);
+
+    // Nothing is indexed yet: the first request is routed by the ring, to engine `ring`.
+    let first = via_envoy(&stack, &chat(&system, &user)).await;
+    let ring = served_by(&first);
+    wait_indexed(&stack, ring, 8.0).await;
+
+    // Warm a longer prefix directly on another engine.
+    let warm = (ring + 1) % n;
+    let longer = format!("{user} {}", text(3, 80));
+    let warmed = direct(&stack, warm, &chat(&system, &longer)).await;
+    assert_eq!(served_by(&warmed), warm);
+    let warmed_blocks = (warmed.prompt_tokens / 16) as f64;
+    wait_indexed(&stack, warm, warmed_blocks).await;
+
+    // Requests extending the warmed prompt go where it is cached, and hit.
+    for i in 0..5 {
+        let body = chat(&system, &format!("{longer} {}", text(10 + i, 5)));
+        let o = via_envoy(&stack, &body).await;
+        assert_eq!(served_by(&o), warm, "request {i} ignored the index");
+        assert!(
+            o.cached_tokens as f64 >= (warmed_blocks - 1.0) * 16.0,
+            "{o:?}"
+        );
+    }
+
+    // Envoy's filter counters and the sidecar's event counters saw all of this.
+    assert!(
+        stack
+            .envoy_stat("wasmcustom.kvroute.requests")
+            .await
+            .unwrap()
+            >= 6
+    );
+    assert!(stack.envoy_stat("wasmcustom.kvroute.hinted").await.unwrap() >= 5);
+    assert!(
+        stack
+            .envoy_stat("wasmcustom.kvroute.matched_blocks")
+            .await
+            .unwrap()
+            >= 5 * 8
+    );
+    let metrics = stack.sidecar_metrics().await.unwrap();
+    let stored = metrics
+        .lines()
+        .filter(|l| l.starts_with("kvroute_events_total{") && l.contains("type=\"stored\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>();
+    assert!(stored >= 7.0, "stored events counted: {metrics}");
+    assert!(metric(&metrics, "kvroute_hints_total{result=\"hinted\"}").unwrap() >= 5.0);
+
+    // Kill the sidecar: every request still succeeds, and the prefix sticks to the ring's engine.
+    stack.kill("sidecar");
+    for i in 0..20 {
+        let body = chat(&system, &format!("{longer} {}", text(100 + i, 5)));
+        let o = via_envoy(&stack, &body).await;
+        assert_eq!(
+            served_by(&o),
+            ring,
+            "request {i} lost affinity without the sidecar"
+        );
+    }
+    assert!(
+        stack
+            .envoy_stat("wasmcustom.kvroute.fallback.sidecar")
+            .await
+            .unwrap()
+            >= 20
+    );
+}
+
+/// Routing headers sent by a client change nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_sent_routing_headers_are_ignored() {
+    let stack = Stack::start(StackOptions::new("forged", Mode::Kvroute))
+        .await
+        .expect("stack starts");
+    let n = stack.engines.len();
+    let url = format!("{}/v1/chat/completions", stack.envoy_url);
+    let send = |body: serde_json::Value, header: &'static str, value: String| {
+        let http = stack.http.clone();
+        let url = url.clone();
+        async move {
+            let resp = http
+                .post(url)
+                .header(header, value)
+                .header("content-type", "application/json")
+                .body(body.to_string())
+                .send()
+                .await
+                .expect("response");
+            assert!(resp.status().as_u16() < 500, "{}", resp.status());
+            let engine = resp.headers()["x-sim-engine"]
+                .to_str()
+                .unwrap()
+                .parse::<usize>()
+                .unwrap();
+            let _ = resp.bytes().await;
+            engine
+        }
+    };
+    // An unseen prompt, with the worker header forged to each engine in turn: one engine serves
+    // them all (the ring's pick), so the forged header was dropped.
+    let system = text(20, 200);
+    let picks: Vec<usize> = {
+        let mut v = Vec::new();
+        for (i, e) in stack.engines.iter().enumerate() {
+            let body = chat(&system, &text(30 + i as u64, 10));
+            v.push(send(body, "x-kvroute-worker", e.address.clone()).await);
+        }
+        v
+    };
+    assert!(
+        picks.iter().all(|&p| p == picks[0]),
+        "forged worker header honoured: {picks:?}"
+    );
+    // A forged fallback key does not move the request either.
+    for i in 0..n {
+        let body = chat(&system, &text(40 + i as u64, 10));
+        let got = send(body, "x-kvroute-key", format!("{:016x}", i * 7919)).await;
+        assert_eq!(got, picks[0], "forged key header honoured");
+    }
+    let body = serde_json::json!({"model": "unknown-model", "messages": [{"role": "user", "content": text(50, 40)}]});
+    let first = send(body.clone(), "x-kvroute-key", "1".into()).await;
+    for i in 2..6 {
+        assert_eq!(
+            send(body.clone(), "x-kvroute-key", i.to_string()).await,
+            first
+        );
+    }
+}
