@@ -26,8 +26,12 @@ pub async fn run(config: NatsConfig, state: Arc<AppState>) -> anyhow::Result<()>
             .subscribe(subject.clone())
             .await
             .with_context(|| format!("subscribing to {subject}"))?;
-        tracing::info!(%subject, url = %config.url, "subscribed to Dynamo KV events");
         subscriptions.push(sub);
+    }
+    // A round trip to the server: once it returns, the subscriptions are in place.
+    client.flush().await.context("flushing subscriptions")?;
+    for subject in &config.subjects {
+        tracing::info!(%subject, url = %config.url, "subscribed to Dynamo KV events");
     }
     let mut messages = futures::stream::select_all(subscriptions);
     while let Some(msg) = messages.next().await {

@@ -1,0 +1,185 @@
+//! Interop with code nobody here wrote: the byte-exact NATS bodies captured from a live NVIDIA
+//! Dynamo 1.6.1 are published on their original subjects to a real nats-server; the sidecar
+//! must index them and answer hints from them.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::metric;
+use kvroute_harness::paths;
+use kvroute_harness::process::{free_port, wait_for, Process};
+use kvroute_protocol::dynamo::decode_message;
+use kvroute_protocol::hash::token_prefix_hashes;
+use kvroute_protocol::hint::{HintRequest, HintResponse, HINT_CONTENT_TYPE};
+use kvroute_protocol::HashSeed;
+
+const BACKEND: &str = "namespace.dynamo.component.backend.endpoint.generate.kv-events";
+const PREFILL: &str = "namespace.dynamo.component.prefill.endpoint.generate.kv-events";
+
+/// (capture file, subject it was captured on), in capture order per worker.
+const CAPTURES: &[(&str, &str)] = &[
+    ("kv-events_stored_prompt_4blocks.msgpack", BACKEND),
+    ("kv-events_stored_decode_block_with_parent.msgpack", BACKEND),
+    ("kv-events_removed_plus_stored_batch.msgpack", BACKEND),
+    ("kv-events_removed6_plus_stored_batch.msgpack", BACKEND),
+    ("kv-events_disagg_prefill_component.msgpack", PREFILL),
+    // Not KV events: the sidecar must not count them as such.
+    (
+        "kv_metrics.msgpack",
+        "namespace.dynamo.component.backend.endpoint.generate.kv_metrics",
+    ),
+    (
+        "forward-pass-metrics_busy.msgpack",
+        "namespace.dynamo.component.backend.endpoint.generate.forward-pass-metrics",
+    ),
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn captured_dynamo_events_through_real_nats() {
+    let samples = kvroute_protocol::samples_dir().join("dynamo");
+    let dir = paths::run_dir("dynamo-captures").unwrap();
+    let nats_port = free_port().unwrap();
+    let mut nats = Command::new(paths::venv_tool("nats-server").unwrap());
+    nats.args(["-a", "127.0.0.1", "-p", &nats_port.to_string()]);
+    let _nats = Process::spawn("nats", nats, &dir).unwrap();
+    let nats_url = format!("nats://127.0.0.1:{nats_port}");
+
+    // One configured worker per worker id found in the KV-event captures.
+    let mut worker_ids = Vec::new();
+    for (file, subject) in CAPTURES {
+        if subject.ends_with("kv-events") {
+            let body = std::fs::read(samples.join(file)).unwrap();
+            for e in decode_message(&body).unwrap().events {
+                if !worker_ids.contains(&e.worker_id) {
+                    worker_ids.push(e.worker_id);
+                }
+            }
+        }
+    }
+    assert_eq!(worker_ids.len(), 3);
+    let port = free_port().unwrap();
+    let mut config = format!(
+        "listen = \"127.0.0.1:{port}\"\n[nats]\nurl = \"{nats_url}\"\n[[models]]\nname = \"m\"\ndir = \"{}\"\nblock_size = 16\n",
+        paths::model_dir().display()
+    );
+    for (i, id) in worker_ids.iter().enumerate() {
+        config.push_str(&format!(
+            "[[workers]]\naddress = \"127.0.0.1:{}\"\nmodel = \"m\"\ndynamo_worker_id = {id}\n",
+            9000 + i
+        ));
+    }
+    std::fs::write(dir.join("sidecar.toml"), config).unwrap();
+    let mut cmd = Command::new(paths::binary("kvroute-sidecar").unwrap());
+    cmd.arg("serve")
+        .arg("--config")
+        .arg(dir.join("sidecar.toml"));
+    let sidecar = Process::spawn("sidecar", cmd, &dir).unwrap();
+    let http = reqwest::Client::new();
+    let base = format!("http://127.0.0.1:{port}");
+    let metrics_url = format!("{base}/metrics");
+    let (http_ref, metrics_ref, log) = (&http, &metrics_url, &dir.join("sidecar.log"));
+    wait_for(
+        "sidecar subscribed",
+        Duration::from_secs(20),
+        || async move {
+            http_ref.get(metrics_ref).send().await.ok()?;
+            std::fs::read_to_string(log)
+                .ok()?
+                .contains("endpoint.*.kv-events")
+                .then_some(())
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}: {}", sidecar.log_tail()));
+
+    let client = async_nats::connect(nats_url.as_str()).await.unwrap();
+    for (file, subject) in CAPTURES {
+        let body = std::fs::read(samples.join(file)).unwrap();
+        client.publish(*subject, body.into()).await.unwrap();
+    }
+    client
+        .publish(BACKEND, b"\xc1 not msgpack".to_vec().into())
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+
+    // 4 + 1 stored on the first worker, 2 batches on the second, 1 prefill store; one bad body.
+    let text = wait_for(
+        "all events applied",
+        Duration::from_secs(10),
+        || async move {
+            let text = http_ref
+                .get(metrics_ref)
+                .send()
+                .await
+                .ok()?
+                .text()
+                .await
+                .ok()?;
+            (metric(&text, "kvroute_decode_errors_total{source=\"nats\"}")? >= 1.0).then_some(text)
+        },
+    )
+    .await
+    .unwrap();
+    let events = |subject: &str, kind: &str| {
+        metric(
+            &text,
+            &format!("kvroute_events_total{{subject=\"{subject}\",type=\"{kind}\"}}"),
+        )
+        .unwrap_or(0.0)
+    };
+    assert_eq!(events(BACKEND, "stored"), 4.0, "{text}");
+    assert_eq!(events(BACKEND, "removed"), 2.0, "{text}");
+    assert_eq!(events(PREFILL, "stored"), 1.0, "{text}");
+    assert!(
+        !text.contains("kv_metrics"),
+        "non-KV subjects are not subscribed: {text}"
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "kvroute_orphan_stores_total{worker=\"127.0.0.1:9000\"}"
+        ),
+        None
+    );
+    assert_eq!(
+        metric(&text, "kvroute_index_blocks{worker=\"127.0.0.1:9000\"}"),
+        Some(5.0)
+    );
+
+    // The golden prompt's prefix hashes match the first worker's 4 stored blocks.
+    let golden: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(samples.join("hash_golden.json")).unwrap()).unwrap();
+    let tokens: Vec<u32> = golden["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    let req = HintRequest {
+        model: "m".into(),
+        hashes: token_prefix_hashes(&tokens, 16, HashSeed::default()),
+    };
+    let resp: HintResponse = http
+        .post(format!("{base}/v1/hint"))
+        .header("content-type", HINT_CONTENT_TYPE)
+        .body(req.encode())
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(resp.workers[0], "127.0.0.1:9000");
+    assert_eq!(resp.matched_blocks, 4);
+    // A malformed hint request is a 400, not a crash.
+    let bad = http
+        .post(format!("{base}/v1/hint"))
+        .body("junk")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bad.status(), 400);
+}

@@ -1,0 +1,37 @@
+//! Every Envoy configuration we ship passes `envoy --mode validate` with the pinned Envoy.
+
+use std::process::Command;
+
+use kvroute_harness::stack::{render_envoy, EngineInfo};
+use kvroute_harness::{paths, Mode, StackOptions};
+
+#[test]
+fn shipped_envoy_configs_validate() {
+    let engines: Vec<EngineInfo> = (0..3)
+        .map(|i| EngineInfo {
+            index: i,
+            address: format!("127.0.0.1:{}", 8100 + i),
+            dynamo_worker_id: i as u64,
+        })
+        .collect();
+    let dir = paths::run_dir("envoy-validate").unwrap();
+    for mode in [Mode::Kvroute, Mode::RingHash, Mode::RoundRobin] {
+        let opts = StackOptions::new("validate", mode);
+        let yaml = render_envoy(&opts, &engines, 10000, 9901, 9100).unwrap();
+        let file = dir.join(format!("{}.yaml", mode.name()));
+        std::fs::write(&file, yaml).unwrap();
+        let out = Command::new(paths::venv_tool("envoy").unwrap())
+            .args(["--mode", "validate", "--disable-hot-restart", "-c"])
+            .arg(&file)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() && text.contains("OK"),
+            "{}: {text}",
+            mode.name()
+        );
+        assert!(!text.contains("deprecated"), "{}: {text}", mode.name());
+    }
+}
