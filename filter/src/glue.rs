@@ -272,8 +272,10 @@ impl Request {
             .ok()
             .flatten()
             .unwrap_or_default();
+        // Envoy 1.40 answers a call that ran out of time with a local 504, not with zero
+        // headers as older hosts did; both count as timeouts.
         let hint = match status.as_deref() {
-            None => {
+            None | Some("504") => {
                 self.shared.borrow().bump(Counter::SidecarTimeouts, 1);
                 None
             }

@@ -148,3 +148,39 @@ async fn client_sent_routing_headers_are_ignored() {
         );
     }
 }
+
+/// A sidecar that accepts connections but never answers (stopped with SIGSTOP): every request
+/// waits at most the hint timeout, then goes on by the ring hash; nothing fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hung_sidecar_costs_at_most_the_hint_timeout() {
+    let mut opts = StackOptions::new("hung-sidecar", Mode::Kvroute);
+    opts.hint_timeout_ms = 100;
+    let stack = Stack::start(opts).await.expect("stack starts");
+    let system = text(70, 200);
+    stack.signal("sidecar", "STOP").unwrap();
+    let mut engines = Vec::new();
+    for i in 0..6 {
+        let started = std::time::Instant::now();
+        let o = via_envoy(&stack, &chat(&system, &text(80 + i, 10))).await;
+        engines.push(served_by(&o));
+        // The hint timeout plus the engine's own time, with slack for a loaded CI machine.
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+    stack.signal("sidecar", "CONT").unwrap();
+    assert!(engines.iter().all(|&e| e == engines[0]), "{engines:?}");
+    let stat = |name: &'static str| {
+        let stack = &stack;
+        async move { stack.envoy_stat(name).await.unwrap_or(0) }
+    };
+    let timeouts = stat("wasmcustom.kvroute.sidecar.timeouts").await;
+    let errors = stat("wasmcustom.kvroute.sidecar.errors").await;
+    let fallbacks = stat("wasmcustom.kvroute.fallback.sidecar").await;
+    assert!(
+        timeouts >= 6 && fallbacks >= 6,
+        "timeouts {timeouts}, errors {errors}, fallbacks {fallbacks}"
+    );
+}

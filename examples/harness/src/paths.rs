@@ -7,7 +7,8 @@ use anyhow::{bail, Result};
 
 /// The workspace root.
 pub fn workspace() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    std::fs::canonicalize(&path).unwrap_or(path)
 }
 
 fn existing(path: PathBuf, hint: &str) -> Result<PathBuf> {

@@ -92,6 +92,11 @@ impl Process {
         lines[lines.len().saturating_sub(20)..].join("\n")
     }
 
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Whether it is still running.
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))

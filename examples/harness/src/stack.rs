@@ -291,6 +291,23 @@ impl Stack {
         });
     }
 
+    /// Send a signal (`STOP`, `CONT`, …) to one process, e.g. to make it hang without dying.
+    pub fn signal(&self, name: &str, signal: &str) -> Result<()> {
+        let p = self
+            .processes
+            .iter()
+            .find(|p| p.name() == name)
+            .with_context(|| format!("no process {name}"))?;
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(p.pid().to_string())
+            .status()?;
+        if !status.success() {
+            bail!("kill -{signal} {name} failed");
+        }
+        Ok(())
+    }
+
     /// A counter or gauge from Envoy's `/stats`.
     pub async fn envoy_stat(&self, name: &str) -> Option<u64> {
         let url = format!(
