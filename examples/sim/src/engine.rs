@@ -119,6 +119,16 @@ impl Engine {
         cache.len() as f64 / cache.capacity() as f64
     }
 
+    /// The request's token ids, as this engine sees them.
+    pub fn tokens(&self, req: &LlmRequest) -> Result<Vec<u32>, PromptError> {
+        self.preprocessor.tokens(req)
+    }
+
+    /// The request's prompt text (`None` for token-id prompts).
+    pub fn render(&self, req: &LlmRequest) -> Result<Option<String>, PromptError> {
+        self.preprocessor.render(req)
+    }
+
     fn blocks(&self, req: &LlmRequest) -> Result<(usize, Vec<(u64, PrefixHash)>), PromptError> {
         let tokens = self.preprocessor.tokens(req)?;
         let seed = HashSeed::for_request(req.lora.as_deref(), req.cache_salt.as_deref());

@@ -55,6 +55,9 @@ struct Args {
     /// Longest prompt accepted, in tokens.
     #[arg(long, default_value_t = 32768)]
     max_model_len: usize,
+    /// Answer every completion at once, without tokenizing (data-path benchmark upstream).
+    #[arg(long)]
+    instant: bool,
     /// NATS server to publish Dynamo KV events to; none: no events.
     #[arg(long)]
     nats: Option<String>,
@@ -130,7 +133,12 @@ async fn main() -> anyhow::Result<()> {
         ready.push(
             serde_json::json!({"index": index, "address": address, "dynamo_worker_id": worker_id}),
         );
-        servers.spawn(async move { axum::serve(listener, server::router(engine)).await });
+        let app = if args.instant {
+            server::instant_router(index)
+        } else {
+            server::router(engine)
+        };
+        servers.spawn(async move { axum::serve(listener, app).await });
     }
     println!(
         "READY {}",

@@ -14,6 +14,31 @@ use serde_json::{json, Value};
 
 use crate::engine::{Engine, Running};
 
+/// A router that answers every completion at once without reading the prompt: the "upstream
+/// that answers instantly" of the data-path benchmark, so only the proxy's cost is measured.
+pub fn instant_router(index: usize) -> Router {
+    let answer = || async {
+        Json(
+            json!({"id": "instant", "object": "chat.completion", "choices": [],
+            "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}),
+        )
+    };
+    Router::new()
+        .route("/v1/chat/completions", post(answer))
+        .route("/v1/completions", post(answer))
+        .route("/health", get(|| async { "" }))
+        .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
+        .layer(axum::middleware::map_response(
+            move |mut resp: Response| async move {
+                resp.headers_mut().insert(
+                    header::HeaderName::from_static(ENGINE_HEADER),
+                    header::HeaderValue::from(index),
+                );
+                resp
+            },
+        ))
+}
+
 /// Response header naming the engine that served a request (for tests and the demo).
 pub const ENGINE_HEADER: &str = "x-sim-engine";
 
@@ -27,6 +52,9 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/health", get(|| async { "" }))
         .route("/metrics", get(metrics))
         .route("/oracle", post(oracle))
+        .route("/tokenize", post(tokenize))
+        .route("/v1/chat/completions/render", post(render))
+        .route("/v1/completions/render", post(render))
         // vLLM takes bodies of any size and rejects prompts by length, not bytes.
         .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
         .layer(axum::middleware::map_response(move |mut resp: Response| {
@@ -243,6 +271,30 @@ async fn metrics(State(engine): State<Arc<Engine>>) -> Response {
         s.requests.load(Ordering::Relaxed).to_string(),
     );
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+}
+
+/// vLLM's `POST /tokenize`: `{"count", "max_model_len", "tokens"}` for a prompt or messages.
+async fn tokenize(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
+    match LlmRequest::parse(&body).map_err(kvroute_prompt::PromptError::from).and_then(|r| engine.tokens(&r)) {
+        Ok(tokens) => Json(json!({"count": tokens.len(), "max_model_len": engine.config.max_model_len, "tokens": tokens}))
+            .into_response(),
+        Err(e) => error(StatusCode::BAD_REQUEST, e.to_string()),
+    }
+}
+
+/// vLLM's render endpoints (what a router calls to learn a request's tokens without running
+/// it): the prompt text and its token ids.
+async fn render(State(engine): State<Arc<Engine>>, body: Bytes) -> Response {
+    let result = LlmRequest::parse(&body)
+        .map_err(kvroute_prompt::PromptError::from)
+        .and_then(|r| Ok((engine.render(&r)?, engine.tokens(&r)?)));
+    match result {
+        Ok((prompt, tokens)) => {
+            Json(json!({"prompt": prompt, "token_ids": tokens, "prompt_token_ids": tokens}))
+                .into_response()
+        }
+        Err(e) => error(StatusCode::BAD_REQUEST, e.to_string()),
+    }
 }
 
 /// `POST /oracle` with a request body: `{"cached_blocks": n, "prompt_blocks": m}` right now.

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
-use kvroute_harness::client::run_chat;
+use kvroute_harness::client::{run_sessions, Target};
 use kvroute_harness::report::{self, ModeReport};
 use kvroute_harness::stack::MODEL;
 use kvroute_harness::workload::{ChatSpec, ChatWorkload};
@@ -43,6 +43,7 @@ async fn main() -> Result<()> {
         ..ChatSpec::demo()
     };
     let workload = ChatWorkload::generate(&spec);
+    let sessions = workload.sessions(MODEL);
     println!(
         "kvroute demo: {} engines, {} conversations x {} turns = {} requests per mode, {} apps (system prompts of {:?} words)\n",
         args.engines,
@@ -63,15 +64,8 @@ async fn main() -> Result<()> {
                 .progress_chars("=> "),
         );
         bar.set_prefix(mode.name());
-        let outcomes = run_chat(
-            &stack.http,
-            &stack.envoy_url,
-            MODEL,
-            &workload,
-            args.concurrency,
-            &bar,
-        )
-        .await;
+        let target = Target::Router(stack.envoy_url.clone());
+        let outcomes = run_sessions(&stack.http, &target, &sessions, args.concurrency, &bar).await;
         bar.finish();
         stack.check_alive()?;
         reports.push(ModeReport::new(mode.name(), &outcomes, args.engines));

@@ -1,0 +1,300 @@
+//! `make bench-routing`: every routing mode on the same fleet and request stream, per workload.
+//!
+//! Modes: `round_robin`, `ring_hash`, `kvroute` (through Envoy), `oracle` (straight to the engine
+//! holding the longest prefix, asked of every engine; ties rotate like kvroute's), and the peer
+//! routers of [`crate::peers`]. Every mode gets a fresh fleet (empty caches), the same engine
+//! settings and the same sessions.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::Result;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::{json, Value};
+
+use crate::client::{run_sessions, Outcome, Target};
+use crate::peers::PEERS;
+use crate::report::quantile;
+use crate::stack::MODEL;
+use crate::traces::{self, TraceSpec};
+use crate::workload::{ChatSpec, ChatWorkload, Session};
+use crate::{paths, Mode, SimOptions, Stack, StackOptions};
+
+/// A named workload and how many sessions run at once.
+pub struct Workload {
+    /// Name in reports.
+    pub name: &'static str,
+    /// The sessions.
+    pub sessions: Vec<Session>,
+    /// Sessions in flight.
+    pub concurrency: usize,
+}
+
+/// The benchmark's workloads; `quick` keeps the three the issue names and shrinks them.
+pub fn workloads(quick: bool) -> Result<Vec<Workload>> {
+    let traces_dir = kvroute_traces_dir();
+    let trace = |file: &str, requests: usize| {
+        let spec = TraceSpec {
+            requests,
+            block_tokens: 32,
+            max_output: 8,
+            vocab: 2000,
+        };
+        traces::load(&traces_dir.join(file), MODEL, &spec)
+    };
+    let chat = |spec: ChatSpec| ChatWorkload::generate(&spec).sessions(MODEL);
+    let mut out = vec![
+        Workload {
+            name: "conversation_trace",
+            sessions: trace("conversation_trace.jsonl", if quick { 400 } else { 1500 })?,
+            concurrency: 16,
+        },
+        Workload {
+            name: "multi_turn",
+            sessions: chat(ChatSpec {
+                conversations: if quick { 48 } else { 96 },
+                ..ChatSpec::demo()
+            }),
+            concurrency: 16,
+        },
+        Workload {
+            name: "hot_prefix",
+            sessions: chat(ChatSpec {
+                conversations: if quick { 120 } else { 240 },
+                ..ChatSpec::hot_prefix()
+            }),
+            concurrency: 16,
+        },
+    ];
+    if !quick {
+        out.push(Workload {
+            name: "synthetic_trace",
+            sessions: trace("synthetic_trace.jsonl", 800)?,
+            concurrency: 16,
+        });
+        out.push(Workload {
+            name: "system_prompt",
+            sessions: chat(ChatSpec::system_prompt()),
+            concurrency: 16,
+        });
+        out.push(Workload {
+            name: "agent_loop",
+            sessions: chat(ChatSpec::agent_loop()),
+            concurrency: 8,
+        });
+    }
+    Ok(out)
+}
+
+fn kvroute_traces_dir() -> PathBuf {
+    std::env::var_os("KVROUTE_TRACES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| paths::workspace().join("../shared/data/traces"))
+}
+
+/// Engine settings of the benchmark fleet: caches small enough to evict, bounded concurrency.
+pub fn fleet(engines: usize) -> SimOptions {
+    SimOptions {
+        engines,
+        capacity_blocks: 1024,
+        max_running: 4,
+        ..SimOptions::default()
+    }
+}
+
+/// The result of one mode on one workload.
+pub fn summary(outcomes: &[Outcome], engines: usize) -> Value {
+    let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok()).collect();
+    let prompt: u64 = ok.iter().map(|o| o.prompt_tokens).sum();
+    let cached: u64 = ok.iter().map(|o| o.cached_tokens).sum();
+    let ttfts: Vec<f64> = ok.iter().map(|o| o.ttft.as_secs_f64() * 1000.0).collect();
+    let mut per_engine = vec![0usize; engines];
+    for o in &ok {
+        if let Some(n) = o.engine.and_then(|e| per_engine.get_mut(e)) {
+            *n += 1;
+        }
+    }
+    let mean = ok.len() as f64 / engines.max(1) as f64;
+    let max = per_engine.iter().copied().max().unwrap_or(0) as f64;
+    json!({
+        "hit_rate": if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 },
+        "ttft_p50_ms": quantile(&ttfts, 0.5),
+        "ttft_p95_ms": quantile(&ttfts, 0.95),
+        "imbalance": if mean > 0.0 { max / mean } else { 0.0 },
+        "requests": outcomes.len(),
+        "errors": outcomes.len() - ok.len(),
+        "available": true,
+        "requests_per_engine": per_engine,
+    })
+}
+
+fn unavailable(reason: String) -> Value {
+    json!({"hit_rate": 0.0, "ttft_p50_ms": 0.0, "ttft_p95_ms": 0.0, "imbalance": 0.0,
+           "requests": 0, "errors": 0, "available": false, "reason": reason})
+}
+
+/// Which modes to run.
+pub fn mode_names(quick: bool) -> Vec<String> {
+    let mut modes: Vec<String> = ["round_robin", "ring_hash", "kvroute", "oracle"]
+        .map(String::from)
+        .to_vec();
+    if !quick {
+        modes.extend(PEERS.iter().map(|p| p.mode.to_owned()));
+    }
+    modes
+}
+
+async fn run_mode(mode: &str, workload: &Workload, engines: usize) -> Result<Value> {
+    let stack_mode = match mode {
+        "kvroute" => Mode::Kvroute,
+        "ring_hash" => Mode::RingHash,
+        _ => Mode::RoundRobin,
+    };
+    let mut opts = StackOptions::new(
+        &format!("bench-{}-{}", workload.name, mode.replace(':', "-")),
+        stack_mode,
+    );
+    opts.sim = fleet(engines);
+    let mut stack = Stack::start(opts).await?;
+    let addresses: Vec<String> = stack.engines.iter().map(|e| e.address.clone()).collect();
+    let mut _peer = None;
+    let target = match mode {
+        "round_robin" | "ring_hash" | "kvroute" => Target::Router(stack.envoy_url.clone()),
+        "oracle" => Target::Oracle(addresses),
+        other => {
+            let peer = PEERS
+                .iter()
+                .find(|p| p.mode == other)
+                .ok_or_else(|| anyhow::anyhow!("unknown mode {other}"))?;
+            match peer.start(&addresses, &stack.dir).await {
+                Ok((process, url)) => {
+                    _peer = Some(process);
+                    Target::Router(url)
+                }
+                Err(e) => return Ok(unavailable(format!("{e:#}"))),
+            }
+        }
+    };
+    let total: usize = workload.sessions.iter().map(|s| s.bodies.len()).sum();
+    let bar = ProgressBar::new(total as u64).with_style(
+        ProgressStyle::with_template("{prefix:>44} [{bar:30}] {pos}/{len} {elapsed}")?
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(format!("{} / {mode}", workload.name));
+    let outcomes = run_sessions(
+        &stack.http,
+        &target,
+        &workload.sessions,
+        workload.concurrency,
+        &bar,
+    )
+    .await;
+    bar.finish();
+    stack.check_alive()?;
+    Ok(summary(&outcomes, engines))
+}
+
+/// Run the benchmark and write `routing.json`, `routing.md` and `routing.png` into `out`.
+pub async fn run(
+    quick: bool,
+    engines: usize,
+    out: &Path,
+    only: Option<&[String]>,
+) -> Result<Value> {
+    let mut doc = BTreeMap::new();
+    for workload in workloads(quick)? {
+        if only.is_some_and(|o| !o.iter().any(|w| w == workload.name)) {
+            continue;
+        }
+        let mut modes = serde_json::Map::new();
+        for mode in mode_names(quick) {
+            let result = match run_mode(&mode, &workload, engines).await {
+                Ok(v) => v,
+                Err(e) => unavailable(format!("{e:#}")),
+            };
+            modes.insert(mode, result);
+        }
+        let oracle = modes
+            .get("oracle")
+            .and_then(|m| m["hit_rate"].as_f64())
+            .unwrap_or(0.0);
+        for m in modes.values_mut() {
+            let hit = m["hit_rate"].as_f64().unwrap_or(0.0);
+            m["hit_rate_vs_oracle"] = json!(if oracle > 0.0 { hit / oracle } else { 0.0 });
+        }
+        doc.insert(workload.name.to_owned(), json!({"modes": modes, "sessions": workload.sessions.len(), "concurrency": workload.concurrency}));
+    }
+    let doc = json!({"engines": engines, "quick": quick, "workloads": doc});
+    std::fs::create_dir_all(out)?;
+    std::fs::write(
+        out.join("routing.json"),
+        serde_json::to_string_pretty(&doc)?,
+    )?;
+    std::fs::write(out.join("routing.md"), markdown(&doc))?;
+    let panels: Vec<(String, crate::plot::Bars)> = doc["workloads"]
+        .as_object()
+        .map(|w| {
+            w.iter()
+                .map(|(name, v)| {
+                    let bars = v["modes"]
+                        .as_object()
+                        .map(|m| {
+                            m.iter()
+                                .filter(|(_, r)| r["available"] == true)
+                                .map(|(mode, r)| {
+                                    (
+                                        mode.clone(),
+                                        r["hit_rate"].as_f64().unwrap_or(0.0),
+                                        r["ttft_p50_ms"].as_f64().unwrap_or(0.0),
+                                    )
+                                })
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    (name.clone(), bars)
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    crate::plot::routing_png(&out.join("routing.png"), &panels)?;
+    Ok(doc)
+}
+
+/// The markdown table of a `routing.json` document.
+pub fn markdown(doc: &Value) -> String {
+    let mut out = String::from("# Routing benchmark\n");
+    let Some(workloads) = doc["workloads"].as_object() else {
+        return out;
+    };
+    for (name, w) in workloads {
+        out.push_str(&format!(
+            "\n## {name}\n\n| mode | hit rate | vs oracle | TTFT p50 (ms) | TTFT p95 (ms) | imbalance | requests | errors |\n|---|---|---|---|---|---|---|---|\n"
+        ));
+        for (mode, r) in w["modes"].as_object().into_iter().flatten() {
+            if r["available"] != true {
+                out.push_str(&format!(
+                    "| {mode} | unavailable: {} | | | | | | |\n",
+                    r["reason"]
+                        .as_str()
+                        .unwrap_or("")
+                        .lines()
+                        .next()
+                        .unwrap_or("")
+                ));
+                continue;
+            }
+            let f = |k: &str| r[k].as_f64().unwrap_or(0.0);
+            out.push_str(&format!(
+                "| {mode} | {:.1}% | {:.0}% | {:.1} | {:.1} | {:.2} | {} | {} |\n",
+                f("hit_rate") * 100.0,
+                f("hit_rate_vs_oracle") * 100.0,
+                f("ttft_p50_ms"),
+                f("ttft_p95_ms"),
+                f("imbalance"),
+                r["requests"],
+                r["errors"]
+            ));
+        }
+    }
+    out
+}

@@ -1,0 +1,55 @@
+//! `kvroute-bench routing|datapath`: the benchmark harness (see docs/benchmarks.md).
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use kvroute_harness::{bench, datapath, paths};
+
+#[derive(Parser)]
+#[command(about = "kvroute benchmarks: routing quality and data-path cost")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+    /// Output directory (default: target/bench).
+    #[arg(long, global = true)]
+    out: Option<PathBuf>,
+    /// Smaller inputs; finishes in minutes.
+    #[arg(long, global = true)]
+    quick: bool,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Every routing mode on every workload: hit rate, TTFT, imbalance.
+    Routing {
+        /// Simulated engines.
+        #[arg(long, default_value_t = 4)]
+        engines: usize,
+        /// Only these workloads (comma-separated).
+        #[arg(long, value_delimiter = ',')]
+        workloads: Option<Vec<String>>,
+    },
+    /// Plain Envoy vs Envoy + kvroute on an instant upstream.
+    Datapath,
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let out = cli
+        .out
+        .unwrap_or_else(|| paths::workspace().join("target/bench"));
+    match cli.command {
+        Command::Routing { engines, workloads } => {
+            let doc = bench::run(cli.quick, engines, &out, workloads.as_deref()).await?;
+            println!("\n{}", bench::markdown(&doc));
+            println!("written to {}", out.join("routing.{json,md,png}").display());
+        }
+        Command::Datapath => {
+            datapath::run(cli.quick, &out).await?;
+            println!("written to {}", out.join("datapath.json").display());
+        }
+    }
+    Ok(())
+}

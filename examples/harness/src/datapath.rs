@@ -1,0 +1,150 @@
+//! `make bench-datapath`: what kvroute adds to Envoy's request path.
+//!
+//! The same upstream that answers at once (the simulator's `--instant` mode), behind plain Envoy
+//! and behind Envoy + kvroute (filter + sidecar, over TCP and over a Unix socket), with chat
+//! prompts of about 1k, 8k and 32k tokens, one request at a time and 16 at once. Reports latency
+//! p50/p99, requests/s and Envoy CPU per request (from /proc, user + system time).
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result};
+use serde_json::{json, Value};
+
+use crate::report::quantile;
+use crate::stack::MODEL;
+use crate::workload::{words, Rng};
+use crate::{paths, Mode, Stack, StackOptions};
+
+/// A chat body whose prompt is about `tokens` tokens for the demo model.
+pub fn body_of(tokens: usize) -> Result<Value> {
+    let bundle = kvroute_prompt::model_dir::load_bundle(&paths::model_dir(), MODEL, 16)?;
+    let pre = kvroute_prompt::Preprocessor::from_bundle(&bundle)?;
+    let mut rng = Rng::new(tokens as u64);
+    let mut text = String::new();
+    loop {
+        let body = json!({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": text}]});
+        let req = kvroute_prompt::LlmRequest::parse(body.to_string().as_bytes())?;
+        let n = pre.tokens(&req)?.len();
+        if n >= tokens {
+            return Ok(body);
+        }
+        let more = ((tokens - n) / 2).max(8);
+        text.push(' ');
+        text.push_str(&words(&mut rng, more));
+    }
+}
+
+fn cpu_seconds(pid: u32) -> Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let rest = stat.rsplit_once(')').context("stat format")?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = fields[11].parse::<f64>()? + fields[12].parse::<f64>()?;
+    Ok(ticks / 100.0)
+}
+
+async fn load(stack: &Stack, body: &Value, concurrency: usize, requests: usize) -> Result<Value> {
+    let url = format!("{}/v1/chat/completions", stack.envoy_url);
+    let payload = body.to_string();
+    // Warm up connections and the filter.
+    for _ in 0..5 {
+        stack
+            .http
+            .post(&url)
+            .body(payload.clone())
+            .send()
+            .await?
+            .bytes()
+            .await?;
+    }
+    let pid = stack.envoy_pid().context("envoy pid")?;
+    let cpu_before = cpu_seconds(pid)?;
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let started = Instant::now();
+    let worker = || async {
+        let mut lat = Vec::new();
+        while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < requests {
+            let t = Instant::now();
+            let ok = match stack
+                .http
+                .post(&url)
+                .header("content-type", "application/json")
+                .body(payload.clone())
+                .send()
+                .await
+            {
+                Ok(r) => r.status().is_success() && r.bytes().await.is_ok(),
+                Err(_) => false,
+            };
+            if ok {
+                lat.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+        lat
+    };
+    let all: Vec<f64> = futures::future::join_all((0..concurrency).map(|_| worker()))
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
+    let elapsed = started.elapsed();
+    let cpu = cpu_seconds(pid)? - cpu_before;
+    Ok(json!({
+        "p50_us": quantile(&all, 0.5),
+        "p99_us": quantile(&all, 0.99),
+        "rps": all.len() as f64 / elapsed.as_secs_f64(),
+        "envoy_cpu_us_per_request": cpu * 1e6 / requests as f64,
+        "errors": requests - all.len(),
+        "requests": requests,
+    }))
+}
+
+/// Run every case; write `datapath.json` into `out`.
+pub async fn run(quick: bool, out: &Path) -> Result<Value> {
+    let sizes: &[(&str, usize)] = &[("1k", 1000), ("8k", 8000), ("32k", 32000)];
+    let setups: [(&str, Mode, bool); 3] = [
+        ("plain", Mode::RoundRobin, false),
+        ("kvroute", Mode::Kvroute, false),
+        ("kvroute_uds", Mode::Kvroute, true),
+    ];
+    let (n1, n16) = if quick { (40, 120) } else { (300, 1200) };
+    let bodies: Vec<(&str, Value)> = sizes
+        .iter()
+        .map(|(name, tokens)| Ok((*name, body_of(*tokens)?)))
+        .collect::<Result<_>>()?;
+    let mut cases = serde_json::Map::new();
+    for (name, _) in &bodies {
+        cases.insert((*name).to_owned(), json!({}));
+    }
+    for (setup, mode, uds) in setups {
+        let mut opts = StackOptions::new(&format!("datapath-{setup}"), mode);
+        opts.sim.instant = true;
+        opts.sim.engines = 1;
+        opts.sidecar_uds = uds;
+        opts.hint_timeout_ms = 1000;
+        let stack = Stack::start(opts).await?;
+        for (name, body) in &bodies {
+            let c1 = load(&stack, body, 1, n1).await?;
+            let c16 = load(&stack, body, 16, n16).await?;
+            println!("{setup:>12} {name:>4}: c=1 {c1}\n{:>17}  c=16 {c16}", "");
+            let case = cases.get_mut(*name).expect("case");
+            case[setup] = c1;
+            case[format!("{setup}_c16")] = c16;
+        }
+        // Let Envoy settle between setups: the next one starts its own.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for case in cases.values_mut() {
+        let plain = case["plain"]["p50_us"].as_f64().unwrap_or(0.0);
+        let kv = case["kvroute"]["p50_us"].as_f64().unwrap_or(0.0);
+        case["added_p50_us"] = json!(kv - plain);
+    }
+    let doc = json!({"cases": cases, "quick": quick});
+    std::fs::create_dir_all(out)?;
+    std::fs::write(
+        out.join("datapath.json"),
+        serde_json::to_string_pretty(&doc)?,
+    )?;
+    Ok(doc)
+}
