@@ -32,11 +32,12 @@ lint: toolchain
 	cargo clippy --release --workspace --all-targets -- -D warnings
 	cargo clippy --release -p kvroute-filter --target wasm32-wasip1 -- -D warnings
 
-# Unit tests and end-to-end tests (real Envoy, nats-server, sidecar, simulated engines), in the
-# release profile so the binaries the e2e tests start and the tests themselves share one build.
+# Unit tests, end-to-end tests (real Envoy, nats-server, sidecar, simulated engines) and smoke
+# runs of the benchmarks, in the release profile so the binaries the e2e tests start and the
+# tests themselves share one build. The last line sums up every runner's results.
 test: venv build lint
 	@mkdir -p target
-	set -o pipefail; cargo test --release --workspace 2>&1 | tee target/test.log
+	set -o pipefail; cargo test --release --workspace --all-targets 2>&1 | tee target/test.log
 	@awk '/^test result:/ { p += $$4; f += $$6 } END { printf "all tests: %d passed, %d failed\n", p, f }' target/test.log
 
 demo: venv build

@@ -100,11 +100,27 @@ fn run(entries: u64) -> serde_json::Value {
 }
 
 fn main() {
-    // `cargo bench` passes `--bench`; nothing else is accepted.
-    let small = run(1_000_000);
-    let mut big = run(10_000_000);
+    // `cargo bench` passes `--bench`; under `cargo test` this is a smoke run on a tiny index.
+    let full = std::env::args().any(|a| a == "--bench");
+    let (sizes, dir) = if full {
+        ((1_000_000, 10_000_000), "../target/bench")
+    } else {
+        ((20_480, 40_960), "../target/bench-smoke")
+    };
+    let small = run(sizes.0);
+    let mut big = run(sizes.1);
+    for v in [&small, &big] {
+        for key in [
+            "ingest_blocks_per_s",
+            "query_p50_us",
+            "query_p99_us",
+            "bytes_per_entry",
+        ] {
+            assert!(v[key].as_f64().is_some_and(|x| x > 0.0), "{key}: {v}");
+        }
+    }
     big["1M"] = small;
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench");
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
     std::fs::create_dir_all(&dir).expect("target/bench");
     let path = dir.join("index.json");
     std::fs::write(&path, serde_json::to_string_pretty(&big).expect("json")).expect("write");

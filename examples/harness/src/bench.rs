@@ -30,8 +30,25 @@ pub struct Workload {
     pub concurrency: usize,
 }
 
-/// The benchmark's workloads; `quick` keeps the three the issue names and shrinks them.
-pub fn workloads(quick: bool) -> Result<Vec<Workload>> {
+/// How big a run is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scale {
+    /// A few requests per workload: keeps the harness working (the smoke test in `make test`).
+    Smoke,
+    /// `--quick`: the core workloads and modes in a few minutes.
+    Quick,
+    /// Everything.
+    Full,
+}
+
+/// The benchmark's workloads; quick and smoke runs keep the three core ones, smaller.
+pub fn workloads(scale: Scale) -> Result<Vec<Workload>> {
+    let quick = scale != Scale::Full;
+    let size = |smoke: usize, quick: usize, full: usize| match scale {
+        Scale::Smoke => smoke,
+        Scale::Quick => quick,
+        Scale::Full => full,
+    };
     let traces_dir = kvroute_traces_dir();
     let trace = |file: &str, requests: usize| {
         let spec = TraceSpec {
@@ -46,13 +63,13 @@ pub fn workloads(quick: bool) -> Result<Vec<Workload>> {
     let mut out = vec![
         Workload {
             name: "conversation_trace",
-            sessions: trace("conversation_trace.jsonl", if quick { 400 } else { 1500 })?,
+            sessions: trace("conversation_trace.jsonl", size(30, 400, 1500))?,
             concurrency: 16,
         },
         Workload {
             name: "multi_turn",
             sessions: chat(ChatSpec {
-                conversations: if quick { 48 } else { 96 },
+                conversations: size(8, 48, 96),
                 ..ChatSpec::demo()
             }),
             concurrency: 16,
@@ -60,7 +77,7 @@ pub fn workloads(quick: bool) -> Result<Vec<Workload>> {
         Workload {
             name: "hot_prefix",
             sessions: chat(ChatSpec {
-                conversations: if quick { 120 } else { 240 },
+                conversations: size(20, 120, 240),
                 ..ChatSpec::hot_prefix()
             }),
             concurrency: 16,
@@ -133,13 +150,16 @@ fn unavailable(reason: String) -> Value {
            "requests": 0, "errors": 0, "available": false, "reason": reason})
 }
 
-/// Which modes to run.
-pub fn mode_names(quick: bool) -> Vec<String> {
+/// Which modes to run: the four core modes, plus the peers in a full run. The smoke run keeps
+/// one peer that cannot run here, to exercise the "unavailable" path.
+pub fn mode_names(scale: Scale) -> Vec<String> {
     let mut modes: Vec<String> = ["round_robin", "ring_hash", "kvroute", "oracle"]
         .map(String::from)
         .to_vec();
-    if !quick {
-        modes.extend(PEERS.iter().map(|p| p.mode.to_owned()));
+    match scale {
+        Scale::Full => modes.extend(PEERS.iter().map(|p| p.mode.to_owned())),
+        Scale::Smoke => modes.push("vllm-router:kv_aware".to_owned()),
+        Scale::Quick => {}
     }
     modes
 }
@@ -196,18 +216,18 @@ async fn run_mode(mode: &str, workload: &Workload, engines: usize) -> Result<Val
 
 /// Run the benchmark and write `routing.json`, `routing.md` and `routing.png` into `out`.
 pub async fn run(
-    quick: bool,
+    scale: Scale,
     engines: usize,
     out: &Path,
     only: Option<&[String]>,
 ) -> Result<Value> {
     let mut doc = BTreeMap::new();
-    for workload in workloads(quick)? {
+    for workload in workloads(scale)? {
         if only.is_some_and(|o| !o.iter().any(|w| w == workload.name)) {
             continue;
         }
         let mut modes = serde_json::Map::new();
-        for mode in mode_names(quick) {
+        for mode in mode_names(scale) {
             let result = match run_mode(&mode, &workload, engines).await {
                 Ok(v) => v,
                 Err(e) => unavailable(format!("{e:#}")),
@@ -224,7 +244,7 @@ pub async fn run(
         }
         doc.insert(workload.name.to_owned(), json!({"modes": modes, "sessions": workload.sessions.len(), "concurrency": workload.concurrency}));
     }
-    let doc = json!({"engines": engines, "quick": quick, "workloads": doc});
+    let doc = json!({"engines": engines, "scale": format!("{scale:?}"), "workloads": doc});
     std::fs::create_dir_all(out)?;
     std::fs::write(
         out.join("routing.json"),

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result};
 use serde_json::{json, Value};
 
+use crate::bench::Scale;
 use crate::report::quantile;
 use crate::stack::MODEL;
 use crate::workload::{words, Rng};
@@ -101,14 +102,23 @@ async fn load(stack: &Stack, body: &Value, concurrency: usize, requests: usize) 
 }
 
 /// Run every case; write `datapath.json` into `out`.
-pub async fn run(quick: bool, out: &Path) -> Result<Value> {
-    let sizes: &[(&str, usize)] = &[("1k", 1000), ("8k", 8000), ("32k", 32000)];
+pub async fn run(scale: Scale, out: &Path) -> Result<Value> {
+    let all: &[(&str, usize)] = &[("1k", 1000), ("8k", 8000), ("32k", 32000)];
+    let sizes = if scale == Scale::Smoke {
+        &all[..1]
+    } else {
+        all
+    };
     let setups: [(&str, Mode, bool); 3] = [
         ("plain", Mode::RoundRobin, false),
         ("kvroute", Mode::Kvroute, false),
         ("kvroute_uds", Mode::Kvroute, true),
     ];
-    let (n1, n16) = if quick { (40, 120) } else { (300, 1200) };
+    let (n1, n16) = match scale {
+        Scale::Smoke => (5, 16),
+        Scale::Quick => (40, 120),
+        Scale::Full => (300, 1200),
+    };
     let bodies: Vec<(&str, Value)> = sizes
         .iter()
         .map(|(name, tokens)| Ok((*name, body_of(*tokens)?)))
@@ -140,7 +150,7 @@ pub async fn run(quick: bool, out: &Path) -> Result<Value> {
         let kv = case["kvroute"]["p50_us"].as_f64().unwrap_or(0.0);
         case["added_p50_us"] = json!(kv - plain);
     }
-    let doc = json!({"cases": cases, "quick": quick});
+    let doc = json!({"cases": cases, "scale": format!("{scale:?}")});
     std::fs::create_dir_all(out)?;
     std::fs::write(
         out.join("datapath.json"),

@@ -202,10 +202,12 @@ impl Stack {
             None
         } else {
             let config = dir.join("sidecar.toml");
-            std::fs::write(
-                &config,
-                sidecar_config(&opts, &engines, &nats_url, sidecar_port),
-            )?;
+            let mut text = sidecar_config(&opts, &engines, &nats_url, sidecar_port);
+            if opts.sidecar_uds {
+                let socket = dir.join("sidecar.sock");
+                text = format!("unix_socket = \"{}\"\n{text}", socket.display());
+            }
+            std::fs::write(&config, text)?;
             let mut cmd = Command::new(paths::binary("kvroute-sidecar")?);
             cmd.arg("serve").arg("--config").arg(&config);
             processes.push(Process::spawn("sidecar", cmd, &dir)?);

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
+use kvroute_harness::bench::Scale;
 use kvroute_harness::{bench, datapath, paths};
 
 #[derive(Parser)]
@@ -40,14 +41,15 @@ async fn main() -> Result<()> {
     let out = cli
         .out
         .unwrap_or_else(|| paths::workspace().join("target/bench"));
+    let scale = if cli.quick { Scale::Quick } else { Scale::Full };
     match cli.command {
         Command::Routing { engines, workloads } => {
-            let doc = bench::run(cli.quick, engines, &out, workloads.as_deref()).await?;
+            let doc = bench::run(scale, engines, &out, workloads.as_deref()).await?;
             println!("\n{}", bench::markdown(&doc));
             println!("written to {}", out.join("routing.{json,md,png}").display());
         }
         Command::Datapath => {
-            datapath::run(cli.quick, &out).await?;
+            datapath::run(scale, &out).await?;
             println!("written to {}", out.join("datapath.json").display());
         }
     }

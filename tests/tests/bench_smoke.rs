@@ -1,0 +1,40 @@
+//! The benchmark harnesses run end to end on tiny inputs and write their documented files.
+//! (The index summary's smoke run is its own bench target, run by `cargo test --all-targets`.)
+
+use kvroute_harness::bench::{self, Scale};
+use kvroute_harness::{datapath, paths};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routing_benchmark_smoke() {
+    let out = paths::run_dir("bench-routing-smoke").unwrap();
+    let doc = bench::run(Scale::Smoke, 2, &out, None).await.unwrap();
+    for w in ["conversation_trace", "multi_turn", "hot_prefix"] {
+        let modes = &doc["workloads"][w]["modes"];
+        for m in ["round_robin", "ring_hash", "kvroute", "oracle"] {
+            let r = &modes[m];
+            assert_eq!(r["available"], true, "{w}/{m}: {r}");
+            assert_eq!(r["errors"], 0, "{w}/{m}: {r}");
+            assert!(r["requests"].as_u64().unwrap() > 0, "{w}/{m}");
+            for k in ["hit_rate", "ttft_p50_ms", "ttft_p95_ms", "imbalance"] {
+                assert!(r[k].as_f64().is_some(), "{w}/{m}/{k}");
+            }
+        }
+        assert_eq!(modes["vllm-router:kv_aware"]["available"], false);
+    }
+    for f in ["routing.json", "routing.md", "routing.png"] {
+        assert!(std::fs::metadata(out.join(f)).unwrap().len() > 0, "{f}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn datapath_benchmark_smoke() {
+    let out = paths::run_dir("bench-datapath-smoke").unwrap();
+    let doc = datapath::run(Scale::Smoke, &out).await.unwrap();
+    for setup in ["plain", "kvroute", "kvroute_uds"] {
+        let c = &doc["cases"]["1k"][setup];
+        assert_eq!(c["errors"], 0, "{setup}: {c}");
+        assert!(c["p50_us"].as_f64().unwrap() > 0.0, "{setup}");
+        assert!(c["rps"].as_f64().unwrap() > 0.0, "{setup}");
+    }
+    assert!(out.join("datapath.json").exists());
+}
