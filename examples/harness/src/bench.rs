@@ -28,6 +28,8 @@ pub struct Workload {
     pub sessions: Vec<Session>,
     /// Sessions in flight.
     pub concurrency: usize,
+    /// KV cache capacity per engine, in blocks.
+    pub capacity_blocks: usize,
 }
 
 /// How big a run is.
@@ -65,6 +67,7 @@ pub fn workloads(scale: Scale) -> Result<Vec<Workload>> {
             name: "conversation_trace",
             sessions: trace("conversation_trace.jsonl", size(30, 400, 1500))?,
             concurrency: 16,
+            capacity_blocks: TRACE_CAPACITY,
         },
         Workload {
             name: "multi_turn",
@@ -73,6 +76,7 @@ pub fn workloads(scale: Scale) -> Result<Vec<Workload>> {
                 ..ChatSpec::demo()
             }),
             concurrency: 16,
+            capacity_blocks: CHAT_CAPACITY,
         },
         Workload {
             name: "hot_prefix",
@@ -81,6 +85,7 @@ pub fn workloads(scale: Scale) -> Result<Vec<Workload>> {
                 ..ChatSpec::hot_prefix()
             }),
             concurrency: 16,
+            capacity_blocks: CHAT_CAPACITY,
         },
     ];
     if !quick {
@@ -88,16 +93,19 @@ pub fn workloads(scale: Scale) -> Result<Vec<Workload>> {
             name: "synthetic_trace",
             sessions: trace("synthetic_trace.jsonl", 800)?,
             concurrency: 16,
+            capacity_blocks: TRACE_CAPACITY,
         });
         out.push(Workload {
             name: "system_prompt",
             sessions: chat(ChatSpec::system_prompt()),
             concurrency: 16,
+            capacity_blocks: CHAT_CAPACITY,
         });
         out.push(Workload {
             name: "agent_loop",
             sessions: chat(ChatSpec::agent_loop()),
             concurrency: 8,
+            capacity_blocks: CHAT_CAPACITY,
         });
     }
     Ok(out)
@@ -109,11 +117,17 @@ fn kvroute_traces_dir() -> PathBuf {
         .unwrap_or_else(|| paths::workspace().join("../shared/data/traces"))
 }
 
-/// Engine settings of the benchmark fleet: caches small enough to evict, bounded concurrency.
-pub fn fleet(engines: usize) -> SimOptions {
+/// Cache capacity per engine for the chat workloads: small enough that they evict.
+pub const CHAT_CAPACITY: usize = 1024;
+/// Cache capacity per engine for the trace replays: the fleet holds about as many blocks as
+/// the replayed requests' distinct prefixes need (~60k), so placement decides what survives.
+pub const TRACE_CAPACITY: usize = 16384;
+
+/// Engine settings of the benchmark fleet: limited caches, bounded concurrency.
+pub fn fleet(engines: usize, capacity_blocks: usize) -> SimOptions {
     SimOptions {
         engines,
-        capacity_blocks: 1024,
+        capacity_blocks,
         max_running: 4,
         ..SimOptions::default()
     }
@@ -131,6 +145,13 @@ pub fn summary(outcomes: &[Outcome], engines: usize) -> Value {
             *n += 1;
         }
     }
+    let first_error = outcomes.iter().find(|o| !o.ok()).map(|o| {
+        format!(
+            "status {}: {}",
+            o.status,
+            o.error.clone().unwrap_or_default()
+        )
+    });
     let mean = ok.len() as f64 / engines.max(1) as f64;
     let max = per_engine.iter().copied().max().unwrap_or(0) as f64;
     json!({
@@ -142,6 +163,7 @@ pub fn summary(outcomes: &[Outcome], engines: usize) -> Value {
         "errors": outcomes.len() - ok.len(),
         "available": true,
         "requests_per_engine": per_engine,
+        "first_error": first_error,
     })
 }
 
@@ -174,7 +196,7 @@ async fn run_mode(mode: &str, workload: &Workload, engines: usize) -> Result<Val
         &format!("bench-{}-{}", workload.name, mode.replace(':', "-")),
         stack_mode,
     );
-    opts.sim = fleet(engines);
+    opts.sim = fleet(engines, workload.capacity_blocks);
     let mut stack = Stack::start(opts).await?;
     let addresses: Vec<String> = stack.engines.iter().map(|e| e.address.clone()).collect();
     let mut _peer = None;

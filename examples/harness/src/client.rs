@@ -57,6 +57,11 @@ pub async fn send_streaming(http: &reqwest::Client, url: &str, body: &Value) -> 
         }
     };
     out.status = resp.status().as_u16();
+    if out.status != 200 {
+        let text = resp.text().await.unwrap_or_default();
+        out.error = Some(text.chars().take(200).collect());
+        return out;
+    }
     out.engine = resp
         .headers()
         .get(ENGINE_HEADER)

@@ -17,7 +17,8 @@ use crate::engine::{Engine, Running};
 /// A router that answers every completion at once without reading the prompt: the "upstream
 /// that answers instantly" of the data-path benchmark, so only the proxy's cost is measured.
 pub fn instant_router(index: usize) -> Router {
-    let answer = || async {
+    // The body is read before answering: replying mid-upload would make the proxy see resets.
+    let answer = |_body: Bytes| async {
         Json(
             json!({"id": "instant", "object": "chat.completion", "choices": [],
             "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}),
