@@ -48,9 +48,9 @@ fn query(c: &mut Criterion) {
     let hit = fleet::query(7);
     let miss = fleet::query_new_in_group(7);
     let mut group = c.benchmark_group("query 512 blocks, 1M entries");
-    group.bench_function("full match", |b| b.iter(|| index.find_matches(&hit)));
+    group.bench_function("full match", |b| b.iter(|| index.find_matches(&hit, 3)));
     group.bench_function("shared prefix only", |b| {
-        b.iter(|| index.find_matches(&miss))
+        b.iter(|| index.find_matches(&miss, 3))
     });
     group.finish();
 }

@@ -118,6 +118,9 @@ impl AppState {
             .get(worker)
             .map(|w| w.address.clone())
             .unwrap_or_default();
+        if out.too_many_caches {
+            tracing::warn!(worker = %address, "index full: more than 65535 caches; event dropped");
+        }
         if out.orphan {
             tracing::debug!(worker = %address, "stored event with unknown parent dropped");
             self.metrics
@@ -146,7 +149,7 @@ impl AppState {
                 .inc();
             return None;
         };
-        let matches = index.find_matches(&req.hashes);
+        let matches = index.find_matches(&req.hashes, self.routing.max_hinted_workers);
         drop(indexes);
         let rotation = self.rotation.fetch_add(1, Ordering::Relaxed);
         let resp = router::choose(&matches, &self.registry, &self.routing, rotation);
