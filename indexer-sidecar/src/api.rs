@@ -3,6 +3,7 @@
 //! - `POST /v1/hint` — binary [`HintRequest`] in, JSON [`kvroute_protocol::hint::HintResponse`] out.
 //! - `GET /v1/models` — the bundle catalog; `GET /v1/models/{name}/bundle` — one bundle.
 //! - `GET /metrics` — Prometheus text; `GET /healthz` — `ok`.
+//! - `GET /debug/explain` — the last 100 decisions: candidates, matched blocks, load, rule.
 
 use std::sync::Arc;
 
@@ -25,6 +26,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models/{name}/bundle", get(bundle))
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok" }))
+        .route("/debug/explain", get(explain))
         .with_state(state)
 }
 
@@ -74,4 +76,15 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         state.metrics.render(),
     )
         .into_response()
+}
+
+async fn explain(State(state): State<Arc<AppState>>) -> Response {
+    let recent = state
+        .decisions
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .cloned()
+        .collect::<Vec<_>>();
+    Json(recent).into_response()
 }

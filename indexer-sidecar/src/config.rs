@@ -21,6 +21,10 @@
 //! [routing]
 //! min_matched_blocks = 1            # a shorter match is not worth a hint
 //! max_hinted_workers = 3            # length of the override_host list (retries go down it)
+//! max_waiting = 4                   # saturation thresholds: queued requests,
+//! max_kv_usage = 0.95               #   KV cache usage,
+//! max_in_flight = 16                #   running + queued
+//! scrape_interval_ms = 500          # engines' /metrics (vLLM names) are read this often
 //! ```
 
 use std::net::SocketAddr;
@@ -101,7 +105,7 @@ pub struct WorkerConfig {
     pub dynamo_worker_id: Option<u64>,
 }
 
-/// Hint policy knobs.
+/// Hint policy knobs (see docs/operations.md for how to tune them).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RoutingConfig {
@@ -109,6 +113,14 @@ pub struct RoutingConfig {
     pub min_matched_blocks: u32,
     /// At most this many workers in a hint (Envoy retries go down the list).
     pub max_hinted_workers: usize,
+    /// A worker with this many queued requests is saturated.
+    pub max_waiting: f64,
+    /// A worker whose KV cache is this full (0..1) is saturated.
+    pub max_kv_usage: f64,
+    /// A worker with this many requests running + queued is saturated.
+    pub max_in_flight: f64,
+    /// How often engines' `/metrics` are scraped; also the half-life of the hint count.
+    pub scrape_interval_ms: u64,
 }
 
 impl Default for RoutingConfig {
@@ -116,6 +128,10 @@ impl Default for RoutingConfig {
         RoutingConfig {
             min_matched_blocks: 1,
             max_hinted_workers: 3,
+            max_waiting: 4.0,
+            max_kv_usage: 0.95,
+            max_in_flight: 16.0,
+            scrape_interval_ms: 500,
         }
     }
 }

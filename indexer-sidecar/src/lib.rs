@@ -4,7 +4,8 @@
 //! - [`registry`]: the workers: dense [`WorkerId`]s, addresses, Dynamo instance ids, models.
 //! - [`event`]: [`KvEvent`], the source-independent form of an engine's cache event.
 //! - [`index`]: [`RadixIndex`], prefix → workers holding it, fed by events, queried by hints.
-//! - [`router`]: turns index matches into an ordered list of worker addresses.
+//! - [`load`]: each worker's load (scraped vLLM metrics + recent hints).
+//! - [`router`]: the rule turning matches and load into an ordered list of workers.
 //! - [`sources`]: transports that produce events (NATS for Dynamo).
 //! - [`metrics`]: the Prometheus metrics served on `/metrics`.
 //! - [`api`]: the HTTP API (`/v1/hint`, bundles, `/metrics`, `/healthz`).
@@ -14,6 +15,7 @@ pub mod api;
 pub mod config;
 pub mod event;
 pub mod index;
+pub mod load;
 pub mod metrics;
 pub mod registry;
 pub mod router;

@@ -78,6 +78,13 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         let app = api::router(state.clone());
         tasks.spawn(async move { axum::serve(uds, app).await.map_err(anyhow::Error::from) });
     }
+    tasks.spawn({
+        let state = state.clone();
+        async move {
+            sources::engine_metrics::run(state).await;
+            Ok(())
+        }
+    });
     if let Some(nats) = config.nats.clone() {
         let state = state.clone();
         tasks.spawn(sources::nats::run(nats, state));

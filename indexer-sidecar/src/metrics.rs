@@ -29,6 +29,8 @@ pub struct Metrics {
     pub orphan_stores: Family<Labels, Counter>,
     /// Removals of blocks the index did not hold.
     pub unknown_removals: Counter,
+    /// Engine `/metrics` scrapes that failed, by worker.
+    pub scrape_errors: Family<Labels, Counter>,
 }
 
 impl Default for Metrics {
@@ -44,6 +46,7 @@ impl Default for Metrics {
             unknown_worker_events: Family::default(),
             orphan_stores: Family::default(),
             unknown_removals: Counter::default(),
+            scrape_errors: Family::default(),
         };
         m.registry
             .register("hints", "Hint requests by result", m.hints.clone());
@@ -86,6 +89,11 @@ impl Default for Metrics {
             "unknown_removals",
             "Removed blocks the index did not hold",
             m.unknown_removals.clone(),
+        );
+        m.registry.register(
+            "scrape_errors",
+            "Engine /metrics scrapes that failed",
+            m.scrape_errors.clone(),
         );
         m
     }

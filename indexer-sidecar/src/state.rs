@@ -1,9 +1,9 @@
 //! [`AppState`]: the registry, the per-model indexes, the bundles and the metrics, shared by the
 //! HTTP API and the event sources.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::RwLock;
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Mutex, RwLock};
+use std::time::Duration;
 
 use anyhow::Context as _;
 use kvroute_protocol::bundle::{Catalog, CatalogEntry};
@@ -13,9 +13,13 @@ use kvroute_protocol::hint::{HintRequest, HintResponse};
 use crate::config::{Config, RoutingConfig};
 use crate::event::KvEvent;
 use crate::index::RadixIndex;
+use crate::load::{Load, LoadTracker};
 use crate::metrics::{label, Metrics};
 use crate::registry::{WorkerId, WorkerRegistry};
-use crate::router;
+use crate::router::{self, Decision};
+
+/// How many recent decisions `/debug/explain` keeps.
+const EXPLAINED: usize = 100;
 
 /// Model bundles, serialized once at start.
 #[derive(Default)]
@@ -38,7 +42,10 @@ pub struct AppState {
     pub routing: RoutingConfig,
     /// Metrics.
     pub metrics: Metrics,
-    rotation: AtomicU64,
+    /// Each worker's load.
+    pub load: Mutex<LoadTracker>,
+    /// The most recent decisions, newest first, for `/debug/explain`.
+    pub decisions: Mutex<VecDeque<serde_json::Value>>,
 }
 
 impl AppState {
@@ -71,7 +78,11 @@ impl AppState {
             bundles,
             routing: config.routing.clone(),
             metrics: Metrics::default(),
-            rotation: AtomicU64::new(0),
+            load: Mutex::new(LoadTracker::new(
+                config.workers.len(),
+                Duration::from_millis(config.routing.scrape_interval_ms.max(1)),
+            )),
+            decisions: Mutex::new(VecDeque::with_capacity(EXPLAINED)),
         };
         for w in state.registry.iter() {
             state
@@ -149,10 +160,26 @@ impl AppState {
                 .inc();
             return None;
         };
-        let matches = index.find_matches(&req.hashes, self.routing.max_hinted_workers);
+        // A few tiers beyond the hint's length, so saturated leaders have runners-up.
+        let matches = index.find_matches(&req.hashes, self.routing.max_hinted_workers * 2);
         drop(indexes);
-        let rotation = self.rotation.fetch_add(1, Ordering::Relaxed);
-        let resp = router::choose(&matches, &self.registry, &self.routing, rotation);
+        let decision = {
+            let mut load = self.load.lock().unwrap_or_else(|e| e.into_inner());
+            let decision = router::choose(
+                &matches,
+                &self.registry,
+                &self.routing,
+                |w| load.get(w.0 as usize),
+                |_| true,
+            );
+            if let Some(first) = decision.hint.workers.first() {
+                if let Some(w) = self.registry.iter().find(|w| &w.address == first) {
+                    load.hinted(w.id.0 as usize);
+                }
+            }
+            decision
+        };
+        let resp = decision.hint.clone();
         let result = if resp.workers.is_empty() {
             "no_match"
         } else {
@@ -165,6 +192,29 @@ impl AppState {
             .hints
             .get_or_create(&label("result", result))
             .inc();
+        self.explain(req, decision);
         Some(resp)
+    }
+
+    fn explain(&self, req: &HintRequest, decision: Decision) {
+        let entry = serde_json::json!({
+            "model": req.model,
+            "prompt_blocks": req.hashes.len(),
+            "first_block": req.hashes.first().map(|h| format!("{:016x}", h.0)),
+            "decision": decision,
+        });
+        let mut recent = self.decisions.lock().unwrap_or_else(|e| e.into_inner());
+        if recent.len() == EXPLAINED {
+            recent.pop_back();
+        }
+        recent.push_front(entry);
+    }
+
+    /// Record a scrape of a worker's engine metrics.
+    pub fn record_load(&self, worker: WorkerId, load: Option<Load>) {
+        self.load
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .scraped(worker.0 as usize, load);
     }
 }

@@ -233,6 +233,15 @@ async fn run_mode(mode: &str, workload: &Workload, engines: usize) -> Result<Val
     .await;
     bar.finish();
     stack.check_alive()?;
+    // Keep the sidecar's last decisions next to the logs, to see why requests went where.
+    if let Some(url) = &stack.sidecar_url {
+        if let Ok(r) = stack.http.get(format!("{url}/debug/explain")).send().await {
+            std::fs::write(
+                stack.dir.join("explain.json"),
+                r.bytes().await.unwrap_or_default(),
+            )?;
+        }
+    }
     Ok(summary(&outcomes, engines))
 }
 

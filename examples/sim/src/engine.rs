@@ -49,6 +49,8 @@ pub struct EngineStats {
     pub prefix_hits: AtomicU64,
     /// Requests finished.
     pub requests: AtomicU64,
+    /// KV blocks used by running requests (cached but idle blocks are reusable, not used).
+    pub active_blocks: AtomicU64,
 }
 
 /// What prefill found and cost.
@@ -64,6 +66,7 @@ pub struct Prefilled {
 pub struct Running {
     /// Prefill results.
     pub prefilled: Prefilled,
+    blocks: u64,
     _slot: OwnedSemaphorePermit,
     engine: Arc<Engine>,
 }
@@ -71,6 +74,10 @@ pub struct Running {
 impl Drop for Running {
     fn drop(&mut self) {
         self.engine.stats.running.fetch_sub(1, Ordering::Relaxed);
+        self.engine
+            .stats
+            .active_blocks
+            .fetch_sub(self.blocks, Ordering::Relaxed);
         self.engine.stats.requests.fetch_add(1, Ordering::Relaxed);
     }
 }
@@ -113,10 +120,11 @@ impl Engine {
         self.preprocessor.block_size()
     }
 
-    /// Fraction of the cache in use.
+    /// Fraction of the KV cache used by running requests, as vLLM's `kv_cache_usage_perc`
+    /// reports it (prefix-cached blocks no request uses are free, not used).
     pub fn kv_usage(&self) -> f64 {
-        let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-        cache.len() as f64 / cache.capacity() as f64
+        let used = self.stats.active_blocks.load(Ordering::Relaxed) as f64;
+        (used / self.config.capacity_blocks.max(1) as f64).min(1.0)
     }
 
     /// The request's token ids, as this engine sees them.
@@ -172,11 +180,14 @@ impl Engine {
             .expect("engine semaphore is never closed");
         self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
         self.stats.running.fetch_add(1, Ordering::Relaxed);
+        let used = prompt_tokens.div_ceil(self.block_size().max(1)) as u64;
+        self.stats.active_blocks.fetch_add(used, Ordering::Relaxed);
         let running = |cached_tokens| Running {
             prefilled: Prefilled {
                 prompt_tokens,
                 cached_tokens,
             },
+            blocks: used,
             _slot: slot,
             engine: self.clone(),
         };

@@ -1,3 +1,4 @@
 //! Event sources: transports that deliver engine KV events to [`crate::state::AppState`].
 
+pub mod engine_metrics;
 pub mod nats;

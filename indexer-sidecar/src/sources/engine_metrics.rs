@@ -1,0 +1,48 @@
+//! Scraping each engine's Prometheus `/metrics` for load (vLLM metric names).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::load::parse_vllm_metrics;
+use crate::metrics::label;
+use crate::state::AppState;
+
+/// Scrape every worker every `routing.scrape_interval_ms`, forever.
+pub async fn run(state: Arc<AppState>) {
+    let every = Duration::from_millis(state.routing.scrape_interval_ms.max(10));
+    let Ok(http) = reqwest::Client::builder().timeout(every).build() else {
+        tracing::error!("cannot build the HTTP client for engine metrics; load is hints only");
+        return;
+    };
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let scrapes = state.registry.iter().map(|w| {
+            let http = &http;
+            async move {
+                let url = format!("http://{}/metrics", w.address);
+                let text = async {
+                    http.get(&url)
+                        .send()
+                        .await?
+                        .error_for_status()?
+                        .text()
+                        .await
+                };
+                (w.id, w.address.clone(), text.await.ok())
+            }
+        });
+        for (id, address, text) in futures::future::join_all(scrapes).await {
+            let load = text.as_deref().and_then(parse_vllm_metrics);
+            if load.is_none() {
+                state
+                    .metrics
+                    .scrape_errors
+                    .get_or_create(&label("worker", address))
+                    .inc();
+            }
+            state.record_load(id, load);
+        }
+    }
+}
