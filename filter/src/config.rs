@@ -21,8 +21,11 @@ pub struct FilterConfig {
     pub key_header: String,
     /// Bodies larger than this are not buffered or parsed; they go on unhinted.
     pub max_body_bytes: usize,
-    /// The fallback key is the prefix hash of this many leading blocks (or fewer, if shorter).
+    /// The fallback key is the prefix hash of this many leading blocks (or fewer, if shorter)…
     pub fallback_key_blocks: usize,
+    /// …unless the request names a session: this header (empty: none), else the OpenAI `user`
+    /// field. Then the key is the session, so its turns stick together without the sidecar.
+    pub session_header: String,
     /// How often each VM checks the sidecar's catalog for new or changed bundles.
     pub bundle_refresh_ms: u64,
 }
@@ -38,6 +41,7 @@ impl Default for FilterConfig {
             key_header: "x-kvroute-key".into(),
             max_body_bytes: 4 << 20,
             fallback_key_blocks: 8,
+            session_header: "x-session-id".into(),
             bundle_refresh_ms: 5000,
         }
     }

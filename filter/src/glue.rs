@@ -215,6 +215,7 @@ impl RootContext for Root {
         Some(Box::new(Request {
             shared: self.shared.clone(),
             state: State::Passing,
+            session: None,
         }))
     }
 
@@ -245,6 +246,7 @@ enum State {
 struct Request {
     shared: Rc<RefCell<Shared>>,
     state: State,
+    session: Option<String>,
 }
 
 impl Request {
@@ -374,7 +376,10 @@ impl HttpContext for Request {
         };
         let (decision, config) = {
             let s = self.shared.borrow();
-            (plan(&body, &s.models, &s.config), s.config.clone())
+            (
+                plan(&body, &s.models, &s.config, self.session.as_deref()),
+                s.config.clone(),
+            )
         };
         if let Some(key) = &decision.key {
             self.set_header(&config.key_header, Some(key));

@@ -35,8 +35,13 @@ pub struct Plan {
     pub blocks: usize,
 }
 
-/// Decide what to do with a complete request body.
-pub fn plan(body: &[u8], models: &ModelRegistry, cfg: &FilterConfig) -> Plan {
+/// Decide what to do with a complete request body; `session` is the session header's value.
+pub fn plan(
+    body: &[u8],
+    models: &ModelRegistry,
+    cfg: &FilterConfig,
+    session: Option<&str>,
+) -> Plan {
     let unhinted = |key, reason| Plan {
         key,
         hint: None,
@@ -47,8 +52,15 @@ pub fn plan(body: &[u8], models: &ModelRegistry, cfg: &FilterConfig) -> Plan {
         Ok(r) => r,
         Err(_) => return unhinted(None, FallbackReason::BadRequest),
     };
+    let session = session
+        .or(req.user.as_deref())
+        .filter(|s| !s.is_empty())
+        .map(|s| hex(xxh3_64(s.as_bytes())));
     let Some(model) = models.get(&req.model) else {
-        return unhinted(Some(text_key(&req)), FallbackReason::NoBundle);
+        return unhinted(
+            Some(session.unwrap_or_else(|| text_key(&req))),
+            FallbackReason::NoBundle,
+        );
     };
     let hashed = match model.preprocessor.hashes(&req) {
         Ok(h) => h,
@@ -58,19 +70,21 @@ pub fn plan(body: &[u8], models: &ModelRegistry, cfg: &FilterConfig) -> Plan {
                 PromptError::Template(_) => FallbackReason::Template,
                 PromptError::Tokenizer(_) => FallbackReason::Tokenizer,
             };
-            return unhinted(Some(text_key(&req)), reason);
+            return unhinted(Some(session.unwrap_or_else(|| text_key(&req))), reason);
         }
     };
     let blocks = hashed.hashes.len();
     if blocks == 0 {
         let bytes: Vec<u8> = hashed.tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
-        return unhinted(Some(hex(xxh3_64(&bytes))), FallbackReason::NoBlocks);
+        let key = session.unwrap_or_else(|| hex(xxh3_64(&bytes)));
+        return unhinted(Some(key), FallbackReason::NoBlocks);
     }
     // The prefix hash of block K names the first K blocks: stable across the turns of a
     // conversation and shared by requests with the same leading K blocks.
-    let key = Some(hex(hashed.hashes
-        [blocks.min(cfg.fallback_key_blocks.max(1)) - 1]
-        .0));
+    let key =
+        Some(session.unwrap_or_else(|| {
+            hex(hashed.hashes[blocks.min(cfg.fallback_key_blocks.max(1)) - 1].0)
+        }));
     if !cfg.hints {
         return Plan {
             blocks,
@@ -159,6 +173,7 @@ mod tests {
             &chat("tell me about the weather in the mountains today"),
             &reg,
             &cfg,
+            None,
         );
         assert_eq!(p.fallback, None);
         let hint = p.hint.unwrap();
@@ -175,13 +190,34 @@ mod tests {
     fn fallback_key_is_stable_across_turns() {
         let reg = registry(4);
         let cfg = FilterConfig::default();
-        let turn1 = plan(&chat("first question about routing"), &reg, &cfg);
+        let turn1 = plan(&chat("first question about routing"), &reg, &cfg, None);
         let turn2 = plan(
             &chat("first question about routing, and a follow-up"),
             &reg,
             &cfg,
+            None,
         );
         assert_eq!(turn1.key, turn2.key);
+    }
+
+    #[test]
+    fn a_session_is_the_fallback_key() {
+        let reg = registry(4);
+        let cfg = FilterConfig::default();
+        let body = chat("a question long enough to fill a few blocks of tokens for hashing");
+        let by_header = plan(&body, &reg, &cfg, Some("s-1"));
+        assert_eq!(by_header.key, Some(hex(xxh3_64(b"s-1"))));
+        assert!(
+            by_header.hint.is_some(),
+            "the session changes the key, not the hint"
+        );
+        let mut with_user: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        with_user["user"] = "u-7".into();
+        let by_user = plan(with_user.to_string().as_bytes(), &reg, &cfg, None);
+        assert_eq!(by_user.key, Some(hex(xxh3_64(b"u-7"))));
+        let header_wins = plan(with_user.to_string().as_bytes(), &reg, &cfg, Some("s-1"));
+        assert_eq!(header_wins.key, by_header.key);
+        assert_ne!(plan(&body, &reg, &cfg, None).key, by_header.key);
     }
 
     #[test]
@@ -189,17 +225,17 @@ mod tests {
         let reg = registry(16);
         let cfg = FilterConfig::default();
         assert_eq!(
-            plan(b"{oops", &reg, &cfg).fallback,
+            plan(b"{oops", &reg, &cfg, None).fallback,
             Some(FallbackReason::BadRequest)
         );
-        assert_eq!(plan(b"{oops", &reg, &cfg).key, None);
+        assert_eq!(plan(b"{oops", &reg, &cfg, None).key, None);
         let other = br#"{"model":"other","messages":[{"role":"user","content":"x"}]}"#;
-        let p = plan(other, &reg, &cfg);
+        let p = plan(other, &reg, &cfg, None);
         assert_eq!(p.fallback, Some(FallbackReason::NoBundle));
         assert!(p.key.is_some(), "unknown models still get a stable key");
         let short = br#"{"model":"tiny","prompt":"hi"}"#;
         assert_eq!(
-            plan(short, &reg, &cfg).fallback,
+            plan(short, &reg, &cfg, None).fallback,
             Some(FallbackReason::NoBlocks)
         );
         let no_hints = FilterConfig {
@@ -210,6 +246,7 @@ mod tests {
             &chat("a question that is long enough to fill a block or two of tokens"),
             &reg,
             &no_hints,
+            None,
         );
         assert_eq!(p.fallback, Some(FallbackReason::HintsDisabled));
         assert!(p.hint.is_none() && p.key.is_some());
