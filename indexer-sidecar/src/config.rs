@@ -24,6 +24,7 @@
 //! max_waiting = 4                   # saturation thresholds: queued requests,
 //! max_kv_usage = 0.95               #   KV cache usage,
 //! max_in_flight = 16                #   running + queued
+//! load_penalty_blocks = 8           # one request in flight costs as much as 8 uncached blocks
 //! scrape_interval_ms = 500          # engines' /metrics (vLLM names) are read this often
 //! ```
 
@@ -119,6 +120,9 @@ pub struct RoutingConfig {
     pub max_kv_usage: f64,
     /// A worker with this many requests running + queued is saturated.
     pub max_in_flight: f64,
+    /// Cost of one request in flight on a worker, in blocks of prefill: how many cached blocks
+    /// are worth waiting behind one more request.
+    pub load_penalty_blocks: f64,
     /// How often engines' `/metrics` are scraped; also the half-life of the hint count.
     pub scrape_interval_ms: u64,
 }
@@ -131,6 +135,7 @@ impl Default for RoutingConfig {
             max_waiting: 4.0,
             max_kv_usage: 0.95,
             max_in_flight: 16.0,
+            load_penalty_blocks: 8.0,
             scrape_interval_ms: 500,
         }
     }

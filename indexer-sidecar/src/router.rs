@@ -1,11 +1,13 @@
 //! Turning index matches and load into a hint: which workers, in which order, and why.
 //!
-//! The rule (affinity as a preference): among healthy workers that are not saturated, the
-//! longest matched prefix wins, ties go to the least loaded. A worker is saturated when its
-//! queue, its KV usage or its in-flight estimate reaches the configured threshold. When every
-//! worker holding a useful match is saturated, the request goes to the least-loaded unsaturated
-//! worker and accepts a cold prefill; when nothing matches at all, no hint is given and Envoy's
-//! ring hash on the fallback key decides (it keeps affinity without the sidecar too).
+//! The rule (affinity as a preference): among healthy workers that are not saturated, the one
+//! with the lowest cost wins, where cost = blocks it would have to prefill (prompt blocks it does
+//! not hold) + `load_penalty_blocks` × its requests in flight. So a long match wins over a short
+//! queue, but a two-block match does not pin traffic to a busy worker while another idles. A
+//! worker is saturated when its queue, its KV usage or its running + queued requests reach the
+//! configured thresholds; saturated workers are used only when every worker is. When no worker
+//! holds a useful match, no hint is given and Envoy's ring hash on the fallback key decides (it
+//! keeps affinity without the sidecar too).
 
 use kvroute_protocol::hint::HintResponse;
 use serde::Serialize;
@@ -31,15 +33,17 @@ pub struct Candidate {
     pub recent_hints: f64,
     /// Whether it was over a threshold.
     pub saturated: bool,
+    /// Blocks to prefill + load penalty (lower is better).
+    pub cost: f64,
 }
 
 /// Which part of the rule decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Rule {
-    /// The longest match among unsaturated workers.
+    /// The cheapest unsaturated worker holds the longest match.
     LongestMatch,
-    /// Every worker with a useful match was saturated: the least-loaded one instead.
+    /// Load outweighed the longest match (or it was saturated): a less busy worker instead.
     LeastLoaded,
     /// Nothing matched: no hint, the fallback key decides.
     NoMatch,
@@ -65,9 +69,10 @@ pub fn saturated(load: &Load, routing: &RoutingConfig) -> bool {
         || load.running + load.waiting >= routing.max_in_flight
 }
 
-/// Decide where a request goes. `matches` are (worker, matched blocks); `load_of` and
-/// `healthy` describe every registered worker.
+/// Decide where a request of `prompt_blocks` blocks goes. `matches` are (worker, matched
+/// blocks); `load_of` and `healthy` describe every registered worker.
 pub fn choose(
+    prompt_blocks: u32,
     matches: &[(WorkerId, u32)],
     registry: &WorkerRegistry,
     routing: &RoutingConfig,
@@ -76,37 +81,29 @@ pub fn choose(
 ) -> Decision {
     let min = routing.min_matched_blocks.max(1);
     let matched = |w: WorkerId| matches.iter().find(|(m, _)| *m == w).map_or(0, |&(_, n)| n);
-    let mut candidates: Vec<(WorkerId, u32, Load, bool)> = registry
+    let mut candidates: Vec<(WorkerId, u32, Load, bool, f64)> = registry
         .iter()
         .filter(|w| healthy(w.id))
         .map(|w| {
             let load = load_of(w.id);
-            (w.id, matched(w.id), load, saturated(&load, routing))
+            let n = matched(w.id);
+            let cost = f64::from(prompt_blocks.saturating_sub(n))
+                + routing.load_penalty_blocks * load.in_flight();
+            (w.id, n, load, saturated(&load, routing), cost)
         })
         .collect();
-    let useful = |n: u32| n >= min;
-    // Unsaturated first, then the longest match, then the least in flight.
+    // Unsaturated first, then the cheapest, then the longest match.
     candidates.sort_by(|a, b| {
         a.3.cmp(&b.3)
+            .then(a.4.total_cmp(&b.4))
             .then(b.1.cmp(&a.1))
-            .then(a.2.in_flight().total_cmp(&b.2.in_flight()))
             .then(a.0.cmp(&b.0))
     });
-    let any_useful = candidates.iter().any(|c| useful(c.1));
-    let best_unsaturated_useful = candidates.iter().any(|c| !c.3 && useful(c.1));
-    let rule = if !any_useful {
-        Rule::NoMatch
-    } else if best_unsaturated_useful {
-        Rule::LongestMatch
-    } else {
-        // Every useful match is saturated: least loaded first, whatever it holds.
-        candidates.sort_by(|a, b| {
-            a.3.cmp(&b.3)
-                .then(a.2.in_flight().total_cmp(&b.2.in_flight()))
-                .then(b.1.cmp(&a.1))
-                .then(a.0.cmp(&b.0))
-        });
-        Rule::LeastLoaded
+    let longest = candidates.iter().map(|c| c.1).max().unwrap_or(0);
+    let rule = match candidates.first() {
+        _ if longest < min => Rule::NoMatch,
+        Some(first) if first.1 == longest => Rule::LongestMatch,
+        _ => Rule::LeastLoaded,
     };
     let address = |w: WorkerId| {
         registry
@@ -117,10 +114,7 @@ pub fn choose(
     let hint = if rule == Rule::NoMatch {
         HintResponse::default()
     } else {
-        let chosen: Vec<&(WorkerId, u32, Load, bool)> = candidates
-            .iter()
-            .take(routing.max_hinted_workers.max(1))
-            .collect();
+        let chosen = &candidates[..candidates.len().min(routing.max_hinted_workers.max(1))];
         HintResponse {
             matched_blocks: chosen.first().map_or(0, |c| c.1),
             workers: chosen.iter().map(|c| address(c.0)).collect(),
@@ -131,7 +125,7 @@ pub fn choose(
         rule,
         candidates: candidates
             .iter()
-            .map(|&(w, n, load, sat)| Candidate {
+            .map(|&(w, n, load, sat, cost)| Candidate {
                 worker: address(w),
                 matched_blocks: n,
                 running: load.running,
@@ -139,6 +133,7 @@ pub fn choose(
                 kv_usage: load.kv_usage,
                 recent_hints: load.recent_hints,
                 saturated: sat,
+                cost,
             })
             .collect(),
     }
@@ -168,94 +163,98 @@ mod tests {
         true
     }
 
-    fn busy(w: WorkerId, busy: &[u32], waiting: f64) -> Load {
-        if busy.contains(&w.0) {
-            Load {
-                waiting,
-                running: 4.0,
-                ..Load::default()
-            }
-        } else {
-            Load::default()
+    fn running(per_worker: &'static [f64]) -> impl Fn(WorkerId) -> Load {
+        move |w| Load {
+            running: per_worker[w.0 as usize],
+            ..Load::default()
         }
+    }
+
+    fn addr(i: usize) -> String {
+        format!("127.0.0.1:{}", 8000 + i)
     }
 
     #[test]
     fn longest_match_then_next_best() {
         let reg = registry(3);
-        let d = choose(
-            &[(WorkerId(0), 2), (WorkerId(1), 5), (WorkerId(2), 3)],
-            &reg,
-            &RoutingConfig::default(),
-            idle,
-            all,
-        );
+        let m = [(WorkerId(0), 2), (WorkerId(1), 5), (WorkerId(2), 3)];
+        let d = choose(10, &m, &reg, &RoutingConfig::default(), idle, all);
         assert_eq!(d.rule, Rule::LongestMatch);
-        assert_eq!(
-            d.hint.workers,
-            vec!["127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8000"]
-        );
+        assert_eq!(d.hint.workers, vec![addr(1), addr(2), addr(0)]);
         assert_eq!(d.hint.matched_blocks, 5);
     }
 
     #[test]
     fn ties_go_to_the_least_loaded() {
         let reg = registry(3);
-        let ties = [(WorkerId(0), 4), (WorkerId(1), 4), (WorkerId(2), 4)];
-        let load = |w: WorkerId| Load {
-            running: [3.0, 1.0, 2.0][w.0 as usize],
-            ..Load::default()
-        };
-        let d = choose(&ties, &reg, &RoutingConfig::default(), load, all);
-        assert_eq!(
-            d.hint.workers,
-            vec!["127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8000"]
+        let m = [(WorkerId(0), 4), (WorkerId(1), 4), (WorkerId(2), 4)];
+        let d = choose(
+            10,
+            &m,
+            &reg,
+            &RoutingConfig::default(),
+            running(&[3.0, 1.0, 2.0]),
+            all,
         );
+        assert_eq!(d.hint.workers, vec![addr(1), addr(2), addr(0)]);
     }
 
     #[test]
-    fn saturated_affinity_spills_to_the_least_loaded() {
-        let reg = registry(3);
+    fn load_outweighs_a_short_match_but_not_a_long_one() {
+        let reg = registry(2);
         let routing = RoutingConfig::default();
-        // Worker 0 holds the prefix but its queue is over the threshold.
+        // Two shared blocks on a busy worker are not worth its queue.
         let d = choose(
-            &[(WorkerId(0), 9)],
+            20,
+            &[(WorkerId(0), 2)],
             &reg,
             &routing,
-            |w| busy(w, &[0], routing.max_waiting),
+            running(&[3.0, 0.0]),
             all,
         );
         assert_eq!(d.rule, Rule::LeastLoaded);
-        assert_ne!(d.hint.workers[0], "127.0.0.1:8000");
-        assert_eq!(
-            d.hint.workers.last().unwrap(),
-            "127.0.0.1:8000",
-            "the affine worker stays last"
-        );
-        // A partial match on an unsaturated worker beats a saturated full match.
+        assert_eq!(d.hint.workers, vec![addr(1), addr(0)]);
+        // Ninety cached blocks are worth waiting behind two requests.
         let d = choose(
-            &[(WorkerId(0), 9), (WorkerId(2), 3)],
+            100,
+            &[(WorkerId(0), 90)],
             &reg,
             &routing,
-            |w| busy(w, &[0], 9.0),
+            running(&[2.0, 0.0]),
             all,
         );
         assert_eq!(d.rule, Rule::LongestMatch);
-        assert_eq!(d.hint.workers[0], "127.0.0.1:8002");
+        assert_eq!(d.hint.workers[0], addr(0));
+    }
+
+    #[test]
+    fn saturated_workers_come_last() {
+        let reg = registry(3);
+        let routing = RoutingConfig::default();
+        let queue = |w: WorkerId| Load {
+            waiting: if w.0 == 0 { routing.max_waiting } else { 0.0 },
+            ..Load::default()
+        };
+        let d = choose(
+            100,
+            &[(WorkerId(0), 99), (WorkerId(2), 3)],
+            &reg,
+            &routing,
+            queue,
+            all,
+        );
+        assert_eq!(d.rule, Rule::LeastLoaded);
+        assert_eq!(d.hint.workers, vec![addr(2), addr(1), addr(0)]);
+        assert!(d.candidates[2].saturated);
     }
 
     #[test]
     fn unhealthy_workers_are_never_hinted() {
         let reg = registry(3);
-        let d = choose(
-            &[(WorkerId(1), 9), (WorkerId(2), 1)],
-            &reg,
-            &RoutingConfig::default(),
-            idle,
-            |w| w.0 != 1,
-        );
-        assert!(!d.hint.workers.contains(&"127.0.0.1:8001".to_string()));
-        assert_eq!(d.hint.workers[0], "127.0.0.1:8002");
+        let m = [(WorkerId(1), 9), (WorkerId(2), 1)];
+        let d = choose(10, &m, &reg, &RoutingConfig::default(), idle, |w| w.0 != 1);
+        assert!(!d.hint.workers.contains(&addr(1)));
+        assert_eq!(d.hint.workers[0], addr(2));
         assert_eq!(d.candidates.len(), 2);
     }
 
@@ -266,10 +265,10 @@ mod tests {
             min_matched_blocks: 2,
             ..RoutingConfig::default()
         };
-        let d = choose(&[(WorkerId(0), 1)], &reg, &strict, idle, all);
+        let d = choose(10, &[(WorkerId(0), 1)], &reg, &strict, idle, all);
         assert_eq!(d.rule, Rule::NoMatch);
         assert_eq!(d.hint, HintResponse::default());
-        let d = choose(&[], &reg, &RoutingConfig::default(), idle, all);
+        let d = choose(10, &[], &reg, &RoutingConfig::default(), idle, all);
         assert_eq!(d.rule, Rule::NoMatch);
     }
 }

@@ -166,6 +166,7 @@ impl AppState {
         let decision = {
             let mut load = self.load.lock().unwrap_or_else(|e| e.into_inner());
             let decision = router::choose(
+                req.hashes.len() as u32,
                 &matches,
                 &self.registry,
                 &self.routing,

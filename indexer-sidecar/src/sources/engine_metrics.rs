@@ -10,7 +10,9 @@ use crate::state::AppState;
 /// Scrape every worker every `routing.scrape_interval_ms`, forever.
 pub async fn run(state: Arc<AppState>) {
     let every = Duration::from_millis(state.routing.scrape_interval_ms.max(10));
-    let Ok(http) = reqwest::Client::builder().timeout(every).build() else {
+    // A busy engine answers /metrics late; a late answer still beats none.
+    let timeout = every.max(Duration::from_secs(2));
+    let Ok(http) = reqwest::Client::builder().timeout(timeout).build() else {
         tracing::error!("cannot build the HTTP client for engine metrics; load is hints only");
         return;
     };
