@@ -24,8 +24,9 @@
 //! max_waiting = 4                   # saturation thresholds: queued requests,
 //! max_kv_usage = 0.95               #   KV cache usage,
 //! max_in_flight = 16                #   running + queued
-//! load_penalty_blocks = 8           # one request in flight costs as much as 8 uncached blocks
-//! scrape_interval_ms = 500          # engines' /metrics (vLLM names) are read this often
+//! load_penalty_blocks = 8           # one request running or queued costs as much as 8 uncached blocks
+//! hint_penalty_blocks = 2           # one hint since the last scrape costs as much as 2
+//! scrape_interval_ms = 250          # engines' /metrics (vLLM names) are read this often
 //! ```
 
 use std::net::SocketAddr;
@@ -123,6 +124,10 @@ pub struct RoutingConfig {
     /// Cost of one request in flight on a worker, in blocks of prefill: how many cached blocks
     /// are worth waiting behind one more request.
     pub load_penalty_blocks: f64,
+    /// Cost of one hint given to a worker since its last scrape: hints may already have
+    /// finished, so they weigh less than requests the engine reports, but enough to keep a
+    /// burst between two scrapes from herding onto one worker.
+    pub hint_penalty_blocks: f64,
     /// How often engines' `/metrics` are scraped; also the half-life of the hint count.
     pub scrape_interval_ms: u64,
 }
@@ -136,7 +141,8 @@ impl Default for RoutingConfig {
             max_kv_usage: 0.95,
             max_in_flight: 16.0,
             load_penalty_blocks: 8.0,
-            scrape_interval_ms: 500,
+            hint_penalty_blocks: 2.0,
+            scrape_interval_ms: 250,
         }
     }
 }

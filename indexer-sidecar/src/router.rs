@@ -2,8 +2,11 @@
 //!
 //! The rule (affinity as a preference): among healthy workers that are not saturated, the one
 //! with the lowest cost wins, where cost = blocks it would have to prefill (prompt blocks it does
-//! not hold) + `load_penalty_blocks` × its requests in flight. So a long match wins over a short
-//! queue, but a two-block match does not pin traffic to a busy worker while another idles. A
+//! not hold) + `load_penalty_blocks` × its running and queued requests (as last scraped) +
+//! `hint_penalty_blocks` × the hints it got since that scrape. So a long match wins over a short
+//! queue, but a two-block match does not pin traffic to a busy worker while another idles, and a
+//! burst between two scrapes spreads out. Hints weigh less than scraped requests because some of
+//! them have already finished. A
 //! worker is saturated when its queue, its KV usage or its running + queued requests reach the
 //! configured thresholds; saturated workers are used only when every worker is. When no worker
 //! holds a useful match, no hint is given and Envoy's ring hash on the fallback key decides (it
@@ -88,14 +91,16 @@ pub fn choose(
             let load = load_of(w.id);
             let n = matched(w.id);
             let cost = f64::from(prompt_blocks.saturating_sub(n))
-                + routing.load_penalty_blocks * load.in_flight();
+                + routing.load_penalty_blocks * (load.running + load.waiting)
+                + routing.hint_penalty_blocks * load.recent_hints;
             (w.id, n, load, saturated(&load, routing), cost)
         })
         .collect();
-    // Unsaturated first, then the cheapest, then the longest match.
+    // Unsaturated first, then the cheapest, then the fewest recent hints, the longest match.
     candidates.sort_by(|a, b| {
         a.3.cmp(&b.3)
             .then(a.4.total_cmp(&b.4))
+            .then(a.2.recent_hints.total_cmp(&b.2.recent_hints))
             .then(b.1.cmp(&a.1))
             .then(a.0.cmp(&b.0))
     });
@@ -197,6 +202,32 @@ mod tests {
             all,
         );
         assert_eq!(d.hint.workers, vec![addr(1), addr(2), addr(0)]);
+    }
+
+    #[test]
+    fn recent_hints_weigh_lightly() {
+        let reg = registry(2);
+        let hinted = |w: WorkerId| Load {
+            recent_hints: if w.0 == 0 { 3.0 } else { 0.0 },
+            ..Load::default()
+        };
+        let tie = [(WorkerId(0), 4), (WorkerId(1), 4)];
+        let d = choose(10, &tie, &reg, &RoutingConfig::default(), hinted, all);
+        assert_eq!(d.hint.workers[0], addr(1));
+        // Three hints (6 blocks) outweigh one more cached block, not eight more.
+        let one_more = [(WorkerId(0), 5), (WorkerId(1), 4)];
+        let d = choose(10, &one_more, &reg, &RoutingConfig::default(), hinted, all);
+        assert_eq!(d.hint.workers[0], addr(1));
+        let eight_more = [(WorkerId(0), 12), (WorkerId(1), 4)];
+        let d = choose(
+            20,
+            &eight_more,
+            &reg,
+            &RoutingConfig::default(),
+            hinted,
+            all,
+        );
+        assert_eq!(d.hint.workers[0], addr(0));
     }
 
     #[test]

@@ -88,12 +88,14 @@ async fn index_steers_envoy_and_fallback_keeps_affinity() {
     );
 }
 
-/// Routing headers sent by a client change nothing.
+/// Routing headers sent by a client change nothing. The sidecar is stopped first, so no hint
+/// ever overwrites a forged header: only the stripping in front of the filter protects.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_sent_routing_headers_are_ignored() {
-    let stack = Stack::start(StackOptions::new("forged", Mode::Kvroute))
+    let mut stack = Stack::start(StackOptions::new("forged", Mode::Kvroute))
         .await
         .expect("stack starts");
+    stack.kill("sidecar");
     let n = stack.engines.len();
     let url = format!("{}/v1/chat/completions", stack.envoy_url);
     let send = |body: serde_json::Value, header: &'static str, value: String| {
