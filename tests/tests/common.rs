@@ -7,46 +7,13 @@ use std::time::Duration;
 use kvroute_harness::client::{send_streaming, Outcome};
 use kvroute_harness::process::wait_for;
 use kvroute_harness::stack::MODEL;
-use kvroute_harness::workload::Rng;
+use kvroute_harness::workload::{words, Rng};
 use kvroute_harness::Stack;
 use serde_json::{json, Value};
 
-/// `n` deterministic pseudo-words from `seed` (all in the demo tokenizer's vocabulary).
+/// `n` deterministic words from `seed` (all in the demo tokenizer's vocabulary).
 pub fn text(seed: u64, n: usize) -> String {
-    const WORDS: &[&str] = &[
-        "cache",
-        "prefix",
-        "routing",
-        "model",
-        "token",
-        "block",
-        "worker",
-        "router",
-        "hello",
-        "world",
-        "quick",
-        "brown",
-        "fox",
-        "lazy",
-        "dog",
-        "explain",
-        "sentence",
-        "helpful",
-        "assistant",
-        "system",
-        "user",
-        "please",
-        "about",
-        "blocks",
-        "tokens",
-        "over",
-        "jumps",
-    ];
-    let mut rng = Rng::new(seed);
-    (0..n)
-        .map(|_| WORDS[(rng.next_u64() % WORDS.len() as u64) as usize])
-        .collect::<Vec<_>>()
-        .join(" ")
+    words(&mut Rng::new(seed), n)
 }
 
 /// A chat request body.
