@@ -16,10 +16,8 @@ pub struct Load {
     pub waiting: f64,
     /// KV cache usage, 0..1 (`vllm:kv_cache_usage_perc`).
     pub kv_usage: f64,
-    /// Hints given to it recently (decayed).
+    /// Hints given to it since its last scrape (decayed).
     pub recent_hints: f64,
-    /// Whether the last scrape worked (unscraped workers are judged by hints alone).
-    pub scraped: bool,
 }
 
 impl Load {
@@ -101,10 +99,7 @@ impl LoadTracker {
 
 /// Parse vLLM's load gauges out of Prometheus text (summing over label sets, e.g. engines).
 pub fn parse_vllm_metrics(text: &str) -> Option<Load> {
-    let mut load = Load {
-        scraped: true,
-        ..Load::default()
-    };
+    let mut load = Load::default();
     let mut seen = false;
     for line in text.lines().filter(|l| !l.starts_with('#')) {
         let (series, value) = match line.rsplit_once(' ') {
@@ -139,7 +134,6 @@ mod tests {
             (load.running, load.waiting, load.kv_usage),
             (4.0, 2.0, 0.25)
         );
-        assert!(load.scraped);
         assert_eq!(parse_vllm_metrics("no metrics here 1\n"), None);
     }
 
@@ -159,7 +153,6 @@ mod tests {
                 waiting: 1.0,
                 kv_usage: 0.5,
                 recent_hints: 0.0,
-                scraped: true,
             }),
         );
         assert_eq!(t.get(1).in_flight(), 3.0);

@@ -35,17 +35,6 @@ pub enum PromptError {
     Tokenizer(#[from] TokenizerError),
 }
 
-impl PromptError {
-    /// A short stable label for metrics (`bad_request`, `template`, `tokenizer`).
-    pub fn reason(&self) -> &'static str {
-        match self {
-            PromptError::Request(_) => "bad_request",
-            PromptError::Template(_) => "template",
-            PromptError::Tokenizer(_) => "tokenizer",
-        }
-    }
-}
-
 /// Why a bundle could not be turned into a [`Preprocessor`].
 #[derive(Debug, thiserror::Error)]
 pub enum BundleError {

@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 
 use crate::client::{run_sessions, Outcome, Target};
 use crate::peers::PEERS;
-use crate::report::quantile;
+use crate::report::ModeReport;
 use crate::stack::MODEL;
 use crate::traces::{self, TraceSpec};
 use crate::workload::{ChatSpec, ChatWorkload, Session};
@@ -135,16 +135,10 @@ pub fn fleet(engines: usize, capacity_blocks: usize) -> SimOptions {
 
 /// The result of one mode on one workload.
 pub fn summary(outcomes: &[Outcome], engines: usize) -> Value {
-    let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok()).collect();
-    let prompt: u64 = ok.iter().map(|o| o.prompt_tokens).sum();
-    let cached: u64 = ok.iter().map(|o| o.cached_tokens).sum();
-    let ttfts: Vec<f64> = ok.iter().map(|o| o.ttft.as_secs_f64() * 1000.0).collect();
-    let mut per_engine = vec![0usize; engines];
-    for o in &ok {
-        if let Some(n) = o.engine.and_then(|e| per_engine.get_mut(e)) {
-            *n += 1;
-        }
-    }
+    let r = ModeReport::new("", outcomes, engines);
+    let served: usize = r.requests_per_engine.iter().sum();
+    let mean = served as f64 / engines.max(1) as f64;
+    let max = r.requests_per_engine.iter().copied().max().unwrap_or(0) as f64;
     let first_error = outcomes.iter().find(|o| !o.ok()).map(|o| {
         format!(
             "status {}: {}",
@@ -152,17 +146,15 @@ pub fn summary(outcomes: &[Outcome], engines: usize) -> Value {
             o.error.clone().unwrap_or_default()
         )
     });
-    let mean = ok.len() as f64 / engines.max(1) as f64;
-    let max = per_engine.iter().copied().max().unwrap_or(0) as f64;
     json!({
-        "hit_rate": if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 },
-        "ttft_p50_ms": quantile(&ttfts, 0.5),
-        "ttft_p95_ms": quantile(&ttfts, 0.95),
+        "hit_rate": r.hit_rate,
+        "ttft_p50_ms": r.ttft_p50_ms,
+        "ttft_p95_ms": r.ttft_p95_ms,
         "imbalance": if mean > 0.0 { max / mean } else { 0.0 },
-        "requests": outcomes.len(),
-        "errors": outcomes.len() - ok.len(),
+        "requests": r.requests,
+        "errors": r.errors,
         "available": true,
-        "requests_per_engine": per_engine,
+        "requests_per_engine": r.requests_per_engine,
         "first_error": first_error,
     })
 }
