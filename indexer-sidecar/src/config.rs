@@ -18,6 +18,12 @@
 //! model = "tiny-llama"
 //! dynamo_worker_id = 1001           # the worker_id in its KV events
 //!
+//! [envoy]                          # optional: Envoy's view of the workers cluster
+//! admin_url = "http://127.0.0.1:9901" # unhealthy or absent workers are never hinted
+//! cluster = "workers"
+//! poll_interval_ms = 200
+//! grace_period_ms = 30000           # then their index entries are dropped
+//!
 //! [routing]
 //! min_matched_blocks = 1            # a shorter match is not worth a hint
 //! max_hinted_workers = 3            # length of the override_host list (retries go down it)
@@ -57,6 +63,38 @@ pub struct Config {
     /// Hint policy knobs.
     #[serde(default)]
     pub routing: RoutingConfig,
+    /// Envoy's admin endpoint, to learn which workers Envoy considers healthy.
+    #[serde(default)]
+    pub envoy: Option<EnvoyConfig>,
+}
+
+/// Where to read Envoy's view of the workers cluster.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnvoyConfig {
+    /// Envoy's admin URL, e.g. `http://127.0.0.1:9901`.
+    pub admin_url: String,
+    /// The cluster override_host routes into.
+    #[serde(default = "default_cluster")]
+    pub cluster: String,
+    /// How often to poll `/clusters`.
+    #[serde(default = "default_poll_ms")]
+    pub poll_interval_ms: u64,
+    /// How long a worker may stay unhealthy or absent before its index entries are dropped.
+    #[serde(default = "default_grace_ms")]
+    pub grace_period_ms: u64,
+}
+
+fn default_cluster() -> String {
+    "workers".into()
+}
+
+fn default_poll_ms() -> u64 {
+    200
+}
+
+fn default_grace_ms() -> u64 {
+    30_000
 }
 
 fn default_listen() -> SocketAddr {

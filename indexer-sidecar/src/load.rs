@@ -18,12 +18,20 @@ pub struct Load {
     pub kv_usage: f64,
     /// Hints given to it since its last scrape (decayed).
     pub recent_hints: f64,
+    /// Requests in flight to it from this Envoy (admin `rq_active`), when Envoy is polled.
+    pub envoy_active: f64,
 }
 
 impl Load {
-    /// Requests it has or is about to get: running + waiting + recent hints.
+    /// Requests it has: what the engine reports running and queued, or what Envoy has in
+    /// flight to it if that is more (Envoy sees a request the moment it is sent).
+    pub fn busy(&self) -> f64 {
+        (self.running + self.waiting).max(self.envoy_active)
+    }
+
+    /// Requests it has or is about to get: busy + recent hints.
     pub fn in_flight(&self) -> f64 {
-        self.running + self.waiting + self.recent_hints
+        self.busy() + self.recent_hints
     }
 }
 
@@ -43,6 +51,7 @@ impl Decaying {
 /// Load of every worker, indexed by [`crate::WorkerId`].
 #[derive(Debug)]
 pub struct LoadTracker {
+    envoy_active: Vec<f64>,
     scraped: Vec<Option<Load>>,
     hints: Vec<Decaying>,
     half_life: Duration,
@@ -53,6 +62,7 @@ impl LoadTracker {
     pub fn new(workers: usize, half_life: Duration) -> Self {
         let now = Instant::now();
         LoadTracker {
+            envoy_active: vec![0.0; workers],
             scraped: vec![None; workers],
             hints: vec![
                 Decaying {
@@ -68,6 +78,7 @@ impl LoadTracker {
     /// The current load of worker `i`.
     pub fn get(&self, i: usize) -> Load {
         let mut load = self.scraped.get(i).copied().flatten().unwrap_or_default();
+        load.envoy_active = self.envoy_active.get(i).copied().unwrap_or(0.0);
         load.recent_hints = self
             .hints
             .get(i)
@@ -81,6 +92,13 @@ impl LoadTracker {
         if let Some(h) = self.hints.get_mut(i) {
             h.value = h.read(now, self.half_life) + 1.0;
             h.at = now;
+        }
+    }
+
+    /// Record Envoy's in-flight count for worker `i`.
+    pub fn envoy_active(&mut self, i: usize, active: f64) {
+        if let Some(slot) = self.envoy_active.get_mut(i) {
+            *slot = active;
         }
     }
 
@@ -146,16 +164,31 @@ mod tests {
         assert_eq!(t.get(1).recent_hints, 0.0);
         std::thread::sleep(Duration::from_millis(120));
         assert!(t.get(0).recent_hints < 0.5);
-        t.scraped(
-            1,
-            Some(Load {
-                running: 2.0,
-                waiting: 1.0,
-                kv_usage: 0.5,
-                recent_hints: 0.0,
-            }),
+        t.hinted(1);
+        let scraped = Load {
+            running: 2.0,
+            waiting: 1.0,
+            kv_usage: 0.5,
+            ..Load::default()
+        };
+        t.scraped(1, Some(scraped));
+        assert_eq!(
+            t.get(1).in_flight(),
+            3.0,
+            "a scrape sees the hinted requests itself"
         );
-        assert_eq!(t.get(1).in_flight(), 3.0);
+        t.hinted(1);
+        t.scraped(1, None);
+        assert!(
+            t.get(1).recent_hints > 0.9,
+            "a failed scrape keeps the hint count"
+        );
+        t.envoy_active(0, 5.0);
+        assert_eq!(
+            t.get(0).busy(),
+            5.0,
+            "Envoy's in-flight count wins when larger"
+        );
         t.hinted(7); // out of range: ignored
     }
 }

@@ -85,6 +85,13 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             Ok(())
         }
     });
+    if let Some(envoy) = config.envoy.clone() {
+        let state = state.clone();
+        tasks.spawn(async move {
+            sources::envoy_admin::run(envoy, state).await;
+            Ok(())
+        });
+    }
     if let Some(nats) = config.nats.clone() {
         let state = state.clone();
         tasks.spawn(sources::nats::run(nats, state));

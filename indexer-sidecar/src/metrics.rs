@@ -31,6 +31,8 @@ pub struct Metrics {
     pub unknown_removals: Counter,
     /// Engine `/metrics` scrapes that failed, by worker.
     pub scrape_errors: Family<Labels, Counter>,
+    /// 1 when Envoy lists the worker as healthy (only with `[envoy]` configured).
+    pub worker_usable: Family<Labels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -47,6 +49,7 @@ impl Default for Metrics {
             orphan_stores: Family::default(),
             unknown_removals: Counter::default(),
             scrape_errors: Family::default(),
+            worker_usable: Family::default(),
         };
         m.registry
             .register("hints", "Hint requests by result", m.hints.clone());
@@ -89,6 +92,11 @@ impl Default for Metrics {
             "unknown_removals",
             "Removed blocks the index did not hold",
             m.unknown_removals.clone(),
+        );
+        m.registry.register(
+            "worker_usable",
+            "1 when Envoy lists the worker as healthy",
+            m.worker_usable.clone(),
         );
         m.registry.register(
             "scrape_errors",

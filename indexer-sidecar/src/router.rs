@@ -34,6 +34,8 @@ pub struct Candidate {
     pub kv_usage: f64,
     /// Hints recently given to it (decayed).
     pub recent_hints: f64,
+    /// Requests in flight from Envoy.
+    pub envoy_active: f64,
     /// Whether it was over a threshold.
     pub saturated: bool,
     /// Blocks to prefill + load penalty (lower is better).
@@ -69,7 +71,7 @@ pub struct Decision {
 pub fn saturated(load: &Load, routing: &RoutingConfig) -> bool {
     load.waiting >= routing.max_waiting
         || load.kv_usage >= routing.max_kv_usage
-        || load.running + load.waiting >= routing.max_in_flight
+        || load.busy() >= routing.max_in_flight
 }
 
 /// Decide where a request of `prompt_blocks` blocks goes. `matches` are (worker, matched
@@ -91,7 +93,7 @@ pub fn choose(
             let load = load_of(w.id);
             let n = matched(w.id);
             let cost = f64::from(prompt_blocks.saturating_sub(n))
-                + routing.load_penalty_blocks * (load.running + load.waiting)
+                + routing.load_penalty_blocks * load.busy()
                 + routing.hint_penalty_blocks * load.recent_hints;
             (w.id, n, load, saturated(&load, routing), cost)
         })
@@ -137,6 +139,7 @@ pub fn choose(
                 waiting: load.waiting,
                 kv_usage: load.kv_usage,
                 recent_hints: load.recent_hints,
+                envoy_active: load.envoy_active,
                 saturated: sat,
                 cost,
             })

@@ -3,7 +3,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Mutex, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use kvroute_protocol::bundle::{Catalog, CatalogEntry};
@@ -17,6 +17,7 @@ use crate::load::{Load, LoadTracker};
 use crate::metrics::{label, Metrics};
 use crate::registry::{WorkerId, WorkerRegistry};
 use crate::router::{self, Decision};
+use crate::sources::envoy_admin::HostView;
 
 /// How many recent decisions `/debug/explain` keeps.
 const EXPLAINED: usize = 100;
@@ -46,6 +47,9 @@ pub struct AppState {
     pub load: Mutex<LoadTracker>,
     /// The most recent decisions, newest first, for `/debug/explain`.
     pub decisions: Mutex<VecDeque<serde_json::Value>>,
+    /// Since when each worker has been unhealthy or absent in Envoy (`None`: usable).
+    unusable_since: Mutex<Vec<Option<Instant>>>,
+    grace_period: Duration,
 }
 
 impl AppState {
@@ -83,6 +87,10 @@ impl AppState {
                 Duration::from_millis(config.routing.scrape_interval_ms.max(1)),
             )),
             decisions: Mutex::new(VecDeque::with_capacity(EXPLAINED)),
+            unusable_since: Mutex::new(vec![None; config.workers.len()]),
+            grace_period: Duration::from_millis(
+                config.envoy.as_ref().map_or(30_000, |e| e.grace_period_ms),
+            ),
         };
         for w in state.registry.iter() {
             state
@@ -165,14 +173,19 @@ impl AppState {
         drop(indexes);
         let decision = {
             let mut load = self.load.lock().unwrap_or_else(|e| e.into_inner());
+            let unusable = self
+                .unusable_since
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
             let decision = router::choose(
                 req.hashes.len() as u32,
                 &matches,
                 &self.registry,
                 &self.routing,
                 |w| load.get(w.0 as usize),
-                |_| true,
+                |w| unusable.get(w.0 as usize).is_some_and(Option::is_none),
             );
+            drop(unusable);
             if let Some(first) = decision.hint.workers.first() {
                 if let Some(w) = self.registry.iter().find(|w| &w.address == first) {
                     load.hinted(w.id.0 as usize);
@@ -209,6 +222,60 @@ impl AppState {
             recent.pop_back();
         }
         recent.push_front(entry);
+    }
+
+    /// Apply Envoy's view of the workers cluster: health, membership and requests in flight.
+    /// A worker Envoy does not list or considers unhealthy is never hinted; after the grace
+    /// period its index entries are dropped (it may come back with an empty cache).
+    pub fn record_envoy_view(&self, hosts: &HashMap<String, HostView>) {
+        let now = Instant::now();
+        let mut expired = Vec::new();
+        {
+            let mut unusable = self
+                .unusable_since
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            let mut load = self.load.lock().unwrap_or_else(|e| e.into_inner());
+            for w in self.registry.iter() {
+                let view = hosts.get(&w.address);
+                load.envoy_active(w.id.0 as usize, view.map_or(0.0, |v| v.rq_active));
+                let usable = view.is_some_and(|v| v.healthy);
+                self.metrics
+                    .worker_usable
+                    .get_or_create(&label("worker", w.address.clone()))
+                    .set(i64::from(usable));
+                let Some(slot) = unusable.get_mut(w.id.0 as usize) else {
+                    continue;
+                };
+                match (usable, *slot) {
+                    (true, Some(_)) => {
+                        tracing::info!(worker = %w.address, "worker usable again");
+                        *slot = None;
+                    }
+                    (false, None) => {
+                        tracing::warn!(worker = %w.address, listed = view.is_some(), "Envoy does not consider this worker healthy: no more hints to it");
+                        *slot = Some(now);
+                    }
+                    (false, Some(since)) if now.duration_since(since) >= self.grace_period => {
+                        expired.push((w.id, w.model.clone(), w.address.clone()));
+                    }
+                    _ => {}
+                }
+            }
+        }
+        for (id, model, address) in expired {
+            let mut indexes = self.indexes.write().unwrap_or_else(|e| e.into_inner());
+            if let Some(index) = indexes.get_mut(&model) {
+                let dropped = index.remove_worker(id);
+                if dropped > 0 {
+                    tracing::warn!(worker = %address, blocks = dropped, "unhealthy past the grace period: index entries dropped");
+                    self.metrics
+                        .index_blocks
+                        .get_or_create(&label("worker", address))
+                        .set(0);
+                }
+            }
+        }
     }
 
     /// Record a scrape of a worker's engine metrics.

@@ -198,11 +198,15 @@ impl Stack {
             .engines;
 
         let sidecar_port = free_port()?;
+        let (listen, admin) = (free_port()?, free_port()?);
         let sidecar_url = if opts.mode == Mode::RoundRobin {
             None
         } else {
             let config = dir.join("sidecar.toml");
             let mut text = sidecar_config(&opts, &engines, &nats_url, sidecar_port);
+            text.push_str(&format!(
+                "\n[envoy]\nadmin_url = \"http://127.0.0.1:{admin}\"\npoll_interval_ms = 100\n"
+            ));
             if opts.sidecar_uds {
                 let socket = dir.join("sidecar.sock");
                 text = format!("unix_socket = \"{}\"\n{text}", socket.display());
@@ -224,7 +228,6 @@ impl Stack {
             Some(url)
         };
 
-        let (listen, admin) = (free_port()?, free_port()?);
         let envoy_config = dir.join("envoy.yaml");
         let sidecar = if opts.sidecar_uds {
             SidecarAddress::Unix(dir.join("sidecar.sock"))
@@ -280,6 +283,35 @@ impl Stack {
             if let Err(e) = loaded {
                 bail!("{e}: {}", stack.log_tail("envoy"));
             }
+        }
+        // Envoy health-checks the engines; hosts count once the first check passed, and the
+        // sidecar hints only hosts it has seen Envoy call healthy.
+        let engines = stack.engines.len() as u64;
+        let stack_ref = &stack;
+        let healthy = wait_for(
+            "Envoy to find every engine healthy",
+            Duration::from_secs(30),
+            || async move {
+                let n = stack_ref
+                    .envoy_stat("cluster.workers.membership_healthy")
+                    .await?;
+                if n < engines {
+                    return None;
+                }
+                if stack_ref.sidecar_url.is_none() {
+                    return Some(());
+                }
+                let text = stack_ref.sidecar_metrics().await.ok()?;
+                let usable = text
+                    .lines()
+                    .filter(|l| l.starts_with("kvroute_worker_usable{") && l.ends_with(" 1"))
+                    .count() as u64;
+                (usable >= engines).then_some(())
+            },
+        )
+        .await;
+        if let Err(e) = healthy {
+            bail!("{e}: {}", stack.log_tail("envoy"));
         }
         stack.check_alive()?;
         Ok(stack)

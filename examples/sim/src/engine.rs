@@ -51,6 +51,8 @@ pub struct EngineStats {
     pub requests: AtomicU64,
     /// KV blocks used by running requests (cached but idle blocks are reusable, not used).
     pub active_blocks: AtomicU64,
+    /// Set to make `/health` and completions fail, as an engine on its way down would.
+    pub unhealthy: std::sync::atomic::AtomicBool,
 }
 
 /// What prefill found and cost.

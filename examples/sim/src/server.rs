@@ -50,7 +50,8 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
-        .route("/health", get(|| async { "" }))
+        .route("/health", get(health))
+        .route("/admin/health", post(set_health))
         .route("/metrics", get(metrics))
         .route("/oracle", post(oracle))
         .route("/tokenize", post(tokenize))
@@ -89,6 +90,12 @@ async fn completions(State(engine): State<Arc<Engine>>, body: Bytes) -> Response
 }
 
 async fn generate(engine: Arc<Engine>, body: Bytes, api: Api) -> Response {
+    if engine.stats.unhealthy.load(Ordering::Relaxed) {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "engine is shutting down".into(),
+        );
+    }
     let req = match LlmRequest::parse(&body) {
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, e.to_string()),
@@ -221,6 +228,26 @@ fn token_stream(
             Some((Ok(Bytes::from(tail)), (sent + 1, None)))
         }
     })
+}
+
+async fn health(State(engine): State<Arc<Engine>>) -> StatusCode {
+    if engine.stats.unhealthy.load(Ordering::Relaxed) {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    }
+}
+
+/// `POST /admin/health` with `up` or `down`: the test hook that makes `/health` and every
+/// completion fail with 503, as an engine on its way down would.
+async fn set_health(State(engine): State<Arc<Engine>>, body: String) -> StatusCode {
+    let down = match body.trim() {
+        "down" => true,
+        "up" => false,
+        _ => return StatusCode::BAD_REQUEST,
+    };
+    engine.stats.unhealthy.store(down, Ordering::Relaxed);
+    StatusCode::OK
 }
 
 async fn models(State(engine): State<Arc<Engine>>) -> Json<Value> {

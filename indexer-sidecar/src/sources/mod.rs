@@ -1,4 +1,5 @@
 //! Event sources: transports that deliver engine KV events to [`crate::state::AppState`].
 
 pub mod engine_metrics;
+pub mod envoy_admin;
 pub mod nats;
