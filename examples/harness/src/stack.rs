@@ -262,9 +262,7 @@ impl Stack {
             r.status().is_success().then_some(())
         })
         .await;
-        if let Err(e) = live {
-            bail!("{e}: {}", stack.log_tail("envoy"));
-        }
+        stack.with_envoy_log(live)?;
         if opts.mode != Mode::RoundRobin {
             // One VM per worker thread plus the main thread's.
             let vms = opts.envoy_concurrency as u64 + 1;
@@ -280,9 +278,7 @@ impl Stack {
                 },
             )
             .await;
-            if let Err(e) = loaded {
-                bail!("{e}: {}", stack.log_tail("envoy"));
-            }
+            stack.with_envoy_log(loaded)?;
         }
         // Envoy health-checks the engines; hosts count once the first check passed, and the
         // sidecar hints only hosts it has seen Envoy call healthy.
@@ -310,11 +306,14 @@ impl Stack {
             },
         )
         .await;
-        if let Err(e) = healthy {
-            bail!("{e}: {}", stack.log_tail("envoy"));
-        }
+        stack.with_envoy_log(healthy)?;
         stack.check_alive()?;
         Ok(stack)
+    }
+
+    /// Add the end of Envoy's log to a failed start-up step.
+    fn with_envoy_log<T>(&self, step: Result<T>) -> Result<T> {
+        step.map_err(|e| anyhow::anyhow!("{e}: {}", self.log_tail("envoy")))
     }
 
     /// The last lines of a process's log.
