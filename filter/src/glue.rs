@@ -27,9 +27,11 @@ proxy_wasm::main! {{
 }}
 
 /// State shared by the root context and the HTTP contexts of one VM (one Envoy worker thread).
+/// The configuration is behind an `Rc` so a request takes it with a pointer copy, not a clone
+/// of its strings.
 #[derive(Default)]
 struct Shared {
-    config: FilterConfig,
+    config: Rc<FilterConfig>,
     models: ModelRegistry,
     metrics: HashMap<Counter, u32>,
 }
@@ -60,21 +62,15 @@ const RETRY_FETCH: Duration = Duration::from_secs(1);
 
 impl Root {
     fn fetch(&mut self, path: &str, what: Fetch) {
-        let (cluster, authority, timeout) = {
-            let s = self.shared.borrow();
-            let c = &s.config;
-            (
-                c.sidecar_cluster.clone(),
-                c.sidecar_authority.clone(),
-                Duration::from_secs(5),
-            )
-        };
+        let config = Rc::clone(&self.shared.borrow().config);
+        let cluster = &config.sidecar_cluster;
         let headers = vec![
             (":method", "GET"),
             (":path", path),
-            (":authority", authority.as_str()),
+            (":authority", config.sidecar_authority.as_str()),
         ];
-        match hostcalls::dispatch_http_call(&cluster, headers, None, vec![], timeout) {
+        let timeout = Duration::from_secs(5);
+        match hostcalls::dispatch_http_call(cluster, headers, None, vec![], timeout) {
             Ok(token) => {
                 self.pending.insert(token, what);
             }
@@ -178,7 +174,7 @@ impl RootContext for Root {
             }
         };
         let mut shared = self.shared.borrow_mut();
-        shared.config = config;
+        shared.config = Rc::new(config);
         if shared.metrics.is_empty() {
             for counter in Counter::all() {
                 if let Ok(id) = hostcalls::define_metric(MetricType::Counter, &counter.name()) {
@@ -302,8 +298,8 @@ impl Request {
                     self.fall_back(FallbackReason::NoMatch);
                 }
                 Some(value) => {
-                    let header = self.shared.borrow().config.worker_header.clone();
-                    self.set_header(&header, Some(&value));
+                    let config = Rc::clone(&self.shared.borrow().config);
+                    self.set_header(&config.worker_header, Some(&value));
                     let shared = self.shared.borrow();
                     shared.bump(Counter::Hinted, 1);
                     shared.bump(Counter::MatchedBlocks, u64::from(hint.matched_blocks));
@@ -332,23 +328,21 @@ impl HttpContext for Request {
         if !wants_body(method.as_deref(), path.as_deref()) {
             return Action::Continue;
         }
-        let (worker_header, key_header, max) = {
+        let config = {
             let s = self.shared.borrow();
             s.bump(Counter::Requests, 1);
-            let c = &s.config;
-            (
-                c.worker_header.clone(),
-                c.key_header.clone(),
-                c.max_body_bytes,
-            )
+            Rc::clone(&s.config)
         };
         // Only kvroute decides these; a client must not be able to pick a worker.
-        self.set_header(&worker_header, None);
-        self.set_header(&key_header, None);
+        self.set_header(&config.worker_header, None);
+        self.set_header(&config.key_header, None);
+        if !config.session_header.is_empty() {
+            self.session = self.header(&config.session_header);
+        }
         let too_large = self
             .header("content-length")
             .and_then(|v| v.trim().parse::<usize>().ok())
-            .is_some_and(|len| len > max);
+            .is_some_and(|len| len > config.max_body_bytes);
         if too_large {
             return self.fall_back(FallbackReason::TooLarge);
         }
@@ -378,7 +372,7 @@ impl HttpContext for Request {
             let s = self.shared.borrow();
             (
                 plan(&body, &s.models, &s.config, self.session.as_deref()),
-                s.config.clone(),
+                Rc::clone(&s.config),
             )
         };
         if let Some(key) = &decision.key {

@@ -151,6 +151,24 @@ async fn client_sent_routing_headers_are_ignored() {
             first
         );
     }
+    // A session header is the fallback key: one session sticks to one engine whatever its
+    // prompts, and different sessions spread over the ring.
+    let session_engine = |session: String, seed: u64| {
+        let body = chat(&text(seed, 150), &text(seed + 1, 10));
+        send(body, "x-session-id", session)
+    };
+    let home = session_engine("session-a".into(), 300).await;
+    for seed in [310, 320, 330, 340] {
+        assert_eq!(session_engine("session-a".into(), seed).await, home);
+    }
+    let mut engines = std::collections::HashSet::new();
+    for k in 0..8 {
+        engines.insert(session_engine(format!("session-{k}"), 400).await);
+    }
+    assert!(
+        engines.len() > 1,
+        "sessions all hashed to one engine: {engines:?}"
+    );
 }
 
 /// A sidecar that accepts connections but never answers (stopped with SIGSTOP): every request
@@ -218,8 +236,8 @@ async fn ejected_worker_is_never_hinted() {
         )
         .await;
         failed += usize::from(!o.ok());
-        let text = stack.sidecar_metrics().await.unwrap();
-        if metric(&text, &series) == Some(0.0) {
+        let metrics = stack.sidecar_metrics().await.unwrap();
+        if metric(&metrics, &series) == Some(0.0) {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
@@ -228,16 +246,16 @@ async fn ejected_worker_is_never_hinted() {
         failed >= 3,
         "Envoy ejects after 3 consecutive 5xx ({failed} failed)"
     );
-    let text = stack.sidecar_metrics().await.unwrap();
+    let metrics = stack.sidecar_metrics().await.unwrap();
     assert_eq!(
-        metric(&text, &series),
+        metric(&metrics, &series),
         Some(0.0),
         "the sidecar saw the ejection"
     );
     for i in 0..10 {
         let o = via_envoy(
             &stack,
-            &chat(&system, &format!("{user} {}", text_of(100 + i))),
+            &chat(&system, &format!("{user} {}", text(100 + i, 4))),
         )
         .await;
         assert_ne!(served_by(&o), 1, "request {i} went to the ejected engine");
@@ -260,8 +278,4 @@ async fn ejected_worker_is_never_hinted() {
         candidates.iter().all(|c| c["worker"] != addr.as_str()),
         "{latest}"
     );
-}
-
-fn text_of(seed: u64) -> String {
-    text(seed, 4)
 }
