@@ -73,3 +73,22 @@ pub fn served_by(o: &Outcome) -> usize {
     assert!(o.ok(), "request failed: {o:?}");
     o.engine.expect("engine header")
 }
+
+/// A series summed over its labels, from engine `engine`'s own `/metrics` (0 if absent).
+pub async fn engine_metric(stack: &Stack, engine: usize, name: &str) -> f64 {
+    let url = format!("http://{}/metrics", stack.engines[engine].address);
+    let text = stack
+        .http
+        .get(url)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let prefix = format!("{name}{{");
+    text.lines()
+        .filter(|l| l.starts_with(&prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}

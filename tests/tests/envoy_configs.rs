@@ -3,7 +3,7 @@
 use std::process::Command;
 
 use kvroute_harness::stack::{render_envoy, EngineInfo, SidecarAddress};
-use kvroute_harness::{paths, Mode, StackOptions};
+use kvroute_harness::{paths, Fallback, Mode, StackOptions};
 
 #[test]
 fn shipped_envoy_configs_validate() {
@@ -16,16 +16,20 @@ fn shipped_envoy_configs_validate() {
         .collect();
     let dir = paths::run_dir("envoy-validate").unwrap();
     let uds = SidecarAddress::Unix(dir.join("sidecar.sock"));
-    for (mode, sidecar) in [
-        (Mode::Kvroute, SidecarAddress::Tcp(9100)),
-        (Mode::Kvroute, uds),
-        (Mode::RingHash, SidecarAddress::Tcp(9100)),
-        (Mode::RoundRobin, SidecarAddress::Tcp(9100)),
+    let tcp = SidecarAddress::Tcp(9100);
+    for (mode, fallback, sidecar) in [
+        (Mode::Kvroute, Fallback::RingHash, &tcp),
+        (Mode::Kvroute, Fallback::RingHash, &uds),
+        (Mode::Kvroute, Fallback::Maglev, &tcp),
+        (Mode::RingHash, Fallback::RingHash, &tcp),
+        (Mode::RoundRobin, Fallback::RingHash, &tcp),
     ] {
-        let opts = StackOptions::new("validate", mode);
-        let yaml = render_envoy(&opts, &engines, 10000, 9901, &sidecar).unwrap();
-        let file =
-            dir.join(format!("{}-{sidecar:?}.yaml", mode.name()).replace(['/', '"', ' '], "_"));
+        let mut opts = StackOptions::new("validate", mode);
+        opts.fallback = fallback;
+        let yaml = render_envoy(&opts, &engines, 10000, 9901, sidecar).unwrap();
+        let file = dir.join(
+            format!("{}-{fallback:?}-{sidecar:?}.yaml", mode.name()).replace(['/', '"', ' '], "_"),
+        );
         std::fs::write(&file, yaml).unwrap();
         let out = Command::new(paths::venv_tool("envoy").unwrap())
             .args(["--mode", "validate", "--disable-hot-restart", "-c"])
@@ -41,4 +45,35 @@ fn shipped_envoy_configs_validate() {
         );
         assert!(!text.contains("deprecated"), "{}: {text}", mode.name());
     }
+}
+
+/// The maglev variant is the ring-hash config with another fallback policy, nothing else: an
+/// edit to one must reach the other.
+#[test]
+fn maglev_config_differs_only_in_the_fallback_policy() {
+    let read =
+        |name: &str| std::fs::read_to_string(paths::workspace().join("envoy").join(name)).unwrap();
+    // Drop comments and the policy block (from its name to the balance factor).
+    let skeleton = |text: String| -> Vec<String> {
+        let mut out = Vec::new();
+        let mut in_policy = false;
+        for line in text.lines().filter(|l| !l.trim_start().starts_with('#')) {
+            if line.contains("name: envoy.load_balancing_policies.ring_hash")
+                || line.contains("name: envoy.load_balancing_policies.maglev")
+            {
+                in_policy = true;
+            }
+            if !in_policy {
+                out.push(line.to_owned());
+            }
+            if line.contains("hash_balance_factor") {
+                in_policy = false;
+            }
+        }
+        out
+    };
+    let ring = read("kvroute.yaml");
+    let maglev = read("kvroute-maglev.yaml");
+    assert!(maglev.contains("maglev.v3.Maglev") && ring.contains("ring_hash.v3.RingHash"));
+    assert_eq!(skeleton(ring), skeleton(maglev));
 }

@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use kvroute_harness::{Mode, Stack, StackOptions};
+use kvroute_harness::{Fallback, Mode, Stack, StackOptions};
 
 /// A prefix warmed on engine K (sent directly to K) is routed to K through Envoy, although the
 /// ring hash picks another engine for that key; with the sidecar killed, the ring's engine
@@ -242,9 +242,11 @@ async fn ejected_worker_is_never_hinted() {
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
+    // Envoy retries each 503 on the next hinted worker, so clients see none of them.
+    assert_eq!(failed, 0, "a 503 reached the client");
     assert!(
-        failed >= 3,
-        "Envoy ejects after 3 consecutive 5xx ({failed} failed)"
+        engine_metric(&stack, 1, "kvroute_sim:requests_failed_total").await >= 3.0,
+        "Envoy ejects after 3 consecutive 5xx"
     );
     let metrics = stack.sidecar_metrics().await.unwrap();
     assert_eq!(
@@ -278,4 +280,72 @@ async fn ejected_worker_is_never_hinted() {
         candidates.iter().all(|c| c["worker"] != addr.as_str()),
         "{latest}"
     );
+}
+
+/// When the best worker fails a request, Envoy's retry goes to the second-best cache, not to a
+/// random host: the hint is an ordered list and override_host walks it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_goes_to_the_second_best_worker() {
+    let stack = Stack::start(StackOptions::new("retry", Mode::Kvroute))
+        .await
+        .expect("stack starts");
+    let system = text(500, 120);
+    let user = text(501, 120);
+    // Engine 2 holds the whole prompt, engine 0 its system part only, engines 1 and 3 nothing.
+    let (best, second) = (2, 0);
+    let full = direct(&stack, best, &chat(&system, &user)).await;
+    let part = direct(&stack, second, &chat(&system, &text(502, 3))).await;
+    wait_indexed(&stack, best, (full.prompt_tokens / 16) as f64).await;
+    wait_indexed(&stack, second, (part.prompt_tokens / 16 - 1) as f64).await;
+
+    let fail_once = stack
+        .http
+        .post(format!(
+            "http://{}/admin/fail_next",
+            stack.engines[best].address
+        ))
+        .body("1");
+    assert!(fail_once.send().await.unwrap().status().is_success());
+    let o = via_envoy(&stack, &chat(&system, &format!("{user} again"))).await;
+    assert_eq!(served_by(&o), second, "the retry left the hint list");
+    assert!(
+        o.cached_tokens >= part.prompt_tokens / 16 * 16 - 16,
+        "the retry missed the second-best cache: {o:?}"
+    );
+    assert_eq!(
+        engine_metric(&stack, best, "kvroute_sim:requests_failed_total").await,
+        1.0,
+        "the best worker was tried first"
+    );
+    assert!(
+        stack
+            .envoy_stat("cluster.workers.upstream_rq_retry")
+            .await
+            .unwrap()
+            >= 1
+    );
+}
+
+/// The shipped maglev variant keeps affinity without the sidecar too: one prefix, one engine;
+/// sessions spread.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn maglev_fallback_keeps_affinity() {
+    let mut opts = StackOptions::new("maglev", Mode::Kvroute);
+    opts.fallback = Fallback::Maglev;
+    let mut stack = Stack::start(opts).await.expect("stack starts");
+    stack.kill("sidecar");
+    let system = text(600, 200);
+    let mut engines = Vec::new();
+    for i in 0..8 {
+        engines.push(served_by(
+            &via_envoy(&stack, &chat(&system, &text(610 + i, 10))).await,
+        ));
+    }
+    assert!(engines.iter().all(|&e| e == engines[0]), "{engines:?}");
+    let mut spread = std::collections::HashSet::new();
+    for i in 0..12 {
+        let o = via_envoy(&stack, &chat(&text(700 + i, 200), "hi")).await;
+        spread.insert(served_by(&o));
+    }
+    assert!(spread.len() > 1, "maglev sent every prefix to one engine");
 }

@@ -26,4 +26,4 @@ pub mod stack;
 pub mod traces;
 pub mod workload;
 
-pub use stack::{Mode, SimOptions, Stack, StackOptions};
+pub use stack::{Fallback, Mode, SimOptions, Stack, StackOptions};

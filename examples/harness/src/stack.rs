@@ -35,6 +35,15 @@ impl Mode {
     }
 }
 
+/// Envoy's fallback policy when there is no hint (kvroute and ring_hash modes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fallback {
+    /// `envoy/kvroute.yaml`.
+    RingHash,
+    /// `envoy/kvroute-maglev.yaml`.
+    Maglev,
+}
+
 /// Settings of the simulated engines.
 #[derive(Debug, Clone)]
 pub struct SimOptions {
@@ -89,6 +98,8 @@ pub struct StackOptions {
     pub envoy_concurrency: usize,
     /// Reach the sidecar over a Unix socket instead of TCP.
     pub sidecar_uds: bool,
+    /// Envoy's policy for unhinted requests.
+    pub fallback: Fallback,
 }
 
 impl StackOptions {
@@ -101,6 +112,7 @@ impl StackOptions {
             hint_timeout_ms: 200,
             envoy_concurrency: 2,
             sidecar_uds: false,
+            fallback: Fallback::RingHash,
         }
     }
 }
@@ -433,9 +445,10 @@ pub fn render_envoy(
     admin: u16,
     sidecar: &SidecarAddress,
 ) -> Result<String> {
-    let template = match opts.mode {
-        Mode::RoundRobin => "envoy/round-robin.yaml",
-        Mode::Kvroute | Mode::RingHash => "envoy/kvroute.yaml",
+    let template = match (opts.mode, opts.fallback) {
+        (Mode::RoundRobin, _) => "envoy/round-robin.yaml",
+        (_, Fallback::RingHash) => "envoy/kvroute.yaml",
+        (_, Fallback::Maglev) => "envoy/kvroute-maglev.yaml",
     };
     let text = std::fs::read_to_string(paths::workspace().join(template))?;
     let endpoints: Vec<String> = engines

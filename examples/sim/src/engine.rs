@@ -53,6 +53,10 @@ pub struct EngineStats {
     pub active_blocks: AtomicU64,
     /// Set to make `/health` and completions fail, as an engine on its way down would.
     pub unhealthy: std::sync::atomic::AtomicBool,
+    /// Completions still to fail with 503 before serving again (one bad request, not a dead engine).
+    pub fail_next: AtomicU64,
+    /// Completions answered with 503.
+    pub failed: AtomicU64,
 }
 
 /// What prefill found and cost.

@@ -52,6 +52,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/admin/health", post(set_health))
+        .route("/admin/fail_next", post(set_fail_next))
         .route("/metrics", get(metrics))
         .route("/oracle", post(oracle))
         .route("/tokenize", post(tokenize))
@@ -90,7 +91,13 @@ async fn completions(State(engine): State<Arc<Engine>>, body: Bytes) -> Response
 }
 
 async fn generate(engine: Arc<Engine>, body: Bytes, api: Api) -> Response {
-    if engine.stats.unhealthy.load(Ordering::Relaxed) {
+    let stats = &engine.stats;
+    let fail_one = stats
+        .fail_next
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+        .is_ok();
+    if fail_one || stats.unhealthy.load(Ordering::Relaxed) {
+        stats.failed.fetch_add(1, Ordering::Relaxed);
         return error(
             StatusCode::SERVICE_UNAVAILABLE,
             "engine is shutting down".into(),
@@ -250,6 +257,17 @@ async fn set_health(State(engine): State<Arc<Engine>>, body: String) -> StatusCo
     StatusCode::OK
 }
 
+/// `POST /admin/fail_next` with a count: the next that many completions fail with 503.
+async fn set_fail_next(State(engine): State<Arc<Engine>>, body: String) -> StatusCode {
+    match body.trim().parse::<u64>() {
+        Ok(n) => {
+            engine.stats.fail_next.store(n, Ordering::Relaxed);
+            StatusCode::OK
+        }
+        Err(_) => StatusCode::BAD_REQUEST,
+    }
+}
+
 async fn models(State(engine): State<Arc<Engine>>) -> Json<Value> {
     Json(
         json!({"object": "list", "data": [{"id": engine.config.model, "object": "model", "owned_by": "kvroute-sim"}]}),
@@ -292,6 +310,11 @@ async fn metrics(State(engine): State<Arc<Engine>>) -> Response {
         "vllm:prefix_cache_hits_total",
         "counter",
         s.prefix_hits.load(Ordering::Relaxed).to_string(),
+    );
+    metric(
+        "kvroute_sim:requests_failed_total",
+        "counter",
+        s.failed.load(Ordering::Relaxed).to_string(),
     );
     metric(
         "vllm:request_success_total",
