@@ -11,7 +11,9 @@ use std::rc::Rc;
 use std::time::{Duration, SystemTime};
 
 use kvroute_protocol::bundle::{bundle_path, Catalog, CATALOG_PATH};
-use kvroute_protocol::hint::{HintResponse, HINT_CONTENT_TYPE, HINT_PATH};
+use kvroute_protocol::hint::{
+    encode_finished, HintResponse, Ticket, FINISHED_PATH, HINT_CONTENT_TYPE, HINT_PATH,
+};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
@@ -34,7 +36,13 @@ struct Shared {
     config: Rc<FilterConfig>,
     models: ModelRegistry,
     metrics: HashMap<Counter, u32>,
+    /// Tickets of hinted requests that finished, not yet reported to the sidecar.
+    finished: Vec<Ticket>,
 }
+
+/// Reports beyond this wait are dropped (the sidecar reclaims their tickets from its scrapes);
+/// it bounds the VM's memory while the sidecar is unreachable.
+const MAX_UNREPORTED: usize = 4096;
 
 impl Shared {
     fn bump(&self, counter: Counter, by: u64) {
@@ -47,6 +55,7 @@ impl Shared {
 enum Fetch {
     Catalog,
     Bundle(String),
+    Finished,
 }
 
 #[derive(Default)]
@@ -78,6 +87,32 @@ impl Root {
                 log::warn!("kvroute: cannot call sidecar cluster {cluster} for {path}: {status:?}");
                 self.shared.borrow().bump(Counter::BundleErrors, 1);
             }
+        }
+    }
+
+    /// Report finished tickets that no hint request carried (traffic paused, or unhinted).
+    fn report_finished(&mut self) {
+        let tickets = std::mem::take(&mut self.shared.borrow_mut().finished);
+        if tickets.is_empty() {
+            return;
+        }
+        let config = Rc::clone(&self.shared.borrow().config);
+        let headers = vec![
+            (":method", "POST"),
+            (":path", FINISHED_PATH),
+            (":authority", config.sidecar_authority.as_str()),
+            ("content-type", HINT_CONTENT_TYPE),
+        ];
+        let body = encode_finished(&tickets);
+        let timeout = Duration::from_secs(1);
+        if let Ok(token) = hostcalls::dispatch_http_call(
+            &config.sidecar_cluster,
+            headers,
+            Some(&body),
+            vec![],
+            timeout,
+        ) {
+            self.pending.insert(token, Fetch::Finished);
         }
     }
 
@@ -156,6 +191,7 @@ impl Context for Root {
         match fetch {
             Fetch::Catalog => self.on_catalog(status, body),
             Fetch::Bundle(model) => self.on_bundle(model, status, body),
+            Fetch::Finished => {}
         }
     }
 }
@@ -187,6 +223,7 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
+        self.report_finished();
         if self.pending.values().any(|f| matches!(f, Fetch::Catalog)) {
             return;
         }
@@ -212,6 +249,7 @@ impl RootContext for Root {
             shared: self.shared.clone(),
             state: State::Passing,
             session: None,
+            ticket: None,
         }))
     }
 
@@ -243,6 +281,8 @@ struct Request {
     shared: Rc<RefCell<Shared>>,
     state: State,
     session: Option<String>,
+    /// The sidecar counts this request against its worker until it is reported finished.
+    ticket: Option<Ticket>,
 }
 
 impl Request {
@@ -295,9 +335,10 @@ impl Request {
             }
             Some(hint) => match hint.override_host_value() {
                 None => {
-                    self.fall_back(FallbackReason::NoMatch);
+                    self.fall_back(FallbackReason::NoWorker);
                 }
                 Some(value) => {
+                    self.ticket = hint.ticket;
                     let config = Rc::clone(&self.shared.borrow().config);
                     self.set_header(&config.worker_header, Some(&value));
                     let shared = self.shared.borrow();
@@ -384,9 +425,10 @@ impl HttpContext for Request {
         if let Some(reason) = decision.fallback {
             return self.fall_back(reason);
         }
-        let Some(hint) = decision.hint else {
+        let Some(mut hint) = decision.hint else {
             return self.fall_back(FallbackReason::BadRequest);
         };
+        hint.finished = std::mem::take(&mut self.shared.borrow_mut().finished);
         let headers = vec![
             (":method", "POST"),
             (":path", HINT_PATH),
@@ -408,6 +450,17 @@ impl HttpContext for Request {
             Err(_) => {
                 self.shared.borrow().bump(Counter::SidecarErrors, 1);
                 self.fall_back(FallbackReason::Sidecar)
+            }
+        }
+    }
+
+    /// Envoy logs a stream once it is over (finished, failed or reset): the request no longer
+    /// loads its worker.
+    fn on_log(&mut self) {
+        if let Some(ticket) = self.ticket.take() {
+            let mut shared = self.shared.borrow_mut();
+            if shared.finished.len() < MAX_UNREPORTED {
+                shared.finished.push(ticket);
             }
         }
     }

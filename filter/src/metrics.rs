@@ -42,8 +42,8 @@ pub enum FallbackReason {
     NoBlocks,
     /// Hints are disabled in the configuration.
     HintsDisabled,
-    /// The sidecar had no useful match.
-    NoMatch,
+    /// The sidecar knows no usable worker (all unhealthy or gone).
+    NoWorker,
     /// The sidecar did not answer usefully (timeout, down, error).
     Sidecar,
 }
@@ -58,7 +58,7 @@ impl FallbackReason {
         FallbackReason::Tokenizer,
         FallbackReason::NoBlocks,
         FallbackReason::HintsDisabled,
-        FallbackReason::NoMatch,
+        FallbackReason::NoWorker,
         FallbackReason::Sidecar,
     ];
 
@@ -72,7 +72,7 @@ impl FallbackReason {
             FallbackReason::Tokenizer => "tokenizer",
             FallbackReason::NoBlocks => "no_blocks",
             FallbackReason::HintsDisabled => "hints_disabled",
-            FallbackReason::NoMatch => "no_match",
+            FallbackReason::NoWorker => "no_worker",
             FallbackReason::Sidecar => "sidecar",
         }
     }

@@ -96,6 +96,7 @@ pub fn plan(
         hint: Some(HintRequest {
             model: req.model,
             hashes: hashed.hashes,
+            finished: Vec::new(),
         }),
         fallback: None,
         blocks,

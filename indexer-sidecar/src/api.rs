@@ -1,6 +1,7 @@
 //! The HTTP API: hints for the filter, bundles, metrics and health.
 //!
 //! - `POST /v1/hint` — binary [`HintRequest`] in, JSON [`kvroute_protocol::hint::HintResponse`] out.
+//! - `POST /v1/finished` — tickets of hinted requests that finished (binary, see the protocol).
 //! - `GET /v1/models` — the bundle catalog; `GET /v1/models/{name}/bundle` — one bundle.
 //! - `GET /metrics` — Prometheus text; `GET /healthz` — `ok`.
 //! - `GET /debug/explain` — the last 100 decisions: candidates, matched blocks, load, rule.
@@ -13,7 +14,7 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use kvroute_protocol::hint::{HintRequest, HINT_PATH};
+use kvroute_protocol::hint::{decode_finished, HintRequest, FINISHED_PATH, HINT_PATH};
 
 use crate::metrics::label;
 use crate::state::AppState;
@@ -22,6 +23,7 @@ use crate::state::AppState;
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route(HINT_PATH, post(hint))
+        .route(FINISHED_PATH, post(finished))
         .route("/v1/models", get(catalog))
         .route("/v1/models/{name}/bundle", get(bundle))
         .route("/metrics", get(metrics))
@@ -49,6 +51,16 @@ async fn hint(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
             format!("unknown model {}", req.model),
         )
             .into_response(),
+    }
+}
+
+async fn finished(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    match decode_finished(&body) {
+        Ok(tickets) => {
+            state.finished(&tickets);
+            StatusCode::NO_CONTENT.into_response()
+        }
+        Err(e) => (StatusCode::BAD_REQUEST, e.to_string()).into_response(),
     }
 }
 

@@ -29,9 +29,8 @@
 //! max_hinted_workers = 3            # length of the override_host list (retries go down it)
 //! max_waiting = 4                   # saturation thresholds: queued requests,
 //! max_kv_usage = 0.95               #   KV cache usage,
-//! max_in_flight = 16                #   running + queued
-//! load_penalty_blocks = 8           # one request running or queued costs as much as 8 uncached blocks
-//! hint_penalty_blocks = 2           # one hint since the last scrape costs as much as 2
+//! max_in_flight = 16                #   requests (running + queued, or hinted and unfinished)
+//! load_penalty_blocks = 8           # one request on a worker costs as much as 8 uncached blocks
 //! scrape_interval_ms = 250          # engines' /metrics (vLLM names) are read this often
 //! ```
 
@@ -157,16 +156,12 @@ pub struct RoutingConfig {
     pub max_waiting: f64,
     /// A worker whose KV cache is this full (0..1) is saturated.
     pub max_kv_usage: f64,
-    /// A worker with this many requests running + queued is saturated.
+    /// A worker with this many requests (see [`crate::load::Load::busy`]) is saturated.
     pub max_in_flight: f64,
     /// Cost of one request in flight on a worker, in blocks of prefill: how many cached blocks
     /// are worth waiting behind one more request.
     pub load_penalty_blocks: f64,
-    /// Cost of one hint given to a worker since its last scrape: hints may already have
-    /// finished, so they weigh less than requests the engine reports, but enough to keep a
-    /// burst between two scrapes from herding onto one worker.
-    pub hint_penalty_blocks: f64,
-    /// How often engines' `/metrics` are scraped; also the half-life of the hint count.
+    /// How often engines' `/metrics` are scraped.
     pub scrape_interval_ms: u64,
 }
 
@@ -179,7 +174,6 @@ impl Default for RoutingConfig {
             max_kv_usage: 0.95,
             max_in_flight: 16.0,
             load_penalty_blocks: 8.0,
-            hint_penalty_blocks: 2.0,
             scrape_interval_ms: 250,
         }
     }

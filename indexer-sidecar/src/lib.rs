@@ -4,7 +4,7 @@
 //! - [`registry`]: the workers: dense [`WorkerId`]s, addresses, Dynamo instance ids, models.
 //! - [`event`]: [`KvEvent`], the source-independent form of an engine's cache event.
 //! - [`index`]: [`RadixIndex`], prefix → workers holding it, fed by events, queried by hints.
-//! - [`load`]: each worker's load (scraped vLLM metrics + recent hints).
+//! - [`load`]: each worker's load (hinted requests not finished, scraped vLLM metrics).
 //! - [`router`]: the rule turning matches and load into an ordered list of workers.
 //! - [`sources`]: transports that produce events (NATS for Dynamo).
 //! - [`metrics`]: the Prometheus metrics served on `/metrics`.

@@ -1,11 +1,19 @@
-//! How busy each worker is: scraped engine metrics plus the hints the sidecar just gave out.
+//! How busy each worker is: the requests the sidecar sent it that have not finished yet, and
+//! its engine's own metrics.
 //!
-//! Engines are scraped (`/metrics`, vLLM names) every `scrape_interval_ms`; between two scrapes
-//! a burst of requests would all see the same numbers and pick the same worker, so every hint
-//! also counts against its worker until the next successful scrape (which sees those requests
-//! itself), decaying with a half-life of one scrape interval meanwhile.
+//! Every hint issues a [`Ticket`] counted against the chosen worker until the filter reports
+//! the request finished (Envoy logged it). That count is exact and immediate for the traffic
+//! kvroute routes, so a burst spreads out without waiting for a scrape. Engines are also scraped
+//! (`/metrics`, vLLM names) every `scrape_interval_ms`: that covers traffic the sidecar does not
+//! see (other routers, unhinted requests) and the KV usage. A report can be lost (a VM restart,
+//! a hint answered after the filter stopped waiting), so a scrape also reclaims tickets: a
+//! ticket older than one scrape interval was at the engine when it was scraped, so if the engine
+//! reports fewer requests than such tickets, the oldest surplus ones have finished.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
+
+use kvroute_protocol::hint::Ticket;
 
 /// One worker's load as the router sees it.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -16,37 +24,35 @@ pub struct Load {
     pub waiting: f64,
     /// KV cache usage, 0..1 (`vllm:kv_cache_usage_perc`).
     pub kv_usage: f64,
-    /// Hints given to it since its last scrape (decayed).
-    pub recent_hints: f64,
+    /// Requests hinted to it that have not finished.
+    pub hinted_in_flight: f64,
+    /// Requests it had at the last scrape beyond those hinted by this sidecar (other routers,
+    /// unhinted requests).
+    pub unhinted: f64,
     /// Requests in flight to it from this Envoy (admin `rq_active`), when Envoy is polled.
     pub envoy_active: f64,
 }
 
 impl Load {
-    /// Requests it has, as the engine reports them (running + queued). Envoy's `rq_active` is
-    /// kept for `/debug/explain` but not used: it counts streams still decoding, and weighing
-    /// those pushed requests off their cached prefix (measured: multi-turn hit rate 73% → 66%).
+    /// Requests it has: the hinted ones not finished (exact, current) plus the unhinted ones
+    /// as of the last scrape. Not the scraped total itself: requests finish within
+    /// milliseconds, so it is stale long before the next scrape.
     pub fn busy(&self) -> f64 {
-        self.running + self.waiting
-    }
-
-    /// Requests it has or is about to get: busy + recent hints.
-    pub fn in_flight(&self) -> f64 {
-        self.busy() + self.recent_hints
+        self.hinted_in_flight + self.unhinted
     }
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Decaying {
-    value: f64,
-    at: Instant,
-}
+/// Tickets never reported nor reclaimed (no scrapes) are dropped after this long: the shipped
+/// route timeout, so no request still running is forgotten.
+const TICKET_LIFETIME: Duration = Duration::from_secs(600);
 
-impl Decaying {
-    fn read(&self, now: Instant, half_life: Duration) -> f64 {
-        let dt = now.saturating_duration_since(self.at).as_secs_f64();
-        self.value * 0.5f64.powf(dt / half_life.as_secs_f64().max(1e-3))
-    }
+/// Tickets a scrape closed without a report.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Reclaimed {
+    /// The engine reported fewer requests than these settled tickets.
+    pub surplus: u64,
+    /// Older than the ticket lifetime.
+    pub expired: u64,
 }
 
 /// Load of every worker, indexed by [`crate::WorkerId`].
@@ -54,25 +60,25 @@ impl Decaying {
 pub struct LoadTracker {
     envoy_active: Vec<f64>,
     scraped: Vec<Option<Load>>,
-    hints: Vec<Decaying>,
-    half_life: Duration,
+    /// Open tickets per worker: sequence number → when it was issued (sequence order is time
+    /// order).
+    open: Vec<BTreeMap<u64, Instant>>,
+    next_seq: u64,
+    settle: Duration,
 }
 
+/// A ticket is the sequence number above the worker id, so a report names its worker.
+const WORKER_BITS: u32 = 16;
+
 impl LoadTracker {
-    /// A tracker for `workers` workers whose hints decay with `half_life`.
-    pub fn new(workers: usize, half_life: Duration) -> Self {
-        let now = Instant::now();
+    /// A tracker for `workers` workers scraped every `scrape_interval`.
+    pub fn new(workers: usize, scrape_interval: Duration) -> Self {
         LoadTracker {
             envoy_active: vec![0.0; workers],
             scraped: vec![None; workers],
-            hints: vec![
-                Decaying {
-                    value: 0.0,
-                    at: now
-                };
-                workers
-            ],
-            half_life,
+            open: vec![BTreeMap::new(); workers],
+            next_seq: 1,
+            settle: scrape_interval,
         }
     }
 
@@ -80,20 +86,31 @@ impl LoadTracker {
     pub fn get(&self, i: usize) -> Load {
         let mut load = self.scraped.get(i).copied().flatten().unwrap_or_default();
         load.envoy_active = self.envoy_active.get(i).copied().unwrap_or(0.0);
-        load.recent_hints = self
-            .hints
-            .get(i)
-            .map_or(0.0, |h| h.read(Instant::now(), self.half_life));
+        load.hinted_in_flight = self.open.get(i).map_or(0, BTreeMap::len) as f64;
         load
     }
 
-    /// Count a hint given to worker `i`.
-    pub fn hinted(&mut self, i: usize) {
-        let now = Instant::now();
-        if let Some(h) = self.hints.get_mut(i) {
-            h.value = h.read(now, self.half_life) + 1.0;
-            h.at = now;
+    /// Count a request hinted to worker `i`; the ticket comes back when it finishes. `None`
+    /// for a worker id the ticket cannot carry (more than 65536 workers).
+    pub fn hinted(&mut self, i: usize) -> Option<Ticket> {
+        if i >> WORKER_BITS != 0 {
+            return None;
         }
+        let open = self.open.get_mut(i)?;
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        open.insert(seq, Instant::now());
+        Some(Ticket(seq << WORKER_BITS | i as u64))
+    }
+
+    /// A hinted request finished: its worker, or `None` if the ticket was not open (reported
+    /// twice, already reclaimed, or issued by an earlier sidecar process).
+    pub fn finished(&mut self, ticket: Ticket) -> Option<usize> {
+        let worker = (ticket.0 & ((1 << WORKER_BITS) - 1)) as usize;
+        self.open
+            .get_mut(worker)?
+            .remove(&(ticket.0 >> WORKER_BITS))
+            .map(|_| worker)
     }
 
     /// Record Envoy's in-flight count for worker `i`.
@@ -103,16 +120,34 @@ impl LoadTracker {
         }
     }
 
-    /// Record a scrape of worker `i` (`None`: the scrape failed, hints keep counting).
-    pub fn scraped(&mut self, i: usize, load: Option<Load>) {
-        if let Some(slot) = self.scraped.get_mut(i) {
-            if load.is_some() {
-                if let Some(h) = self.hints.get_mut(i) {
-                    h.value = 0.0;
-                }
+    /// Record a scrape of worker `i` (`None`: the scrape failed) and close the tickets the
+    /// scrape shows have finished, and those past their lifetime.
+    pub fn scraped(&mut self, i: usize, load: Option<Load>) -> Reclaimed {
+        let mut out = Reclaimed::default();
+        let (Some(slot), Some(open)) = (self.scraped.get_mut(i), self.open.get_mut(i)) else {
+            return out;
+        };
+        *slot = load;
+        let now = Instant::now();
+        while let Some(entry) = open.first_entry() {
+            if now.saturating_duration_since(*entry.get()) < TICKET_LIFETIME {
+                break;
             }
-            *slot = load;
+            entry.remove();
+            out.expired += 1;
         }
+        if let (Some(load), Some(slot)) = (load, slot.as_mut()) {
+            let reported = (load.running + load.waiting).max(0.0);
+            let settled_before = now - self.settle;
+            let settled = open.values().take_while(|&&t| t <= settled_before).count();
+            let surplus = settled.saturating_sub(reported as usize);
+            for _ in 0..surplus {
+                open.pop_first();
+            }
+            out.surplus = surplus as u64;
+            slot.unhinted = (reported - open.len() as f64).max(0.0);
+        }
+        out
     }
 }
 
@@ -157,36 +192,78 @@ mod tests {
     }
 
     #[test]
-    fn hints_count_and_decay() {
+    fn tickets_count_until_finished() {
         let mut t = LoadTracker::new(2, Duration::from_millis(50));
-        t.hinted(0);
-        t.hinted(0);
-        assert!(t.get(0).recent_hints > 1.9);
-        assert_eq!(t.get(1).recent_hints, 0.0);
-        std::thread::sleep(Duration::from_millis(120));
-        assert!(t.get(0).recent_hints < 0.5);
-        t.hinted(1);
+        let a = t.hinted(0).unwrap();
+        let b = t.hinted(0).unwrap();
+        assert_ne!(a, b);
+        assert_eq!(t.get(0).hinted_in_flight, 2.0);
+        assert_eq!(
+            t.get(0).busy(),
+            2.0,
+            "hinted requests count before any scrape"
+        );
+        assert_eq!(t.get(1).hinted_in_flight, 0.0);
+        assert_eq!(t.finished(a), Some(0));
+        assert_eq!(
+            t.finished(a),
+            None,
+            "a second report of one ticket is ignored"
+        );
+        assert_eq!(t.get(0).hinted_in_flight, 1.0);
+        assert_eq!(t.finished(Ticket(u64::MAX)), None);
+        assert_eq!(t.hinted(1 << 16), None);
+        assert_eq!(t.hinted(7), None, "out of range: ignored");
+        t.envoy_active(0, 5.0);
+        assert_eq!(t.get(0).envoy_active, 5.0);
+        assert_eq!(t.get(0).busy(), 1.0, "Envoy's count is shown, not weighed");
+        assert_eq!(t.finished(b), Some(0));
+    }
+
+    #[test]
+    fn scrapes_reclaim_lost_reports_but_not_fresh_hints() {
+        let mut t = LoadTracker::new(1, Duration::from_millis(30));
+        for _ in 0..5 {
+            t.hinted(0);
+        }
+        std::thread::sleep(Duration::from_millis(40));
+        let fresh = t.hinted(0).unwrap();
         let scraped = Load {
             running: 2.0,
             waiting: 1.0,
-            kv_usage: 0.5,
             ..Load::default()
         };
-        t.scraped(1, Some(scraped));
+        let r = t.scraped(0, Some(scraped));
+        // Five settled tickets but the engine has three requests: two reports were lost.
         assert_eq!(
-            t.get(1).in_flight(),
-            3.0,
-            "a scrape sees the hinted requests itself"
+            r,
+            Reclaimed {
+                surplus: 2,
+                expired: 0
+            }
         );
-        t.hinted(1);
-        t.scraped(1, None);
-        assert!(
-            t.get(1).recent_hints > 0.9,
-            "a failed scrape keeps the hint count"
+        assert_eq!(t.get(0).hinted_in_flight, 4.0, "3 settled + 1 fresh");
+        assert_eq!(t.get(0).busy(), 4.0);
+        t.scraped(0, None);
+        assert_eq!(t.get(0).busy(), 4.0, "a failed scrape keeps the tickets");
+        assert_eq!(t.finished(fresh), Some(0));
+        assert_eq!(t.get(0).hinted_in_flight, 3.0);
+        let idle = Load::default();
+        t.scraped(0, Some(idle));
+        assert_eq!(t.get(0).hinted_in_flight, 0.0);
+        assert_eq!(t.get(0).busy(), 0.0);
+        // Requests the sidecar did not route count as of the scrape, on top of hinted ones.
+        t.hinted(0);
+        t.scraped(
+            0,
+            Some(Load {
+                running: 4.0,
+                waiting: 1.0,
+                ..Load::default()
+            }),
         );
-        t.envoy_active(0, 5.0);
-        assert_eq!(t.get(0).envoy_active, 5.0);
-        assert_eq!(t.get(0).busy(), 0.0, "Envoy's count is shown, not weighed");
-        t.hinted(7); // out of range: ignored
+        assert_eq!(t.get(0).unhinted, 4.0);
+        t.hinted(0);
+        assert_eq!(t.get(0).busy(), 6.0);
     }
 }

@@ -11,7 +11,8 @@ type Labels = Vec<(&'static str, String)>;
 /// Every metric the sidecar exports.
 pub struct Metrics {
     registry: Registry,
-    /// Hint requests by result (`hinted`, `no_match`, `unknown_model`, `bad_request`).
+    /// Hint requests by result: `hinted` (a match decided), `no_match` (least loaded, cold),
+    /// `no_worker` (none usable: no hint), `unknown_model`, `bad_request`.
     pub hints: Family<Labels, Counter>,
     /// Sum of matched blocks over hinted requests.
     pub hint_matched_blocks: Counter,
@@ -33,6 +34,11 @@ pub struct Metrics {
     pub scrape_errors: Family<Labels, Counter>,
     /// 1 when Envoy lists the worker as healthy (only with `[envoy]` configured).
     pub worker_usable: Family<Labels, Gauge>,
+    /// Hinted requests not finished yet, by worker.
+    pub in_flight: Family<Labels, Gauge>,
+    /// Tickets closed, by how: finished (reported), unknown (reported but not open),
+    /// reclaimed (a scrape showed fewer requests), expired.
+    pub tickets: Family<Labels, Counter>,
 }
 
 impl Default for Metrics {
@@ -50,6 +56,8 @@ impl Default for Metrics {
             unknown_removals: Counter::default(),
             scrape_errors: Family::default(),
             worker_usable: Family::default(),
+            in_flight: Family::default(),
+            tickets: Family::default(),
         };
         m.registry
             .register("hints", "Hint requests by result", m.hints.clone());
@@ -98,6 +106,13 @@ impl Default for Metrics {
             "1 when Envoy lists the worker as healthy",
             m.worker_usable.clone(),
         );
+        m.registry.register(
+            "in_flight",
+            "Hinted requests not finished yet",
+            m.in_flight.clone(),
+        );
+        m.registry
+            .register("tickets", "Hint tickets closed, by how", m.tickets.clone());
         m.registry.register(
             "scrape_errors",
             "Engine /metrics scrapes that failed",

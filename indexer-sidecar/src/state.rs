@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use kvroute_protocol::bundle::{Catalog, CatalogEntry};
 use kvroute_protocol::dynamo::RouterEvent;
-use kvroute_protocol::hint::{HintRequest, HintResponse};
+use kvroute_protocol::hint::{HintRequest, HintResponse, Ticket};
 
 use crate::config::{Config, RoutingConfig};
 use crate::event::KvEvent;
@@ -16,7 +16,7 @@ use crate::index::RadixIndex;
 use crate::load::{Load, LoadTracker};
 use crate::metrics::{label, Metrics};
 use crate::registry::{WorkerId, WorkerRegistry};
-use crate::router::{self, Decision};
+use crate::router::{self, Decision, Rule};
 use crate::sources::envoy_admin::HostView;
 
 /// How many recent decisions `/debug/explain` keeps.
@@ -160,6 +160,9 @@ impl AppState {
 
     /// Answer a hint request.
     pub fn hint(&self, req: &HintRequest) -> Option<HintResponse> {
+        if !req.finished.is_empty() {
+            self.finished(&req.finished);
+        }
         let indexes = self.indexes.read().unwrap_or_else(|e| e.into_inner());
         let Some(index) = indexes.get(&req.model) else {
             self.metrics
@@ -177,7 +180,7 @@ impl AppState {
                 .unusable_since
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
-            let decision = router::choose(
+            let mut decision = router::choose(
                 req.hashes.len() as u32,
                 &matches,
                 &self.registry,
@@ -188,19 +191,22 @@ impl AppState {
             drop(unusable);
             if let Some(first) = decision.hint.workers.first() {
                 if let Some(w) = self.registry.iter().find(|w| &w.address == first) {
-                    load.hinted(w.id.0 as usize);
+                    decision.hint.ticket = load.hinted(w.id.0 as usize);
+                    self.set_in_flight(&load, w.id);
                 }
             }
             decision
         };
         let resp = decision.hint.clone();
-        let result = if resp.workers.is_empty() {
-            "no_match"
-        } else {
-            self.metrics
-                .hint_matched_blocks
-                .inc_by(u64::from(resp.matched_blocks));
-            "hinted"
+        let result = match decision.rule {
+            _ if resp.workers.is_empty() => "no_worker",
+            Rule::NoMatch => "no_match",
+            Rule::LongestMatch | Rule::LeastLoaded => {
+                self.metrics
+                    .hint_matched_blocks
+                    .inc_by(u64::from(resp.matched_blocks));
+                "hinted"
+            }
         };
         self.metrics
             .hints
@@ -280,9 +286,49 @@ impl AppState {
 
     /// Record a scrape of a worker's engine metrics.
     pub fn record_load(&self, worker: WorkerId, load: Option<Load>) {
-        self.load
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .scraped(worker.0 as usize, load);
+        let mut tracker = self.load.lock().unwrap_or_else(|e| e.into_inner());
+        let reclaimed = tracker.scraped(worker.0 as usize, load);
+        for (how, n) in [
+            ("reclaimed", reclaimed.surplus),
+            ("expired", reclaimed.expired),
+        ] {
+            if n > 0 {
+                self.metrics
+                    .tickets
+                    .get_or_create(&label("how", how))
+                    .inc_by(n);
+            }
+        }
+        self.set_in_flight(&tracker, worker);
+    }
+
+    /// Hinted requests that finished (reported by the filter without a hint request).
+    pub fn finished(&self, tickets: &[Ticket]) {
+        let mut tracker = self.load.lock().unwrap_or_else(|e| e.into_inner());
+        for &ticket in tickets {
+            self.close_ticket(&mut tracker, ticket);
+        }
+    }
+
+    fn close_ticket(&self, tracker: &mut LoadTracker, ticket: Ticket) {
+        let worker = tracker.finished(ticket);
+        let how = if worker.is_some() {
+            "finished"
+        } else {
+            "unknown"
+        };
+        self.metrics.tickets.get_or_create(&label("how", how)).inc();
+        if let Some(w) = worker {
+            self.set_in_flight(tracker, WorkerId(w as u32));
+        }
+    }
+
+    fn set_in_flight(&self, tracker: &LoadTracker, worker: WorkerId) {
+        if let Some(w) = self.registry.get(worker) {
+            self.metrics
+                .in_flight
+                .get_or_create(&label("worker", w.address.clone()))
+                .set(tracker.get(worker.0 as usize).hinted_in_flight as i64);
+        }
     }
 }

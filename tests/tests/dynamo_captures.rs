@@ -161,6 +161,7 @@ async fn captured_dynamo_events_through_real_nats() {
     let req = HintRequest {
         model: "m".into(),
         hashes: token_prefix_hashes(&tokens, 16, HashSeed::default()),
+        finished: Vec::new(),
     };
     let resp: HintResponse = http
         .post(format!("{base}/v1/hint"))

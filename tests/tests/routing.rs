@@ -3,6 +3,7 @@
 mod common;
 
 use common::*;
+use kvroute_harness::process::wait_for;
 use kvroute_harness::{Fallback, Mode, Stack, StackOptions};
 
 /// A prefix warmed on engine K (sent directly to K) is routed to K through Envoy, although the
@@ -19,8 +20,10 @@ async fn index_steers_envoy_and_fallback_keeps_affinity() {
     let system = text(1, 200);
     let user = text(2, 20);
 
-    // Nothing is indexed yet: the first request is routed by the ring, to engine `ring`.
+    // With the sidecar paused, the request is routed by the ring, to engine `ring`.
+    stack.signal("sidecar", "STOP").unwrap();
     let first = via_envoy(&stack, &chat(&system, &user)).await;
+    stack.signal("sidecar", "CONT").unwrap();
     let ring = served_by(&first);
     wait_indexed(&stack, ring, 8.0).await;
 
@@ -69,6 +72,27 @@ async fn index_steers_envoy_and_fallback_keeps_affinity() {
     // At least the ring-routed first request and the warming one stored blocks.
     assert!(stored >= 2.0, "stored events counted: {metrics}");
     assert!(metric(&metrics, "kvroute_hints_total{result=\"hinted\"}").unwrap() >= 5.0);
+    // Every hinted request was reported finished by the filter (on its next hint or its tick),
+    // so the sidecar counts nothing in flight once traffic stops.
+    let finished = "kvroute_tickets_total{how=\"finished\"}";
+    wait_for(
+        "the filter to report every hinted request finished",
+        std::time::Duration::from_secs(5),
+        || async {
+            let text = stack.sidecar_metrics().await.ok()?;
+            let open: f64 = text
+                .lines()
+                .filter(|l| l.starts_with("kvroute_in_flight{"))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum();
+            (open == 0.0 && metric(&text, finished)? >= 5.0).then_some(())
+        },
+    )
+    .await
+    .unwrap_or_else(|e| {
+        let text = futures::executor::block_on(stack.sidecar_metrics()).unwrap_or_default();
+        panic!("{e}: {text}")
+    });
 
     // Kill the sidecar: every request still succeeds, and the prefix sticks to the ring's engine.
     stack.kill("sidecar");
@@ -214,13 +238,19 @@ async fn ejected_worker_is_never_hinted() {
     let stack = Stack::start(StackOptions::new("ejected", Mode::Kvroute))
         .await
         .expect("stack starts");
-    let system = text(90, 200);
-    let user = text(91, 60);
-    let warmed = direct(&stack, 1, &chat(&system, &user)).await;
-    wait_indexed(&stack, 1, (warmed.prompt_tokens / 16) as f64).await;
-    let o = via_envoy(&stack, &chat(&system, &format!("{user} more"))).await;
+    // Prompts only engine 1 holds, each sent once through Envoy below: every one is hinted to
+    // engine 1 first (a retry stores it elsewhere, so a prompt cannot be reused).
+    let prompts: Vec<(String, String)> = (0..8)
+        .map(|i| (text(90 + i, 200), text(190 + i, 60)))
+        .collect();
+    for (system, user) in &prompts {
+        let warmed = direct(&stack, 1, &chat(system, user)).await;
+        wait_indexed(&stack, 1, (warmed.prompt_tokens / 16) as f64).await;
+    }
+    let (system, user) = &prompts[0];
+    let o = via_envoy(&stack, &chat(system, &format!("{user} more"))).await;
     assert_eq!(served_by(&o), 1);
-    // Engine 1 starts failing; the requests hinted to it fail until Envoy ejects it.
+    // Engine 1 starts failing; Envoy retries each of its 503s and ejects it after three.
     let addr = stack.engines[1].address.clone();
     let down = stack
         .http
@@ -229,18 +259,14 @@ async fn ejected_worker_is_never_hinted() {
     assert!(down.send().await.unwrap().status().is_success());
     let series = format!("kvroute_worker_usable{{worker=\"{addr}\"}}");
     let mut failed = 0;
-    for i in 0..20 {
-        let o = via_envoy(
-            &stack,
-            &chat(&system, &format!("{user} {}", text(200 + i, 4))),
-        )
-        .await;
+    for (system, user) in &prompts[1..] {
+        let o = via_envoy(&stack, &chat(system, &format!("{user} more"))).await;
         failed += usize::from(!o.ok());
+        tokio::time::sleep(std::time::Duration::from_millis(150)).await;
         let metrics = stack.sidecar_metrics().await.unwrap();
         if metric(&metrics, &series) == Some(0.0) {
             break;
         }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
     // Envoy retries each 503 on the next hinted worker, so clients see none of them.
     assert_eq!(failed, 0, "a 503 reached the client");
@@ -257,7 +283,7 @@ async fn ejected_worker_is_never_hinted() {
     for i in 0..10 {
         let o = via_envoy(
             &stack,
-            &chat(&system, &format!("{user} {}", text(100 + i, 4))),
+            &chat(system, &format!("{user} {}", text(100 + i, 4))),
         )
         .await;
         assert_ne!(served_by(&o), 1, "request {i} went to the ejected engine");

@@ -225,6 +225,18 @@ async fn run_mode(mode: &str, workload: &Workload, engines: usize) -> Result<Val
     .await;
     bar.finish();
     stack.check_alive()?;
+    // Every request's outcome next to the logs, to look into a tail.
+    let rows: Vec<Value> = outcomes
+        .iter()
+        .map(|o| {
+            json!({"status": o.status, "ttft_ms": o.ttft.as_secs_f64() * 1e3, "engine": o.engine,
+                   "prompt_tokens": o.prompt_tokens, "cached_tokens": o.cached_tokens})
+        })
+        .collect();
+    std::fs::write(
+        stack.dir.join("outcomes.json"),
+        Value::from(rows).to_string(),
+    )?;
     // Keep the sidecar's last decisions next to the logs, to see why requests went where.
     if let Some(url) = &stack.sidecar_url {
         if let Ok(r) = stack.http.get(format!("{url}/debug/explain")).send().await {

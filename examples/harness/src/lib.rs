@@ -11,6 +11,7 @@
 //! - [`workload`]: deterministic request sessions (multi-turn chat, system prompts, agents, hot prefix).
 //! - [`traces`]: the Mooncake traces replayed as token-id completions.
 //! - [`client`]: one streaming request: TTFT, cached tokens, which engine served it.
+//! - [`queue`]: the engines' waiting queues sampled during a run.
 //! - [`report`]: per-mode hit rate, TTFT percentiles, requests per engine; markdown and JSON.
 //! - [`bench`], [`datapath`], [`peers`], [`plot`]: the routing and data-path benchmarks.
 
@@ -21,6 +22,7 @@ pub mod paths;
 pub mod peers;
 pub mod plot;
 pub mod process;
+pub mod queue;
 pub mod report;
 pub mod stack;
 pub mod traces;
