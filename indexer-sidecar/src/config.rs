@@ -6,7 +6,8 @@
 //!
 //! [nats]                            # Dynamo KV events; omit the section to disable
 //! url = "nats://127.0.0.1:4222"
-//! subjects = ["namespace.*.component.*.kv-events", "namespace.*.component.*.endpoint.*.kv-events"]
+//! subjects = ["namespace.*.component.*.kv-events", "namespace.*.component.*.endpoint.*.kv-events",
+//!             "namespace.*.component.*.endpoint.*.kv_metrics"]  # the last: load, not events
 //!
 //! [[models]]
 //! name = "tiny-llama"               # the request's `model`
@@ -111,11 +112,13 @@ pub struct NatsConfig {
     pub subjects: Vec<String>,
 }
 
-/// Both Dynamo subject layouts, any namespace and component.
+/// KV events in both Dynamo subject layouts (1.2 and 1.6), and 1.6's per-worker KV usage;
+/// any namespace and component.
 pub fn default_subjects() -> Vec<String> {
     vec![
         "namespace.*.component.*.kv-events".into(),
         "namespace.*.component.*.endpoint.*.kv-events".into(),
+        "namespace.*.component.*.endpoint.*.kv_metrics".into(),
     ]
 }
 
@@ -148,7 +151,7 @@ pub struct WorkerConfig {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RoutingConfig {
-    /// Matches shorter than this many blocks give no hint (use the fallback).
+    /// Matches shorter than this many blocks count as none (the least loaded worker wins).
     pub min_matched_blocks: u32,
     /// At most this many workers in a hint (Envoy retries go down the list).
     pub max_hinted_workers: usize,

@@ -29,6 +29,11 @@ pub struct Load {
     /// Requests it had at the last scrape beyond those hinted by this sidecar (other routers,
     /// unhinted requests).
     pub unhinted: f64,
+    /// Prompt blocks waiting for or in prefill, from Dynamo's `kv_metrics` (summed over data
+    /// parallel ranks): work a new request queues behind, in the cost's own unit.
+    pub queued_prefill_blocks: f64,
+    /// KV blocks in use, from Dynamo's `kv_metrics` (shown, not weighed).
+    pub kv_used_blocks: f64,
     /// Requests in flight to it from this Envoy (admin `rq_active`), when Envoy is polled.
     pub envoy_active: f64,
 }
@@ -65,6 +70,9 @@ pub struct LoadTracker {
     open: Vec<BTreeMap<u64, Instant>>,
     next_seq: u64,
     settle: Duration,
+    /// Latest Dynamo `kv_metrics` per worker and data-parallel rank: (queued prefill blocks,
+    /// KV blocks used).
+    dynamo: Vec<BTreeMap<u32, (f64, f64)>>,
 }
 
 /// A ticket is the sequence number above the worker id, so a report names its worker.
@@ -79,6 +87,7 @@ impl LoadTracker {
             open: vec![BTreeMap::new(); workers],
             next_seq: 1,
             settle: scrape_interval,
+            dynamo: vec![BTreeMap::new(); workers],
         }
     }
 
@@ -87,6 +96,10 @@ impl LoadTracker {
         let mut load = self.scraped.get(i).copied().flatten().unwrap_or_default();
         load.envoy_active = self.envoy_active.get(i).copied().unwrap_or(0.0);
         load.hinted_in_flight = self.open.get(i).map_or(0, BTreeMap::len) as f64;
+        if let Some(ranks) = self.dynamo.get(i) {
+            load.queued_prefill_blocks = ranks.values().map(|r| r.0).sum();
+            load.kv_used_blocks = ranks.values().map(|r| r.1).sum();
+        }
         load
     }
 
@@ -111,6 +124,19 @@ impl LoadTracker {
             .get_mut(worker)?
             .remove(&(ticket.0 >> WORKER_BITS))
             .map(|_| worker)
+    }
+
+    /// Record a Dynamo `kv_metrics` message of worker `i`, data-parallel rank `dp_rank`.
+    pub fn dynamo_metrics(
+        &mut self,
+        i: usize,
+        dp_rank: u32,
+        queued_prefill_blocks: f64,
+        kv_used_blocks: f64,
+    ) {
+        if let Some(ranks) = self.dynamo.get_mut(i) {
+            ranks.insert(dp_rank, (queued_prefill_blocks, kv_used_blocks));
+        }
     }
 
     /// Record Envoy's in-flight count for worker `i`.
@@ -217,6 +243,16 @@ mod tests {
         t.envoy_active(0, 5.0);
         assert_eq!(t.get(0).envoy_active, 5.0);
         assert_eq!(t.get(0).busy(), 1.0, "Envoy's count is shown, not weighed");
+        t.dynamo_metrics(1, 0, 3.0, 10.0);
+        t.dynamo_metrics(1, 1, 2.0, 5.0);
+        t.dynamo_metrics(1, 0, 1.0, 12.0);
+        assert_eq!(
+            t.get(1).queued_prefill_blocks,
+            3.0,
+            "latest per rank, summed"
+        );
+        assert_eq!(t.get(1).kv_used_blocks, 17.0);
+        t.dynamo_metrics(9, 0, 1.0, 1.0);
         assert_eq!(t.finished(b), Some(0));
     }
 

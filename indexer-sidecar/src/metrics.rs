@@ -36,6 +36,10 @@ pub struct Metrics {
     pub worker_usable: Family<Labels, Gauge>,
     /// Hinted requests not finished yet, by worker.
     pub in_flight: Family<Labels, Gauge>,
+    /// Prompt blocks queued for prefill, by worker (Dynamo `kv_metrics`).
+    pub queued_prefill_blocks: Family<Labels, Gauge>,
+    /// KV blocks in use, by worker (Dynamo `kv_metrics`).
+    pub kv_used_blocks: Family<Labels, Gauge>,
     /// Tickets closed, by how: finished (reported), unknown (reported but not open),
     /// reclaimed (a scrape showed fewer requests), expired.
     pub tickets: Family<Labels, Counter>,
@@ -57,6 +61,8 @@ impl Default for Metrics {
             scrape_errors: Family::default(),
             worker_usable: Family::default(),
             in_flight: Family::default(),
+            queued_prefill_blocks: Family::default(),
+            kv_used_blocks: Family::default(),
             tickets: Family::default(),
         };
         m.registry
@@ -113,6 +119,16 @@ impl Default for Metrics {
         );
         m.registry
             .register("tickets", "Hint tickets closed, by how", m.tickets.clone());
+        m.registry.register(
+            "queued_prefill_blocks",
+            "Prompt blocks queued for prefill (Dynamo kv_metrics)",
+            m.queued_prefill_blocks.clone(),
+        );
+        m.registry.register(
+            "kv_used_blocks",
+            "KV blocks in use (Dynamo kv_metrics)",
+            m.kv_used_blocks.clone(),
+        );
         m.registry.register(
             "scrape_errors",
             "Engine /metrics scrapes that failed",

@@ -1,17 +1,19 @@
 //! Turning index matches and load into a hint: which workers, in which order, and why.
 //!
 //! The rule (affinity as a preference): among healthy workers that are not saturated, the one
-//! with the lowest cost wins, where cost = blocks it would have to prefill (prompt blocks it does
-//! not hold) + `load_penalty_blocks` × its requests (those the sidecar hinted to it that have not
-//! finished, plus those its engine reported beyond them at the last scrape; see [`crate::load`]).
-//! So a long match wins over a short queue, but a two-block match does not pin traffic to a busy
-//! worker while another idles, and a burst spreads out at once. A worker is saturated when its queue, its KV
-//! usage or its requests reach the configured thresholds; saturated workers are used only when
-//! every worker is. When no worker holds a useful match, the same rule reduces to "least loaded":
-//! the sidecar sees every hinted request, the ring hash would send a burst of new prompts with
-//! one fallback key to one engine (measured: hot-prefix TTFT p95 64 → 39 ms, multi-turn 40 → 23
-//! ms, hit rate unchanged). Envoy's ring hash on the fallback key still decides whenever the
-//! sidecar does not answer, and keeps affinity then.
+//! with the lowest cost wins. Cost, in blocks of prefill: the prompt blocks the worker does not
+//! hold, plus the prompt blocks already queued for prefill there (when the engine reports them:
+//! Dynamo's `kv_metrics`), plus `load_penalty_blocks` × its requests (those the sidecar hinted to
+//! it that have not finished, and those its engine reported beyond them at the last scrape; see
+//! [`crate::load`]). So a long match wins over a short queue, but a two-block match does not pin
+//! traffic to a busy worker while another idles, and a burst spreads out at once. A worker is
+//! saturated when its queue, its KV usage or its requests reach the configured thresholds;
+//! saturated workers are used only when every worker is. When no worker holds a useful match,
+//! the same rule reduces to "least loaded": the sidecar sees every hinted request, while the ring
+//! hash would send a burst of new prompts with one fallback key to one engine (measured:
+//! hot-prefix TTFT p95 64 → 39 ms, multi-turn 40 → 23 ms, hit rate unchanged). Envoy's ring hash
+//! on the fallback key still decides whenever the sidecar does not answer, and keeps affinity
+//! then.
 
 use kvroute_protocol::hint::HintResponse;
 use serde::Serialize;
@@ -37,6 +39,10 @@ pub struct Candidate {
     pub hinted_in_flight: f64,
     /// Requests it had at the last scrape beyond the hinted ones.
     pub unhinted: f64,
+    /// Prompt blocks queued for prefill (Dynamo `kv_metrics`).
+    pub queued_prefill_blocks: f64,
+    /// KV blocks in use (Dynamo `kv_metrics`).
+    pub kv_used_blocks: f64,
     /// Requests in flight from Envoy.
     pub envoy_active: f64,
     /// Whether it was over a threshold.
@@ -94,6 +100,7 @@ pub fn choose(
             let load = load_of(w.id);
             let n = matched(w.id);
             let cost = f64::from(prompt_blocks.saturating_sub(n))
+                + load.queued_prefill_blocks
                 + routing.load_penalty_blocks * load.busy();
             (w.id, n, load, saturated(&load, routing), cost)
         })
@@ -139,6 +146,8 @@ pub fn choose(
                 kv_usage: load.kv_usage,
                 hinted_in_flight: load.hinted_in_flight,
                 unhinted: load.unhinted,
+                queued_prefill_blocks: load.queued_prefill_blocks,
+                kv_used_blocks: load.kv_used_blocks,
                 envoy_active: load.envoy_active,
                 saturated: sat,
                 cost,
@@ -248,6 +257,20 @@ mod tests {
         };
         let d = choose(10, &tie, &reg, &routing, others, all);
         assert_eq!(d.hint.workers[0], addr(0));
+    }
+
+    #[test]
+    fn queued_prefill_counts_as_blocks_to_wait_for() {
+        let reg = registry(2);
+        let backlog = |w: WorkerId| Load {
+            queued_prefill_blocks: if w.0 == 0 { 30.0 } else { 0.0 },
+            ..Load::default()
+        };
+        // 20 cached blocks do not beat 30 blocks of other prompts' prefill queued ahead.
+        let m = [(WorkerId(0), 20), (WorkerId(1), 0)];
+        let d = choose(40, &m, &reg, &RoutingConfig::default(), backlog, all);
+        assert_eq!(d.hint.workers[0], addr(1));
+        assert_eq!(d.candidates[1].cost, 50.0);
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use kvroute_protocol::bundle::{Catalog, CatalogEntry};
-use kvroute_protocol::dynamo::RouterEvent;
+use kvroute_protocol::dynamo::{KvMetrics, RouterEvent};
 use kvroute_protocol::hint::{HintRequest, HintResponse, Ticket};
 
 use crate::config::{Config, RoutingConfig};
@@ -45,6 +45,8 @@ pub struct AppState {
     pub metrics: Metrics,
     /// Each worker's load.
     pub load: Mutex<LoadTracker>,
+    /// KV block size of each model.
+    block_sizes: HashMap<String, u32>,
     /// The most recent decisions, newest first, for `/debug/explain`.
     pub decisions: Mutex<VecDeque<serde_json::Value>>,
     /// Since when each worker has been unhealthy or absent in Envoy (`None`: usable).
@@ -82,6 +84,11 @@ impl AppState {
             bundles,
             routing: config.routing.clone(),
             metrics: Metrics::default(),
+            block_sizes: config
+                .models
+                .iter()
+                .map(|m| (m.name.clone(), m.block_size))
+                .collect(),
             load: Mutex::new(LoadTracker::new(
                 config.workers.len(),
                 Duration::from_millis(config.routing.scrape_interval_ms.max(1)),
@@ -282,6 +289,38 @@ impl AppState {
                 }
             }
         }
+    }
+
+    /// Record a Dynamo worker's `kv_metrics` (load of one data-parallel rank).
+    pub fn record_dynamo_metrics(&self, m: &KvMetrics) {
+        let Some(worker) = self.registry.by_dynamo_id(m.worker_id) else {
+            self.metrics
+                .unknown_worker_events
+                .get_or_create(&label("worker_id", m.worker_id.to_string()))
+                .inc();
+            return;
+        };
+        let block_size = self
+            .block_sizes
+            .get(&worker.model)
+            .copied()
+            .unwrap_or(1)
+            .max(1);
+        let queued = m.active_prefill_tokens.unwrap_or(0) as f64 / f64::from(block_size);
+        let used = m.kv_used_blocks.unwrap_or(0) as f64;
+        let mut tracker = self.load.lock().unwrap_or_else(|e| e.into_inner());
+        tracker.dynamo_metrics(worker.id.0 as usize, m.dp_rank, queued, used);
+        let load = tracker.get(worker.id.0 as usize);
+        drop(tracker);
+        let labels = label("worker", worker.address.clone());
+        self.metrics
+            .queued_prefill_blocks
+            .get_or_create(&labels)
+            .set(load.queued_prefill_blocks as i64);
+        self.metrics
+            .kv_used_blocks
+            .get_or_create(&labels)
+            .set(load.kv_used_blocks as i64);
     }
 
     /// Record a scrape of a worker's engine metrics.

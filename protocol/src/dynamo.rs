@@ -12,6 +12,8 @@ use serde::{de::IgnoredAny, Deserialize, Serialize};
 
 /// The `topic` Dynamo writes into envelopes of KV events.
 pub const KV_EVENTS_TOPIC: &str = "kv-events";
+/// Envelope topic (and last subject segment) of a worker's KV usage messages.
+pub const KV_METRICS_TOPIC: &str = "kv_metrics";
 
 /// The msgpack map around every Dynamo NATS message.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -134,6 +136,9 @@ pub enum DecodeError {
     /// A JetStream body is not a JSON RouterEvent.
     #[error("bad JSON event: {0}")]
     Json(serde_json::Error),
+    /// The envelope carries another topic than the one asked for.
+    #[error("envelope topic {0:?} is not {KV_METRICS_TOPIC}")]
+    Topic(String),
 }
 
 /// The events of one message, plus how many array elements were not events we know.
@@ -192,6 +197,15 @@ pub fn decode_payload(payload: &[u8]) -> Result<DecodedEvents, DecodeError> {
             skipped: 0,
         })
     }
+}
+
+/// Decode a worker's `kv_metrics` message (msgpack envelope around one [`KvMetrics`] map).
+pub fn decode_kv_metrics(body: &[u8]) -> Result<KvMetrics, DecodeError> {
+    let envelope: Envelope = rmp_serde::from_slice(body).map_err(DecodeError::Envelope)?;
+    if envelope.topic != KV_METRICS_TOPIC {
+        return Err(DecodeError::Topic(envelope.topic));
+    }
+    rmp_serde::from_slice(&envelope.payload).map_err(DecodeError::Payload)
 }
 
 /// Encode events the way Dynamo 1.6 publishes them: envelope around an array.
@@ -467,9 +481,15 @@ mod tests {
 
     #[test]
     fn kv_metrics_decode() {
-        let env: Envelope = rmp_serde::from_slice(&read("kv_metrics.msgpack")).unwrap();
-        assert_eq!(env.topic, "kv_metrics");
-        let m: KvMetrics = rmp_serde::from_slice(&env.payload).unwrap();
+        let m = decode_kv_metrics(&read("kv_metrics.msgpack")).unwrap();
+        assert_eq!(m.worker_id, 13140558925506144034);
         assert_eq!(m.kv_used_blocks, Some(5));
+        assert_eq!(m.active_prefill_tokens, None);
+        let events = read("kv-events_stored_prompt_4blocks.msgpack");
+        assert!(matches!(
+            decode_kv_metrics(&events),
+            Err(DecodeError::Topic(t)) if t == "kv-events"
+        ));
+        assert!(decode_kv_metrics(b"\x93garbage").is_err());
     }
 }

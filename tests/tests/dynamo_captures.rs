@@ -25,7 +25,7 @@ const CAPTURES: &[(&str, &str)] = &[
     ("kv-events_removed_plus_stored_batch.msgpack", BACKEND),
     ("kv-events_removed6_plus_stored_batch.msgpack", BACKEND),
     ("kv-events_disagg_prefill_component.msgpack", PREFILL),
-    // Not KV events: the sidecar must not count them as such.
+    // Not KV events: the sidecar must not count them as such (kv_metrics is load).
     (
         "kv_metrics.msgpack",
         "namespace.dynamo.component.backend.endpoint.generate.kv_metrics",
@@ -134,9 +134,29 @@ async fn captured_dynamo_events_through_real_nats() {
     assert_eq!(events(BACKEND, "removed"), 2.0, "{text}");
     assert_eq!(events(PREFILL, "stored"), 1.0, "{text}");
     assert!(
-        !text.contains("kv_metrics"),
-        "non-KV subjects are not subscribed: {text}"
+        !text.contains("kv_metrics\",type") && !text.contains("forward-pass-metrics"),
+        "only KV-event subjects count as events: {text}"
     );
+    // kv_metrics is load: the first worker's KV blocks in use, as the capture says.
+    let (http_ref, metrics_ref) = (&http, &metrics_url);
+    wait_for(
+        "kv_metrics recorded",
+        Duration::from_secs(5),
+        || async move {
+            let text = http_ref
+                .get(metrics_ref)
+                .send()
+                .await
+                .ok()?
+                .text()
+                .await
+                .ok()?;
+            (metric(&text, "kvroute_kv_used_blocks{worker=\"127.0.0.1:9000\"}")? == 5.0)
+                .then_some(())
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}: {text}"));
     assert_eq!(
         metric(
             &text,

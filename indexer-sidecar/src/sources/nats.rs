@@ -1,10 +1,11 @@
-//! Dynamo KV events from NATS: subscribe, decode each message, apply its events.
+//! Dynamo KV events from NATS: subscribe, decode each message, apply its events; and each
+//! worker's `kv_metrics` (queued prefill, KV blocks used) for the load rule.
 
 use std::sync::Arc;
 
 use anyhow::Context as _;
 use futures::StreamExt;
-use kvroute_protocol::dynamo::decode_message;
+use kvroute_protocol::dynamo::{decode_kv_metrics, decode_message, KV_METRICS_TOPIC};
 
 use crate::config::NatsConfig;
 use crate::metrics::label;
@@ -40,8 +41,23 @@ pub async fn run(config: NatsConfig, state: Arc<AppState>) -> anyhow::Result<()>
     anyhow::bail!("NATS subscription to {} ended", config.url)
 }
 
-/// Decode and apply one message body.
+/// Decode and apply one message body. Dynamo publishes each kind on its own subject, whose last
+/// segment names it.
 pub fn handle(state: &AppState, subject: &str, body: &[u8]) {
+    if subject.rsplit('.').next() == Some(KV_METRICS_TOPIC) {
+        match decode_kv_metrics(body) {
+            Ok(m) => state.record_dynamo_metrics(&m),
+            Err(e) => {
+                tracing::warn!(%subject, error = %e, bytes = body.len(), "undecodable kv_metrics message");
+                state
+                    .metrics
+                    .decode_errors
+                    .get_or_create(&label("source", "nats"))
+                    .inc();
+            }
+        }
+        return;
+    }
     match decode_message(body) {
         Ok(decoded) => {
             if decoded.skipped > 0 {
@@ -63,5 +79,48 @@ pub fn handle(state: &AppState, subject: &str, body: &[u8]) {
                 .get_or_create(&label("source", "nats"))
                 .inc();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    fn state() -> AppState {
+        let model = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/models/tiny-llama");
+        let text = format!(
+            "[[models]]\nname = \"m\"\ndir = \"{model}\"\nblock_size = 16\n[[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\ndynamo_worker_id = 13140558925506144034\n"
+        );
+        let config: Config = toml::from_str(&text).unwrap();
+        AppState::from_config(&config).unwrap()
+    }
+
+    #[test]
+    fn kv_metrics_feed_the_load_not_the_index() {
+        let state = state();
+        let dir = kvroute_protocol::samples_dir().join("dynamo");
+        let body = std::fs::read(dir.join("kv_metrics.msgpack")).unwrap();
+        handle(
+            &state,
+            "namespace.dynamo.component.backend.endpoint.generate.kv_metrics",
+            &body,
+        );
+        let text = state.metrics.render();
+        assert!(
+            text.contains("kvroute_kv_used_blocks{worker=\"127.0.0.1:9000\"} 5"),
+            "{text}"
+        );
+        assert!(!text.contains("kvroute_decode_errors_total"), "{text}");
+        // A kv_metrics subject carrying something else is a decode error, not a panic.
+        handle(
+            &state,
+            "namespace.a.component.b.endpoint.c.kv_metrics",
+            b"\x01",
+        );
+        assert!(state
+            .metrics
+            .render()
+            .contains("kvroute_decode_errors_total{source=\"nats\"} 1"));
     }
 }
