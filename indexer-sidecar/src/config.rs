@@ -14,6 +14,12 @@
 //! dir = "examples/models/tiny-llama" # tokenizer.json, tokenizer_config.json, chat_template.jinja
 //! block_size = 16                   # must equal the engines' KV block size
 //!
+//! [[zmq]]                           # vLLM KV events (one entry per engine endpoint)
+//! endpoint = "tcp://127.0.0.1:5557" # vLLM's kv-events `endpoint`
+//! replay_endpoint = "tcp://127.0.0.1:5558" # optional: fills sequence gaps
+//! worker = "127.0.0.1:8001"         # optional with llm-d `kv@<ip:port>@<model>` topics
+//! topic = "kv-events"               # optional prefix filter; bind = true if vLLM connects
+//!
 //! [[workers]]
 //! address = "127.0.0.1:8001"        # as in Envoy's `workers` cluster
 //! model = "tiny-llama"
@@ -54,6 +60,9 @@ pub struct Config {
     /// Dynamo event plane on NATS.
     #[serde(default)]
     pub nats: Option<NatsConfig>,
+    /// vLLM KV-event publishers on ZMQ, one entry per endpoint.
+    #[serde(default)]
+    pub zmq: Vec<ZmqConfig>,
     /// Served models.
     #[serde(default)]
     pub models: Vec<ModelConfig>,
@@ -120,6 +129,28 @@ pub fn default_subjects() -> Vec<String> {
         "namespace.*.component.*.endpoint.*.kv-events".into(),
         "namespace.*.component.*.endpoint.*.kv_metrics".into(),
     ]
+}
+
+/// One vLLM KV-event publisher (`--kv-events-config` with `"publisher": "zmq"`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ZmqConfig {
+    /// vLLM's `endpoint`, e.g. `tcp://10.0.0.5:5557`.
+    pub endpoint: String,
+    /// vLLM's `replay_endpoint`, used to fill sequence gaps; without it a gap resyncs the worker.
+    #[serde(default)]
+    pub replay_endpoint: Option<String>,
+    /// The worker (its `[[workers]]` address) publishing here. Optional when topics follow
+    /// llm-d's `kv@<ip:port>@<model>`, which names the worker.
+    #[serde(default)]
+    pub worker: Option<String>,
+    /// Topic prefix to subscribe to (vLLM's `topic`; empty: everything).
+    #[serde(default)]
+    pub topic: String,
+    /// Bind instead of connect: vLLM connects when its endpoint has no `*`, and then several
+    /// engines may publish into one bound socket (tell them apart by topic).
+    #[serde(default)]
+    pub bind: bool,
 }
 
 /// One served model.
@@ -230,6 +261,19 @@ impl Config {
                 if !ids.insert(id) {
                     bail!("dynamo_worker_id {id} is configured twice");
                 }
+            }
+        }
+        for z in &self.zmq {
+            if let Some(w) = &z.worker {
+                if !addresses.contains(w.as_str()) {
+                    bail!(
+                        "[[zmq]] {} names worker {w}, which is not configured",
+                        z.endpoint
+                    );
+                }
+            }
+            if !z.endpoint.starts_with("tcp://") && !z.endpoint.starts_with("ipc://") {
+                bail!("[[zmq]] endpoint {} is not tcp:// or ipc://", z.endpoint);
             }
         }
         Ok(())

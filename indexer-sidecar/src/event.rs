@@ -1,7 +1,9 @@
 //! [`KvEvent`]: one engine cache event, whatever transport and format it came in.
 
 use kvroute_protocol::dynamo::{KvCacheEventData, RouterEvent};
-use kvroute_protocol::LocalBlockHash;
+use kvroute_protocol::hash::local_block_hash;
+use kvroute_protocol::vllm::VllmEvent;
+use kvroute_protocol::{HashSeed, LocalBlockHash};
 
 /// The engine's own hash of a block (with its prefix); only meaningful to that engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -80,5 +82,189 @@ impl KvEvent {
             dp_rank: event.event.dp_rank,
             kind,
         }
+    }
+}
+
+/// Why a vLLM event is not indexed as it came.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum VllmEventProblem {
+    /// The engine's block size differs from the model's configured one: no hash could match.
+    #[error("engine block size {engine} differs from the configured {configured}")]
+    BlockSize {
+        /// In the event.
+        engine: u32,
+        /// In the sidecar's `[[models]]`.
+        configured: u32,
+    },
+    /// Another storage tier than the GPU (CPU offload, disk): not routable cache.
+    #[error("blocks on medium {0}, not GPU")]
+    Medium(String),
+    /// `token_ids` does not cover the announced blocks.
+    #[error("{tokens} token ids for {blocks} blocks of {block_size}")]
+    Tokens {
+        /// Token ids in the event.
+        tokens: usize,
+        /// Blocks announced.
+        blocks: usize,
+        /// Tokens per block.
+        block_size: u32,
+    },
+}
+
+impl KvEvent {
+    /// Convert a vLLM event. vLLM's own block hash is kept only as the block's name; the
+    /// index key is kvroute's hash of the block's `token_ids` (with the LoRA seed), exactly what
+    /// the filter computes. A stored run stops at the first block whose hash included extra
+    /// keys (multimodal inputs, cache salt): the filter cannot reproduce those.
+    pub fn from_vllm(
+        event: &VllmEvent,
+        dp_rank: u32,
+        block_size: u32,
+    ) -> Result<KvEvent, VllmEventProblem> {
+        let gpu = |medium: &Option<String>| match medium.as_deref() {
+            None | Some("GPU") | Some("gpu") => Ok(()),
+            Some(other) => Err(VllmEventProblem::Medium(other.to_owned())),
+        };
+        let kind = match event {
+            VllmEvent::BlockStored {
+                block_hashes,
+                parent,
+                token_ids,
+                block_size: engine,
+                lora_name,
+                medium,
+                has_extra_keys,
+            } => {
+                gpu(medium)?;
+                if *engine != block_size {
+                    return Err(VllmEventProblem::BlockSize {
+                        engine: *engine,
+                        configured: block_size,
+                    });
+                }
+                let size = block_size.max(1) as usize;
+                if token_ids.len() != block_hashes.len() * size {
+                    return Err(VllmEventProblem::Tokens {
+                        tokens: token_ids.len(),
+                        blocks: block_hashes.len(),
+                        block_size,
+                    });
+                }
+                let seed = HashSeed::for_request(lora_name.as_deref(), None);
+                KvEventKind::Stored {
+                    parent: parent.map(|p| EngineHash(p.0)),
+                    blocks: block_hashes
+                        .iter()
+                        .zip(token_ids.chunks_exact(size))
+                        .zip(has_extra_keys.iter().chain(std::iter::repeat(&false)))
+                        .take_while(|(_, &extra)| !extra)
+                        .map(|((h, tokens), _)| StoredBlock {
+                            engine_hash: EngineHash(h.0),
+                            local_hash: local_block_hash(tokens, seed),
+                        })
+                        .collect(),
+                }
+            }
+            VllmEvent::BlockRemoved {
+                block_hashes,
+                medium,
+            } => {
+                gpu(medium)?;
+                KvEventKind::Removed {
+                    blocks: block_hashes.iter().map(|h| EngineHash(h.0)).collect(),
+                }
+            }
+            VllmEvent::AllBlocksCleared => KvEventKind::Cleared,
+        };
+        Ok(KvEvent { dp_rank, kind })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvroute_protocol::hash::{local_block_hashes, token_prefix_hashes};
+    use kvroute_protocol::vllm::{decode_batch, EngineBlockHash};
+
+    fn stored(tokens: Vec<u32>, extra: Vec<bool>) -> VllmEvent {
+        VllmEvent::BlockStored {
+            block_hashes: (0..tokens.len() as u64 / 4).map(EngineBlockHash).collect(),
+            parent: None,
+            token_ids: tokens,
+            block_size: 4,
+            lora_name: None,
+            medium: Some("GPU".into()),
+            has_extra_keys: extra,
+        }
+    }
+
+    #[test]
+    fn vllm_blocks_are_keyed_by_our_hash_of_their_tokens() {
+        let tokens: Vec<u32> = (0..12).collect();
+        let e = KvEvent::from_vllm(&stored(tokens.clone(), vec![false; 3]), 1, 4).unwrap();
+        let want = local_block_hashes(&tokens, 4, HashSeed::default());
+        let KvEventKind::Stored { blocks, parent } = &e.kind else {
+            panic!("{e:?}")
+        };
+        assert_eq!(*parent, None);
+        assert_eq!(e.dp_rank, 1);
+        assert_eq!(
+            blocks.iter().map(|b| b.local_hash).collect::<Vec<_>>(),
+            want
+        );
+        assert_eq!(blocks[2].engine_hash, EngineHash(2));
+        // A block with extra keys ends the run.
+        let e = KvEvent::from_vllm(&stored(tokens, vec![false, true, false]), 0, 4).unwrap();
+        assert!(matches!(e.kind, KvEventKind::Stored { ref blocks, .. } if blocks.len() == 1));
+    }
+
+    #[test]
+    fn vllm_problems_are_named() {
+        let tokens: Vec<u32> = (0..8).collect();
+        assert_eq!(
+            KvEvent::from_vllm(&stored(tokens.clone(), vec![]), 0, 16),
+            Err(VllmEventProblem::BlockSize {
+                engine: 4,
+                configured: 16
+            })
+        );
+        let cpu = VllmEvent::BlockRemoved {
+            block_hashes: vec![],
+            medium: Some("CPU".into()),
+        };
+        assert!(matches!(
+            KvEvent::from_vllm(&cpu, 0, 4),
+            Err(VllmEventProblem::Medium(_))
+        ));
+        let mut short = stored(tokens, vec![]);
+        if let VllmEvent::BlockStored { token_ids, .. } = &mut short {
+            token_ids.pop();
+        }
+        assert!(matches!(
+            KvEvent::from_vllm(&short, 0, 4),
+            Err(VllmEventProblem::Tokens { .. })
+        ));
+    }
+
+    /// The real vLLM capture: the prefix hashes of the stored token ids are the ones the filter
+    /// computes for the same tokens.
+    #[test]
+    fn real_vllm_store_chains_like_the_filter() {
+        let raw = kvroute_protocol::samples_dir().join("vllm/run1-sha256-default/raw");
+        let batch =
+            decode_batch(&std::fs::read(raw.join("seq000000.payload.msgpack")).unwrap()).unwrap();
+        let VllmEvent::BlockStored { token_ids, .. } = &batch.events[0] else {
+            panic!("first capture is a store")
+        };
+        let e = KvEvent::from_vllm(&batch.events[0], 0, 32).unwrap();
+        let KvEventKind::Stored { blocks, .. } = &e.kind else {
+            panic!("{e:?}")
+        };
+        let locals: Vec<LocalBlockHash> = blocks.iter().map(|b| b.local_hash).collect();
+        assert_eq!(
+            kvroute_protocol::hash::prefix_hashes(&locals),
+            token_prefix_hashes(token_ids, 32, HashSeed::default())
+        );
+        assert_eq!(blocks.len(), 12);
     }
 }

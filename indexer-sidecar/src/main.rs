@@ -95,8 +95,12 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     if let Some(nats) = config.nats.clone() {
         let state = state.clone();
         tasks.spawn(sources::nats::run(nats, state));
-    } else {
-        tracing::warn!("no [nats] section: no KV events will arrive, hints will stay empty");
+    }
+    for zmq in config.zmq.clone() {
+        tasks.spawn(sources::zmq::run(zmq, state.clone()));
+    }
+    if config.nats.is_none() && config.zmq.is_empty() {
+        tracing::warn!("neither [nats] nor [[zmq]] configured: no KV events will arrive, every request goes to the least loaded worker");
     }
     tokio::select! {
         Some(done) = tasks.join_next() => done?.context("a sidecar task stopped"),

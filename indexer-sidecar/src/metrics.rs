@@ -34,6 +34,11 @@ pub struct Metrics {
     pub scrape_errors: Family<Labels, Counter>,
     /// 1 when Envoy lists the worker as healthy (only with `[envoy]` configured).
     pub worker_usable: Family<Labels, Gauge>,
+    /// Stored events whose block size differs from the model's, by worker.
+    pub block_size_mismatches: Family<Labels, Counter>,
+    /// Sequence trouble on an event stream, by worker and kind (`gap`, `replayed`, `resync`,
+    /// `restart`).
+    pub sequence: Family<Labels, Counter>,
     /// Hinted requests not finished yet, by worker.
     pub in_flight: Family<Labels, Gauge>,
     /// Prompt blocks queued for prefill, by worker (Dynamo `kv_metrics`).
@@ -60,6 +65,8 @@ impl Default for Metrics {
             unknown_removals: Counter::default(),
             scrape_errors: Family::default(),
             worker_usable: Family::default(),
+            block_size_mismatches: Family::default(),
+            sequence: Family::default(),
             in_flight: Family::default(),
             queued_prefill_blocks: Family::default(),
             kv_used_blocks: Family::default(),
@@ -119,6 +126,16 @@ impl Default for Metrics {
         );
         m.registry
             .register("tickets", "Hint tickets closed, by how", m.tickets.clone());
+        m.registry.register(
+            "block_size_mismatches",
+            "Stored events whose block size differs from the configured one",
+            m.block_size_mismatches.clone(),
+        );
+        m.registry.register(
+            "sequence",
+            "Event stream sequence trouble: gap, replayed, resync, restart",
+            m.sequence.clone(),
+        );
         m.registry.register(
             "queued_prefill_blocks",
             "Prompt blocks queued for prefill (Dynamo kv_metrics)",

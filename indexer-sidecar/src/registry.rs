@@ -59,6 +59,11 @@ impl WorkerRegistry {
             .and_then(|&id| self.get(id))
     }
 
+    /// The worker with this address (`ip:port`, as configured).
+    pub fn by_address(&self, address: &str) -> Option<&Worker> {
+        self.workers.iter().find(|w| w.address == address)
+    }
+
     /// Every worker.
     pub fn iter(&self) -> impl Iterator<Item = &Worker> {
         self.workers.iter()

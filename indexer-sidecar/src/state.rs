@@ -9,9 +9,10 @@ use anyhow::Context as _;
 use kvroute_protocol::bundle::{Catalog, CatalogEntry};
 use kvroute_protocol::dynamo::{KvMetrics, RouterEvent};
 use kvroute_protocol::hint::{HintRequest, HintResponse, Ticket};
+use kvroute_protocol::vllm::EventBatch;
 
 use crate::config::{Config, RoutingConfig};
-use crate::event::KvEvent;
+use crate::event::{KvEvent, VllmEventProblem};
 use crate::index::RadixIndex;
 use crate::load::{Load, LoadTracker};
 use crate::metrics::{label, Metrics};
@@ -270,22 +271,83 @@ impl AppState {
                         *slot = Some(now);
                     }
                     (false, Some(since)) if now.duration_since(since) >= self.grace_period => {
-                        expired.push((w.id, w.model.clone(), w.address.clone()));
+                        expired.push((w.id, w.address.clone()));
                     }
                     _ => {}
                 }
             }
         }
-        for (id, model, address) in expired {
-            let mut indexes = self.indexes.write().unwrap_or_else(|e| e.into_inner());
-            if let Some(index) = indexes.get_mut(&model) {
-                let dropped = index.remove_worker(id);
-                if dropped > 0 {
-                    tracing::warn!(worker = %address, blocks = dropped, "unhealthy past the grace period: index entries dropped");
+        for (id, address) in expired {
+            let dropped = self.forget_worker(id);
+            if dropped > 0 {
+                tracing::warn!(worker = %address, blocks = dropped, "unhealthy past the grace period: index entries dropped");
+            }
+        }
+    }
+
+    /// Drop every index entry of a worker (all its data-parallel ranks); how many were dropped.
+    pub fn forget_worker(&self, worker: WorkerId) -> usize {
+        let Some(w) = self.registry.get(worker) else {
+            return 0;
+        };
+        let mut indexes = self.indexes.write().unwrap_or_else(|e| e.into_inner());
+        let dropped = indexes
+            .get_mut(&w.model)
+            .map_or(0, |index| index.remove_worker(worker));
+        drop(indexes);
+        self.metrics
+            .index_blocks
+            .get_or_create(&label("worker", w.address.clone()))
+            .set(0);
+        dropped
+    }
+
+    /// Apply a vLLM event batch of a known worker (`source` labels the metrics: the endpoint).
+    pub fn apply_vllm(&self, worker: WorkerId, source: &str, batch: &EventBatch) {
+        let Some(w) = self.registry.get(worker) else {
+            return;
+        };
+        let block_size = self.block_sizes.get(&w.model).copied().unwrap_or(0);
+        if batch.skipped > 0 {
+            self.metrics
+                .skipped_events
+                .get_or_create(&label("source", "zmq"))
+                .inc_by(batch.skipped as u64);
+        }
+        for event in &batch.events {
+            match KvEvent::from_vllm(event, batch.dp_rank, block_size) {
+                Ok(kv) => {
                     self.metrics
-                        .index_blocks
-                        .get_or_create(&label("worker", address))
-                        .set(0);
+                        .events
+                        .get_or_create(&vec![
+                            ("subject", source.to_owned()),
+                            ("type", kv.kind.label().to_owned()),
+                        ])
+                        .inc();
+                    self.apply(worker, &w.model, &kv);
+                }
+                Err(problem @ VllmEventProblem::BlockSize { .. }) => {
+                    let counter = self
+                        .metrics
+                        .block_size_mismatches
+                        .get_or_create(&label("worker", w.address.clone()));
+                    if counter.get() == 0 {
+                        tracing::error!(worker = %w.address, model = %w.model, %problem, "block-size mismatch: this worker's KV events can never match a request; fix [[models]] block_size or the engine's --block-size");
+                    }
+                    counter.inc();
+                }
+                Err(VllmEventProblem::Medium(_)) => {
+                    self.metrics
+                        .skipped_events
+                        .get_or_create(&label("source", "zmq"))
+                        .inc();
+                }
+                Err(problem @ VllmEventProblem::Tokens { .. }) => {
+                    tracing::warn!(worker = %w.address, %problem, "malformed vLLM store event");
+                    self.metrics
+                        .decode_errors
+                        .get_or_create(&label("source", "zmq"))
+                        .inc();
                 }
             }
         }

@@ -7,11 +7,13 @@
 //! - [`hint`]: the filter ↔ sidecar hint exchange (`POST /v1/hint`).
 //! - [`bundle`]: the model bundle the filter fetches from the sidecar (tokenizer, template, block size).
 //! - [`dynamo`]: NVIDIA Dynamo's KV-event wire format on NATS (msgpack envelope and `RouterEvent`).
+//! - [`vllm`]: vLLM's native KV-event stream on ZMQ (frames, batches, both event encodings).
 
 pub mod bundle;
 pub mod dynamo;
 pub mod hash;
 pub mod hint;
+pub mod vllm;
 
 pub use hash::{HashSeed, LocalBlockHash, PrefixHash};
 

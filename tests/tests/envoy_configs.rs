@@ -12,6 +12,8 @@ fn shipped_envoy_configs_validate() {
             index: i,
             address: format!("127.0.0.1:{}", 8100 + i),
             dynamo_worker_id: i as u64,
+            zmq_endpoint: None,
+            replay_endpoint: None,
         })
         .collect();
     let dir = paths::run_dir("envoy-validate").unwrap();

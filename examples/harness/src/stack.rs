@@ -65,6 +65,8 @@ pub struct SimOptions {
     pub output_tokens: u32,
     /// Answer at once without tokenizing (data-path benchmark).
     pub instant: bool,
+    /// KV-event format per engine, cycled (`dynamo`, `vllm-map`, `vllm-array`, `none`).
+    pub event_formats: Vec<String>,
 }
 
 impl Default for SimOptions {
@@ -79,6 +81,7 @@ impl Default for SimOptions {
             decode_us_per_token: 1000,
             output_tokens: 8,
             instant: false,
+            event_formats: vec!["dynamo".into()],
         }
     }
 }
@@ -126,6 +129,12 @@ pub struct EngineInfo {
     pub address: String,
     /// Dynamo instance id in its events.
     pub dynamo_worker_id: u64,
+    /// Its vLLM KV-event PUB socket, when it publishes in vLLM's format.
+    #[serde(default)]
+    pub zmq_endpoint: Option<String>,
+    /// Its vLLM replay socket.
+    #[serde(default)]
+    pub replay_endpoint: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -196,6 +205,7 @@ impl Stack {
             ("--prefill-us-per-token", s.prefill_us_per_token.to_string()),
             ("--decode-us-per-token", s.decode_us_per_token.to_string()),
             ("--output-tokens", s.output_tokens.to_string()),
+            ("--event-format", s.event_formats.join(",")),
         ] {
             sim.args([flag, &value]);
         }
@@ -433,6 +443,12 @@ fn sidecar_config(
             "\n[[workers]]\naddress = \"{}\"\nmodel = \"{MODEL}\"\ndynamo_worker_id = {}\n",
             e.address, e.dynamo_worker_id
         ));
+        if let (Some(events), Some(replay)) = (&e.zmq_endpoint, &e.replay_endpoint) {
+            out.push_str(&format!(
+                "\n[[zmq]]\nendpoint = \"{events}\"\nreplay_endpoint = \"{replay}\"\nworker = \"{}\"\ntopic = \"kv-events\"\n",
+                e.address
+            ));
+        }
     }
     out
 }

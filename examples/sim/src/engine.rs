@@ -53,6 +53,8 @@ pub struct EngineStats {
     pub active_blocks: AtomicU64,
     /// Set to make `/health` and completions fail, as an engine on its way down would.
     pub unhealthy: std::sync::atomic::AtomicBool,
+    /// KV-event messages to leave out of the live stream (still replayable): a test hook.
+    pub drop_events: std::sync::Arc<AtomicU64>,
     /// Completions still to fail with 503 before serving again (one bad request, not a dead engine).
     pub fail_next: AtomicU64,
     /// Completions answered with 503.
@@ -87,6 +89,9 @@ impl Drop for Running {
         self.engine.stats.requests.fetch_add(1, Ordering::Relaxed);
     }
 }
+
+/// Per full block of a prompt: (tokens hash, prefix hash).
+type Blocks = Vec<(u64, PrefixHash)>;
 
 /// A simulated engine.
 pub struct Engine {
@@ -143,15 +148,14 @@ impl Engine {
         self.preprocessor.render(req)
     }
 
-    fn blocks(&self, req: &LlmRequest) -> Result<(usize, Vec<(u64, PrefixHash)>), PromptError> {
+    /// The request's tokens and, per full block, (tokens hash, prefix hash).
+    fn blocks(&self, req: &LlmRequest) -> Result<(Vec<u32>, Blocks), PromptError> {
         let tokens = self.preprocessor.tokens(req)?;
         let seed = HashSeed::for_request(req.lora.as_deref(), req.cache_salt.as_deref());
         let locals = local_block_hashes(&tokens, self.block_size(), seed);
         let prefixes = prefix_hashes(&locals);
-        Ok((
-            tokens.len(),
-            locals.iter().map(|l| l.0).zip(prefixes).collect(),
-        ))
+        let blocks = locals.iter().map(|l| l.0).zip(prefixes).collect();
+        Ok((tokens, blocks))
     }
 
     /// Leading blocks of the request this engine holds now (the oracle's answer).
@@ -172,7 +176,8 @@ impl Engine {
         self: &Arc<Self>,
         req: &LlmRequest,
     ) -> Result<Option<Running>, PromptError> {
-        let (prompt_tokens, blocks) = self.blocks(req)?;
+        let (tokens, blocks) = self.blocks(req)?;
+        let prompt_tokens = tokens.len();
         if prompt_tokens > self.config.max_model_len {
             return Ok(None);
         }
@@ -212,11 +217,20 @@ impl Engine {
         let uncached = (prompt_tokens - cached_tokens) as u64;
         let cost = self.config.base_latency_us + uncached * self.config.prefill_us_per_token;
         tokio::time::sleep(Duration::from_micros(cost)).await;
-        self.store(&blocks);
+        self.store(&blocks, &tokens, req);
         Ok(Some(running(cached_tokens)))
     }
 
-    fn store(&self, blocks: &[(u64, PrefixHash)]) {
+    /// Forget every cached block, as a restarted engine would (and say so to subscribers).
+    pub fn restart(&self) {
+        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        cache.clear();
+        if let Some(events) = &self.events {
+            let _ = events.send(vec![CacheChange::Restarted]);
+        }
+    }
+
+    fn store(&self, blocks: &[(u64, PrefixHash)], tokens: &[u32], req: &LlmRequest) {
         let prefixes: Vec<PrefixHash> = blocks.iter().map(|b| b.1).collect();
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
         let admitted = cache.admit(&prefixes);
@@ -242,9 +256,13 @@ impl Engine {
                 .iter()
                 .map(|&(local, prefix)| (self.engine_hash(prefix), local))
                 .collect();
+            let size = self.block_size();
             batch.push(CacheChange::Stored {
                 parent,
                 blocks: stored,
+                tokens: tokens[admitted.stored_from * size..kept * size].to_vec(),
+                lora: req.lora.clone(),
+                salted_from_start: req.cache_salt.is_some() && admitted.stored_from == 0,
             });
         }
         // Sent under the cache lock so the publisher sees changes in cache order.

@@ -1,7 +1,7 @@
 //! `kvroute-sim`: run a fleet of simulated engines in one process.
 //!
-//! Prints one line `READY {"engines": [{"index", "address", "dynamo_worker_id"}, …]}` on stdout
-//! once every engine listens, then serves until interrupted.
+//! Prints one line `READY {"engines": [{"index", "address", "dynamo_worker_id", "zmq_endpoint",
+//! "replay_endpoint"}, …]}` on stdout once every engine listens, then serves until interrupted.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -10,7 +10,9 @@ use anyhow::Context as _;
 use clap::Parser;
 use kvroute_prompt::Preprocessor;
 use kvroute_protocol::dynamo::subject_v16;
+use kvroute_protocol::vllm::EventEncoding;
 use kvroute_sim::publish::DynamoPublisher;
+use kvroute_sim::zmq::VllmPublisher;
 use kvroute_sim::{server, Engine, EngineConfig};
 
 #[derive(Parser)]
@@ -58,9 +60,16 @@ struct Args {
     /// Answer every completion at once, without tokenizing (data-path benchmark upstream).
     #[arg(long)]
     instant: bool,
-    /// NATS server to publish Dynamo KV events to; none: no events.
+    /// NATS server to publish Dynamo KV events to (engines with the `dynamo` format).
     #[arg(long)]
     nats: Option<String>,
+    /// KV-event format per engine, cycled over the engines: `dynamo` (NATS), `vllm-map` or
+    /// `vllm-array` (ZMQ PUB + replay socket on free loopback ports), `none`.
+    #[arg(long, value_delimiter = ',', default_value = "dynamo")]
+    event_format: Vec<String>,
+    /// Topic of vLLM-format messages.
+    #[arg(long, default_value = "kv-events")]
+    zmq_topic: String,
     /// Dynamo instance id of engine 0 (engine i gets base + i).
     #[arg(long, default_value_t = 7_000_000_000_000_000_000)]
     worker_id_base: u64,
@@ -100,17 +109,6 @@ async fn main() -> anyhow::Result<()> {
     let mut servers = tokio::task::JoinSet::new();
     for index in 0..args.engines {
         let worker_id = args.worker_id_base.wrapping_add(index as u64);
-        let events = nats.clone().map(|client| {
-            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            let publisher = DynamoPublisher {
-                client,
-                subject: subject.clone(),
-                worker_id,
-                publisher_id: worker_id ^ 0x9e37_79b9_7f4a_7c15,
-            };
-            tokio::spawn(publisher.run(rx));
-            tx
-        });
         let config = EngineConfig {
             index,
             model: args.model.clone(),
@@ -122,7 +120,47 @@ async fn main() -> anyhow::Result<()> {
             default_output_tokens: args.output_tokens,
             max_model_len: args.max_model_len,
         };
-        let engine = Arc::new(Engine::new(config, preprocessor.clone(), events));
+        let format = args.event_format[index % args.event_format.len().max(1)].as_str();
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let publishes = format != "none" && (format != "dynamo" || nats.is_some());
+        let engine = Arc::new(Engine::new(
+            config,
+            preprocessor.clone(),
+            publishes.then_some(tx),
+        ));
+        let mut info = serde_json::json!({"index": index, "dynamo_worker_id": worker_id, "event_format": format});
+        match format {
+            "dynamo" => {
+                if let Some(client) = nats.clone() {
+                    let publisher = DynamoPublisher {
+                        client,
+                        subject: subject.clone(),
+                        worker_id,
+                        publisher_id: worker_id ^ 0x9e37_79b9_7f4a_7c15,
+                    };
+                    tokio::spawn(publisher.run(rx));
+                }
+            }
+            "vllm-map" | "vllm-array" => {
+                let encoding = if format == "vllm-map" {
+                    EventEncoding::Map
+                } else {
+                    EventEncoding::Array
+                };
+                let (publisher, endpoints) = VllmPublisher::bind(
+                    &args.zmq_topic,
+                    encoding,
+                    args.block_size,
+                    engine.stats.drop_events.clone(),
+                )
+                .await?;
+                info["zmq_endpoint"] = endpoints.events.into();
+                info["replay_endpoint"] = endpoints.replay.into();
+                tokio::spawn(publisher.run(rx));
+            }
+            "none" => {}
+            other => anyhow::bail!("unknown --event-format {other}"),
+        }
         let port = if args.base_port == 0 {
             0
         } else {
@@ -130,9 +168,8 @@ async fn main() -> anyhow::Result<()> {
         };
         let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
         let address = listener.local_addr()?.to_string();
-        ready.push(
-            serde_json::json!({"index": index, "address": address, "dynamo_worker_id": worker_id}),
-        );
+        info["address"] = address.into();
+        ready.push(info);
         let app = if args.instant {
             server::instant_router(index)
         } else {

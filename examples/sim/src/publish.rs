@@ -17,9 +17,18 @@ pub enum CacheChange {
         parent: Option<u64>,
         /// (engine block hash, tokens hash) in sequence order.
         blocks: Vec<(u64, u64)>,
+        /// The stored blocks' tokens (vLLM events carry them).
+        tokens: Vec<u32>,
+        /// LoRA adapter of the request.
+        lora: Option<String>,
+        /// The run starts at block 0 of a request with a `cache_salt` (vLLM hashes the salt into
+        /// block 0 as an extra key).
+        salted_from_start: bool,
     },
     /// Blocks evicted (engine hashes).
     Removed(Vec<u64>),
+    /// The engine restarted with an empty cache.
+    Restarted,
 }
 
 /// Where an engine publishes: the NATS client and the identity it publishes under.
@@ -71,7 +80,7 @@ impl DynamoPublisher {
 
     fn router_event(&self, event_id: u64, change: CacheChange) -> RouterEvent {
         let data = match change {
-            CacheChange::Stored { parent, blocks } => KvCacheEventData::Stored(StoredBlocks {
+            CacheChange::Stored { parent, blocks, .. } => KvCacheEventData::Stored(StoredBlocks {
                 parent_hash: parent,
                 start_position: None,
                 blocks: blocks
@@ -86,6 +95,7 @@ impl DynamoPublisher {
             CacheChange::Removed(block_hashes) => {
                 KvCacheEventData::Removed(RemovedBlocks { block_hashes })
             }
+            CacheChange::Restarted => KvCacheEventData::Cleared,
         };
         RouterEvent {
             worker_id: self.worker_id,

@@ -53,6 +53,8 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/health", get(health))
         .route("/admin/health", post(set_health))
         .route("/admin/fail_next", post(set_fail_next))
+        .route("/admin/drop_events", post(set_drop_events))
+        .route("/admin/restart", post(restart))
         .route("/metrics", get(metrics))
         .route("/oracle", post(oracle))
         .route("/tokenize", post(tokenize))
@@ -266,6 +268,25 @@ async fn set_fail_next(State(engine): State<Arc<Engine>>, body: String) -> Statu
         }
         Err(_) => StatusCode::BAD_REQUEST,
     }
+}
+
+/// `POST /admin/drop_events` with a count: that many next KV-event messages are left out of
+/// the live stream (still in the replay buffer), as a slow subscriber would miss them.
+async fn set_drop_events(State(engine): State<Arc<Engine>>, body: String) -> StatusCode {
+    match body.trim().parse::<u64>() {
+        Ok(n) => {
+            engine.stats.drop_events.store(n, Ordering::Relaxed);
+            StatusCode::OK
+        }
+        Err(_) => StatusCode::BAD_REQUEST,
+    }
+}
+
+/// `POST /admin/restart`: the engine comes back with an empty cache and its event sequence
+/// starts over, as a restarted vLLM process would.
+async fn restart(State(engine): State<Arc<Engine>>) -> StatusCode {
+    engine.restart();
+    StatusCode::OK
 }
 
 async fn models(State(engine): State<Arc<Engine>>) -> Json<Value> {

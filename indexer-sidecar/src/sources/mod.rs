@@ -3,3 +3,4 @@
 pub mod engine_metrics;
 pub mod envoy_admin;
 pub mod nats;
+pub mod zmq;

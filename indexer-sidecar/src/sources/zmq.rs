@@ -1,0 +1,276 @@
+//! vLLM KV events from ZMQ: one SUB socket per configured endpoint, sequence numbers checked
+//! per worker, gaps filled from the engine's replay socket.
+//!
+//! What a sequence number can say (vLLM numbers its messages 0, 1, 2, … per process):
+//! - the next one: apply;
+//! - a jump: messages were lost (slow subscriber, reconnect). Ask the replay socket for them and
+//!   apply them in order; if it cannot give them all, the worker's index entries are stale: drop
+//!   them and start over from this message (`resync`);
+//! - the same or a smaller one: the engine restarted with an empty cache: drop its entries.
+//!
+//! The pure-Rust `zeromq` crate does not reconnect a dropped connection by itself, so the loop
+//! watches the socket's monitor and starts a new socket when the publisher goes away.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use kvroute_protocol::vllm::{decode_batch, decode_seq, REPLAY_END};
+use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+
+use crate::config::ZmqConfig;
+use crate::metrics::label;
+use crate::registry::WorkerId;
+use crate::state::AppState;
+
+/// How long a replay may take before the worker is resynced instead.
+const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+/// Pause before reconnecting to a publisher that went away.
+const RECONNECT_DELAY: Duration = Duration::from_millis(500);
+
+/// What a message's sequence number means, given the previous one of the same worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqCheck {
+    /// The first message seen from this worker.
+    First,
+    /// The next message.
+    Next,
+    /// Messages `from..to` are missing (`to` is this message).
+    Gap {
+        /// First missing sequence number.
+        from: u64,
+        /// This message's.
+        to: u64,
+    },
+    /// The counter went back: the engine restarted.
+    Restarted,
+}
+
+/// Check `seq` against the last one seen (`None`: nothing seen yet).
+pub fn check_seq(last: Option<u64>, seq: u64) -> SeqCheck {
+    match last {
+        None => SeqCheck::First,
+        Some(last) if seq == last.wrapping_add(1) => SeqCheck::Next,
+        Some(last) if seq > last => SeqCheck::Gap {
+            from: last + 1,
+            to: seq,
+        },
+        Some(_) => SeqCheck::Restarted,
+    }
+}
+
+/// llm-d names the worker in the topic: `kv@<ip:port>@<model>`.
+pub fn worker_in_topic(topic: &str) -> Option<&str> {
+    let rest = topic.strip_prefix("kv@")?;
+    let (address, _model) = rest.split_once('@')?;
+    Some(address)
+}
+
+/// One message: (topic, sequence number, payload).
+type Frames = (String, u64, Vec<u8>);
+
+/// Split a live message (`[topic, seq, payload]`) or a replayed one (with a leading empty
+/// delimiter frame when it came through a DEALER).
+fn frames(msg: ZmqMessage) -> Option<Frames> {
+    let mut parts = msg.into_vec();
+    if parts.len() == 4 && parts[0].is_empty() {
+        parts.remove(0);
+    }
+    let [topic, seq, payload]: [_; 3] = parts.try_into().ok()?;
+    Some((
+        String::from_utf8_lossy(&topic).into_owned(),
+        decode_seq(&seq).ok()?,
+        payload.to_vec(),
+    ))
+}
+
+/// Subscribe to one publisher and apply its events until the process ends.
+pub async fn run(config: ZmqConfig, state: Arc<AppState>) -> anyhow::Result<()> {
+    let mut last: std::collections::HashMap<WorkerId, u64> = Default::default();
+    loop {
+        let mut socket = SubSocket::new();
+        let mut monitor = socket.monitor();
+        if config.bind {
+            socket
+                .bind(&config.endpoint)
+                .await
+                .with_context(|| format!("binding {}", config.endpoint))?;
+        } else {
+            tracing::info!(endpoint = %config.endpoint, "connecting to vLLM KV-event publisher");
+            socket
+                .connect(&config.endpoint)
+                .await
+                .with_context(|| format!("connecting to {}", config.endpoint))?;
+        }
+        socket
+            .subscribe(&config.topic)
+            .await
+            .with_context(|| format!("subscribing to {:?}", config.topic))?;
+        tracing::info!(endpoint = %config.endpoint, topic = %config.topic, "subscribed to vLLM KV events");
+        loop {
+            tokio::select! {
+                msg = socket.recv() => match msg {
+                    Ok(msg) => handle(&config, &state, &mut last, msg).await,
+                    Err(e) => {
+                        tracing::warn!(endpoint = %config.endpoint, error = %e, "ZMQ receive failed");
+                        break;
+                    }
+                },
+                event = monitor.next_event() => {
+                    if matches!(event, Some(SocketEvent::Disconnected(_)) | None) && !config.bind {
+                        tracing::warn!(endpoint = %config.endpoint, "vLLM KV-event publisher went away; reconnecting");
+                        break;
+                    }
+                }
+            }
+        }
+        tokio::time::sleep(RECONNECT_DELAY).await;
+    }
+}
+
+/// Monitor events without pulling in a stream trait for one call.
+trait NextEvent {
+    async fn next_event(&mut self) -> Option<SocketEvent>;
+}
+
+impl NextEvent for futures::channel::mpsc::Receiver<SocketEvent> {
+    async fn next_event(&mut self) -> Option<SocketEvent> {
+        futures::StreamExt::next(self).await
+    }
+}
+
+async fn handle(
+    config: &ZmqConfig,
+    state: &AppState,
+    last: &mut std::collections::HashMap<WorkerId, u64>,
+    msg: ZmqMessage,
+) {
+    let Some((topic, seq, payload)) = frames(msg) else {
+        count_bad(state, "not [topic, seq, payload]", &config.endpoint);
+        return;
+    };
+    let address = config.worker.as_deref().or_else(|| worker_in_topic(&topic));
+    let Some(worker) = address.and_then(|a| state.registry.by_address(a)) else {
+        state
+            .metrics
+            .unknown_worker_events
+            .get_or_create(&label("worker_id", address.unwrap_or(&topic).to_owned()))
+            .inc();
+        return;
+    };
+    let (id, name) = (worker.id, worker.address.clone());
+    let bump = |kind: &str, by: u64| {
+        state
+            .metrics
+            .sequence
+            .get_or_create(&vec![("worker", name.clone()), ("kind", kind.to_owned())])
+            .inc_by(by);
+    };
+    match check_seq(last.get(&id).copied(), seq) {
+        SeqCheck::First | SeqCheck::Next => {}
+        SeqCheck::Restarted => {
+            let dropped = state.forget_worker(id);
+            tracing::warn!(worker = %name, seq, dropped, "vLLM event sequence went back: engine restarted, its index entries dropped");
+            bump("restart", 1);
+        }
+        SeqCheck::Gap { from, to } => {
+            bump("gap", 1);
+            match replay(config, from, to).await {
+                Ok(missed) => {
+                    tracing::info!(worker = %name, from, to, "filled an event gap from the replay socket");
+                    bump("replayed", missed.len() as u64);
+                    for (_, _, payload) in &missed {
+                        apply(state, id, &config.endpoint, payload);
+                    }
+                }
+                Err(e) => {
+                    let dropped = state.forget_worker(id);
+                    tracing::warn!(worker = %name, from, to, dropped, error = %e, "event gap not replayable: worker resynced (index entries dropped)");
+                    bump("resync", 1);
+                }
+            }
+        }
+    }
+    last.insert(id, seq);
+    apply(state, id, &config.endpoint, &payload);
+}
+
+fn apply(state: &AppState, worker: WorkerId, source: &str, payload: &[u8]) {
+    match decode_batch(payload) {
+        Ok(batch) => state.apply_vllm(worker, source, &batch),
+        Err(e) => count_bad(state, &e.to_string(), source),
+    }
+}
+
+fn count_bad(state: &AppState, why: &str, source: &str) {
+    tracing::warn!(%source, error = %why, "undecodable vLLM KV-event message");
+    state
+        .metrics
+        .decode_errors
+        .get_or_create(&label("source", "zmq"))
+        .inc();
+}
+
+/// Ask the replay socket for messages `from..to`; all of them, in order, or an error.
+async fn replay(config: &ZmqConfig, from: u64, to: u64) -> anyhow::Result<Vec<Frames>> {
+    let endpoint = config
+        .replay_endpoint
+        .as_deref()
+        .context("no replay_endpoint configured")?;
+    tokio::time::timeout(REPLAY_TIMEOUT, async {
+        let mut socket = DealerSocket::new();
+        socket.connect(endpoint).await?;
+        let mut request = ZmqMessage::from(Vec::new());
+        request.push_back(from.to_be_bytes().to_vec().into());
+        socket.send(request).await?;
+        let mut out: Vec<Frames> = Vec::new();
+        loop {
+            let msg = socket.recv().await?;
+            let (topic, seq, payload) = frames(msg).context("malformed replay reply")?;
+            if seq == REPLAY_END {
+                break;
+            }
+            if seq >= to {
+                continue;
+            }
+            let expected = out.last().map_or(from, |m| m.1 + 1);
+            anyhow::ensure!(
+                seq == expected,
+                "replay buffer starts at {seq}, needed {expected}"
+            );
+            out.push((topic, seq, payload));
+        }
+        anyhow::ensure!(
+            out.last().map_or(from, |m| m.1 + 1) == to,
+            "replay ended before {to}"
+        );
+        Ok(out)
+    })
+    .await
+    .context("replay timed out")?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sequence_checks() {
+        assert_eq!(check_seq(None, 5), SeqCheck::First);
+        assert_eq!(check_seq(Some(5), 6), SeqCheck::Next);
+        assert_eq!(check_seq(Some(5), 9), SeqCheck::Gap { from: 6, to: 9 });
+        assert_eq!(check_seq(Some(5), 0), SeqCheck::Restarted);
+        assert_eq!(check_seq(Some(5), 5), SeqCheck::Restarted);
+        assert_eq!(check_seq(Some(u64::MAX - 1), u64::MAX), SeqCheck::Next);
+    }
+
+    #[test]
+    fn llm_d_topics_name_the_worker() {
+        assert_eq!(
+            worker_in_topic("kv@10.0.0.5:8000@meta-llama/Llama-3.1-8B"),
+            Some("10.0.0.5:8000")
+        );
+        assert_eq!(worker_in_topic("kv-events"), None);
+        assert_eq!(worker_in_topic("kv@nomodel"), None);
+    }
+}

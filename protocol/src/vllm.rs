@@ -1,0 +1,497 @@
+//! vLLM's native KV-event stream (`--kv-events-config` with the `zmq` publisher).
+//!
+//! Each message is three ZMQ frames: the topic (UTF-8, may be empty), a sequence number (u64
+//! big-endian, per publisher, +1 per message), and a msgpack payload: a batch
+//! `[ts, events, data_parallel_rank]` (older vLLM: `[ts, events]`). Events come in two
+//! encodings, both accepted:
+//! - maps tagged by `"type"` (vLLM ≥ 0.11): `{"type": "BlockStored", "block_hashes": […],
+//!   "parent_block_hash": …, "token_ids": […], "block_size": 32, "lora_name": …, "medium": "GPU",
+//!   "extra_keys": […], …}`; unknown fields are ignored;
+//! - positional arrays (older vLLM, msgspec `array_like`): `["BlockStored", block_hashes,
+//!   parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]`, trailing fields
+//!   optional; `["BlockRemoved", block_hashes, medium]`; `["AllBlocksCleared"]`.
+//!
+//! Block hashes are integers (default) or 32-byte strings (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`);
+//! both become an [`EngineBlockHash`] (bytes are folded with xxh3). They only name blocks for
+//! parents and removals: kvroute never recomputes vLLM's hash, it hashes `token_ids` itself.
+//!
+//! Replay (the `replay_endpoint`, a ROUTER socket): a DEALER sends `["", seq u64 BE]` and gets
+//! every buffered message from `seq` on as `["", topic, seq, payload]`, then the end marker
+//! `["", "", u64::MAX, ""]`. A REQ client gets the same without the empty delimiter frame.
+
+use rmpv::Value;
+use xxhash_rust::xxh3::xxh3_64;
+
+/// The sequence number vLLM's replay socket sends after the last buffered message.
+pub const REPLAY_END: u64 = u64::MAX;
+
+/// vLLM's name for a cached block (opaque; only equality matters).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EngineBlockHash(pub u64);
+
+/// One cache event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VllmEvent {
+    /// Blocks stored, in order, after `parent`.
+    BlockStored {
+        /// The blocks' hashes.
+        block_hashes: Vec<EngineBlockHash>,
+        /// Hash of the block before the first one (`None`: start of a prompt).
+        parent: Option<EngineBlockHash>,
+        /// Tokens of all the blocks, `block_size` per block.
+        token_ids: Vec<u32>,
+        /// Tokens per block.
+        block_size: u32,
+        /// LoRA adapter the blocks were computed with.
+        lora_name: Option<String>,
+        /// Storage tier (`GPU`, `CPU`, …; absent in older vLLM: GPU).
+        medium: Option<String>,
+        /// Per block: whether extra keys (multimodal inputs, cache salt) went into its hash.
+        has_extra_keys: Vec<bool>,
+    },
+    /// Blocks evicted.
+    BlockRemoved {
+        /// Their hashes.
+        block_hashes: Vec<EngineBlockHash>,
+        /// Storage tier.
+        medium: Option<String>,
+    },
+    /// The whole cache was reset.
+    AllBlocksCleared,
+}
+
+/// One message's payload.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct EventBatch {
+    /// Publication time, seconds since the Unix epoch.
+    pub ts: f64,
+    /// The events in order.
+    pub events: Vec<VllmEvent>,
+    /// Data-parallel rank (0 when absent).
+    pub dp_rank: u32,
+    /// Elements of `events` that were not events kvroute knows.
+    pub skipped: usize,
+}
+
+/// Why a payload could not be decoded.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum VllmDecodeError {
+    /// Not msgpack.
+    #[error("payload is not msgpack: {0}")]
+    Msgpack(String),
+    /// msgpack, but not an event batch.
+    #[error("not an event batch: {0}")]
+    Shape(&'static str),
+    /// The sequence frame is not 8 bytes.
+    #[error("sequence frame has {0} bytes, not 8")]
+    SeqFrame(usize),
+    /// Bytes follow the batch.
+    #[error("{0} trailing bytes after the batch")]
+    Trailing(usize),
+}
+
+/// Parse the sequence frame.
+pub fn decode_seq(frame: &[u8]) -> Result<u64, VllmDecodeError> {
+    let bytes: [u8; 8] = frame
+        .try_into()
+        .map_err(|_| VllmDecodeError::SeqFrame(frame.len()))?;
+    Ok(u64::from_be_bytes(bytes))
+}
+
+/// Decode a payload frame. Malformed events inside a well-formed batch are skipped and counted.
+pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, VllmDecodeError> {
+    let mut cursor = payload;
+    let value = rmpv::decode::read_value_with_max_depth(&mut cursor, MAX_DEPTH)
+        .map_err(|e| VllmDecodeError::Msgpack(e.to_string()))?;
+    if !cursor.is_empty() {
+        return Err(VllmDecodeError::Trailing(cursor.len()));
+    }
+    let (ts, events, dp_rank) = match &value {
+        Value::Array(items) => (items.first(), items.get(1), items.get(2)),
+        Value::Map(_) => (
+            field(&value, "ts"),
+            field(&value, "events"),
+            field(&value, "data_parallel_rank"),
+        ),
+        _ => return Err(VllmDecodeError::Shape("neither an array nor a map")),
+    };
+    let events = events
+        .and_then(Value::as_array)
+        .ok_or(VllmDecodeError::Shape("no event list"))?;
+    let mut batch = EventBatch {
+        ts: ts.and_then(Value::as_f64).unwrap_or(0.0),
+        dp_rank: dp_rank
+            .and_then(Value::as_u64)
+            .and_then(|r| u32::try_from(r).ok())
+            .unwrap_or(0),
+        ..EventBatch::default()
+    };
+    for e in events {
+        match decode_event(e) {
+            Some(event) => batch.events.push(event),
+            None => batch.skipped += 1,
+        }
+    }
+    Ok(batch)
+}
+
+/// Deeper nesting than any batch has is refused rather than recursed into.
+const MAX_DEPTH: usize = 16;
+
+fn field<'a>(map: &'a Value, name: &str) -> Option<&'a Value> {
+    map.as_map()?
+        .iter()
+        .find(|(k, _)| k.as_str() == Some(name))
+        .map(|(_, v)| v)
+}
+
+fn decode_event(value: &Value) -> Option<VllmEvent> {
+    match value {
+        Value::Map(_) => {
+            let get = |name| field(value, name);
+            match get("type")?.as_str()? {
+                "BlockStored" => stored(
+                    get("block_hashes"),
+                    get("parent_block_hash"),
+                    get("token_ids"),
+                    get("block_size"),
+                    get("lora_name"),
+                    get("medium"),
+                    get("extra_keys"),
+                ),
+                "BlockRemoved" => removed(get("block_hashes"), get("medium")),
+                "AllBlocksCleared" => Some(VllmEvent::AllBlocksCleared),
+                _ => None,
+            }
+        }
+        Value::Array(items) => {
+            let at = |i: usize| items.get(i);
+            match at(0)?.as_str()? {
+                "BlockStored" => stored(at(1), at(2), at(3), at(4), at(7), at(6), None),
+                "BlockRemoved" => removed(at(1), at(2)),
+                "AllBlocksCleared" => Some(VllmEvent::AllBlocksCleared),
+                _ => None,
+            }
+        }
+        _ => None,
+    }
+}
+
+fn stored(
+    hashes: Option<&Value>,
+    parent: Option<&Value>,
+    tokens: Option<&Value>,
+    block_size: Option<&Value>,
+    lora_name: Option<&Value>,
+    medium: Option<&Value>,
+    extra_keys: Option<&Value>,
+) -> Option<VllmEvent> {
+    let block_hashes = hash_list(hashes?)?;
+    let parent = match parent {
+        None | Some(Value::Nil) => None,
+        Some(v) => Some(block_hash(v)?),
+    };
+    let token_ids = tokens?
+        .as_array()?
+        .iter()
+        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+        .collect::<Option<Vec<u32>>>()?;
+    let block_size = u32::try_from(block_size?.as_u64()?).ok()?;
+    let has_extra_keys = match extra_keys.and_then(Value::as_array) {
+        Some(keys) => keys.iter().map(|k| !k.is_nil()).collect(),
+        None => vec![false; block_hashes.len()],
+    };
+    Some(VllmEvent::BlockStored {
+        block_hashes,
+        parent,
+        token_ids,
+        block_size,
+        lora_name: lora_name.and_then(Value::as_str).map(str::to_owned),
+        medium: medium.and_then(Value::as_str).map(str::to_owned),
+        has_extra_keys,
+    })
+}
+
+fn removed(hashes: Option<&Value>, medium: Option<&Value>) -> Option<VllmEvent> {
+    Some(VllmEvent::BlockRemoved {
+        block_hashes: hash_list(hashes?)?,
+        medium: medium.and_then(Value::as_str).map(str::to_owned),
+    })
+}
+
+fn hash_list(v: &Value) -> Option<Vec<EngineBlockHash>> {
+    v.as_array()?.iter().map(block_hash).collect()
+}
+
+/// Integers as they are (negative ones reinterpreted); byte strings folded with xxh3.
+fn block_hash(v: &Value) -> Option<EngineBlockHash> {
+    match v {
+        Value::Integer(i) => i
+            .as_u64()
+            .or_else(|| i.as_i64().map(|n| n as u64))
+            .map(EngineBlockHash),
+        Value::Binary(b) => Some(EngineBlockHash(xxh3_64(b))),
+        Value::String(s) => Some(EngineBlockHash(xxh3_64(s.as_bytes()))),
+        _ => None,
+    }
+}
+
+/// How the simulated engine encodes events (vLLM's two encodings).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventEncoding {
+    /// `"type"`-tagged maps (vLLM ≥ 0.11).
+    Map,
+    /// Positional arrays (older vLLM).
+    Array,
+}
+
+/// Encode a batch as vLLM does (integer hashes), for the simulated engines and tests.
+pub fn encode_batch(batch: &EventBatch, encoding: EventEncoding) -> Vec<u8> {
+    let events = batch
+        .events
+        .iter()
+        .map(|e| encode_event(e, encoding))
+        .collect();
+    let value = Value::Array(vec![
+        Value::F64(batch.ts),
+        Value::Array(events),
+        Value::from(batch.dp_rank),
+    ]);
+    let mut out = Vec::new();
+    rmpv::encode::write_value(&mut out, &value).expect("writing to a Vec cannot fail");
+    out
+}
+
+fn encode_event(event: &VllmEvent, encoding: EventEncoding) -> Value {
+    let hashes = |h: &[EngineBlockHash]| Value::Array(h.iter().map(|h| Value::from(h.0)).collect());
+    let text = |s: &Option<String>| s.as_deref().map_or(Value::Nil, Value::from);
+    let (kind, fields): (&str, Vec<(&str, Value)>) = match event {
+        VllmEvent::BlockStored {
+            block_hashes,
+            parent,
+            token_ids,
+            block_size,
+            lora_name,
+            medium,
+            has_extra_keys,
+        } => (
+            "BlockStored",
+            vec![
+                ("block_hashes", hashes(block_hashes)),
+                (
+                    "parent_block_hash",
+                    parent.map_or(Value::Nil, |p| Value::from(p.0)),
+                ),
+                (
+                    "token_ids",
+                    Value::Array(token_ids.iter().map(|&t| Value::from(t)).collect()),
+                ),
+                ("block_size", Value::from(*block_size)),
+                ("lora_id", Value::Nil),
+                ("medium", text(medium)),
+                ("lora_name", text(lora_name)),
+                (
+                    "extra_keys",
+                    Value::Array(
+                        has_extra_keys
+                            .iter()
+                            .map(|&x| if x { Value::from("extra") } else { Value::Nil })
+                            .collect(),
+                    ),
+                ),
+            ],
+        ),
+        VllmEvent::BlockRemoved {
+            block_hashes,
+            medium,
+        } => (
+            "BlockRemoved",
+            vec![
+                ("block_hashes", hashes(block_hashes)),
+                ("medium", text(medium)),
+            ],
+        ),
+        VllmEvent::AllBlocksCleared => ("AllBlocksCleared", vec![]),
+    };
+    match encoding {
+        EventEncoding::Map => {
+            let mut map = vec![(Value::from("type"), Value::from(kind))];
+            map.extend(fields.into_iter().map(|(k, v)| (Value::from(k), v)));
+            Value::Map(map)
+        }
+        // Older vLLM had no extra_keys field: positional arrays end at lora_name.
+        EventEncoding::Array => {
+            let mut items = vec![Value::from(kind)];
+            items.extend(
+                fields
+                    .into_iter()
+                    .filter(|(k, _)| *k != "extra_keys")
+                    .map(|(_, v)| v),
+            );
+            Value::Array(items)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn runs() -> Vec<std::path::PathBuf> {
+        let dir = crate::samples_dir().join("vllm");
+        let mut runs: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(|e| Some(e.ok()?.path()))
+            .filter(|p| p.join("raw").is_dir())
+            .collect();
+        runs.sort();
+        runs
+    }
+
+    /// Every captured message decodes, with as many events of each type as the reference
+    /// decoding (Python msgpack) shows, and nothing skipped.
+    #[test]
+    fn every_capture_decodes() {
+        let runs = runs();
+        assert_eq!(runs.len(), 4);
+        let mut total = 0;
+        for run in runs {
+            let reference: Vec<serde_json::Value> =
+                std::fs::read_to_string(run.join("events.jsonl"))
+                    .unwrap()
+                    .lines()
+                    .map(|l| serde_json::from_str(l).unwrap())
+                    .collect();
+            for r in &reference {
+                let seq = r["seq"].as_u64().unwrap();
+                let base = run.join("raw").join(format!("seq{seq:06}"));
+                let payload = std::fs::read(base.with_extension("payload.msgpack")).unwrap();
+                let seq_frame = std::fs::read(base.with_extension("seq")).unwrap();
+                let topic = std::fs::read(base.with_extension("topic")).unwrap();
+                assert_eq!(decode_seq(&seq_frame).unwrap(), seq);
+                assert_eq!(topic, r["topic"].as_str().unwrap().as_bytes());
+                let batch = decode_batch(&payload).unwrap();
+                let want = r["decoded"][1].as_array().unwrap();
+                assert_eq!(batch.skipped, 0, "{}", base.display());
+                assert_eq!(batch.events.len(), want.len(), "{}", base.display());
+                assert_eq!(batch.dp_rank, r["decoded"][2].as_u64().unwrap() as u32);
+                for (got, want) in batch.events.iter().zip(want) {
+                    let kind = want["type"].as_str().unwrap();
+                    match got {
+                        VllmEvent::BlockStored {
+                            block_hashes,
+                            token_ids,
+                            block_size,
+                            medium,
+                            ..
+                        } => {
+                            assert_eq!(kind, "BlockStored");
+                            assert_eq!(token_ids.len(), block_hashes.len() * *block_size as usize);
+                            assert_eq!(medium.as_deref(), Some("GPU"));
+                            if let Some(first) = want["block_hashes"][0].as_u64() {
+                                assert_eq!(block_hashes[0], EngineBlockHash(first));
+                            }
+                        }
+                        VllmEvent::BlockRemoved { .. } => assert_eq!(kind, "BlockRemoved"),
+                        VllmEvent::AllBlocksCleared => assert_eq!(kind, "AllBlocksCleared"),
+                    }
+                    total += 1;
+                }
+            }
+        }
+        assert_eq!(total, 5 + 13 + 35 + 1 + 6 + 14);
+    }
+
+    #[test]
+    fn byte_hashes_are_folded_consistently() {
+        let run = crate::samples_dir().join("vllm/run3-sha256-seed0-bytes-hashes/raw");
+        let first =
+            decode_batch(&std::fs::read(run.join("seq000003.payload.msgpack")).unwrap()).unwrap();
+        let second =
+            decode_batch(&std::fs::read(run.join("seq000004.payload.msgpack")).unwrap()).unwrap();
+        let (
+            VllmEvent::BlockStored { block_hashes, .. },
+            VllmEvent::BlockStored {
+                parent: Some(parent),
+                ..
+            },
+        ) = (&first.events[0], &second.events[0])
+        else {
+            panic!("unexpected events {first:?} {second:?}");
+        };
+        assert!(
+            block_hashes.contains(parent),
+            "a later store's parent names an earlier block"
+        );
+    }
+
+    #[test]
+    fn both_encodings_round_trip() {
+        let batch = EventBatch {
+            ts: 1.5,
+            dp_rank: 2,
+            skipped: 0,
+            events: vec![
+                VllmEvent::BlockStored {
+                    block_hashes: vec![EngineBlockHash(7), EngineBlockHash(u64::MAX)],
+                    parent: Some(EngineBlockHash(3)),
+                    token_ids: (0..8).collect(),
+                    block_size: 4,
+                    lora_name: Some("adapter".into()),
+                    medium: Some("GPU".into()),
+                    has_extra_keys: vec![false, false],
+                },
+                VllmEvent::BlockRemoved {
+                    block_hashes: vec![EngineBlockHash(7)],
+                    medium: None,
+                },
+                VllmEvent::AllBlocksCleared,
+            ],
+        };
+        assert_eq!(
+            decode_batch(&encode_batch(&batch, EventEncoding::Map)).unwrap(),
+            batch
+        );
+        assert_eq!(
+            decode_batch(&encode_batch(&batch, EventEncoding::Array)).unwrap(),
+            batch
+        );
+    }
+
+    #[test]
+    fn malformed_input_is_an_error_or_skipped_never_a_panic() {
+        assert!(decode_batch(b"").is_err());
+        assert!(decode_batch(b"\xc1").is_err());
+        assert!(decode_batch(&[0x91; 4096]).is_err(), "deep nesting refused");
+        assert_eq!(decode_seq(b"123"), Err(VllmDecodeError::SeqFrame(3)));
+        // An array claiming 2^32-1 elements with none present.
+        assert!(decode_batch(b"\xdd\xff\xff\xff\xff").is_err());
+        let mut trailing = encode_batch(&EventBatch::default(), EventEncoding::Map);
+        trailing.push(0);
+        assert_eq!(decode_batch(&trailing), Err(VllmDecodeError::Trailing(1)));
+        // Unknown event types and broken events are skipped, the rest kept.
+        let value = Value::Array(vec![
+            Value::F64(0.0),
+            Value::Array(vec![
+                Value::Map(vec![(Value::from("type"), Value::from("BlockMoved"))]),
+                Value::Array(vec![Value::from("BlockStored"), Value::from("not a list")]),
+                Value::from(5),
+                Value::Array(vec![Value::from("AllBlocksCleared")]),
+            ]),
+        ]);
+        let mut bytes = Vec::new();
+        rmpv::encode::write_value(&mut bytes, &value).unwrap();
+        let batch = decode_batch(&bytes).unwrap();
+        assert_eq!(batch.events, vec![VllmEvent::AllBlocksCleared]);
+        assert_eq!((batch.skipped, batch.dp_rank), (3, 0));
+        // Every prefix of a real capture fails cleanly.
+        let real = std::fs::read(
+            crate::samples_dir()
+                .join("vllm/run2-sha256_cbor-evict-reset/raw/seq000005.payload.msgpack"),
+        )
+        .unwrap();
+        for cut in 0..real.len() {
+            let _ = decode_batch(&real[..cut]);
+        }
+    }
+}
