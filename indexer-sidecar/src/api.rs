@@ -5,6 +5,7 @@
 //! - `GET /v1/models` — the bundle catalog; `GET /v1/models/{name}/bundle` — one bundle.
 //! - `GET /metrics` — Prometheus text; `GET /healthz` — `ok`.
 //! - `GET /debug/explain` — the last 100 decisions: candidates, matched blocks, load, rule.
+//! - `GET /debug/sources` — every event source: state, counters, subjects, last event age.
 
 use std::sync::Arc;
 
@@ -29,6 +30,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok" }))
         .route("/debug/explain", get(explain))
+        .route("/debug/sources", get(sources))
         .with_state(state)
 }
 
@@ -99,4 +101,13 @@ async fn explain(State(state): State<Arc<AppState>>) -> Response {
         .cloned()
         .collect::<Vec<_>>();
     Json(recent).into_response()
+}
+
+async fn sources(State(state): State<Arc<AppState>>) -> Response {
+    let sources = state
+        .plane
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .sources();
+    Json(sources).into_response()
 }

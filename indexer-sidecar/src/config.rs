@@ -31,6 +31,10 @@
 //! poll_interval_ms = 200
 //! grace_period_ms = 30000           # then their index entries are dropped
 //!
+//! [alarms]                          # see docs/operations.md, "Event sources"
+//! silence_s = 30                    # no KV events this long while hints are served: alarm
+//! min_hints = 20                    # a worker hinted this often without events: alarm
+//!
 //! [routing]
 //! min_matched_blocks = 1            # a shorter match is not worth a hint
 //! max_hinted_workers = 3            # length of the override_host list (retries go down it)
@@ -75,6 +79,9 @@ pub struct Config {
     /// Envoy's admin endpoint, to learn which workers Envoy considers healthy.
     #[serde(default)]
     pub envoy: Option<EnvoyConfig>,
+    /// When the event plane's alarms fire.
+    #[serde(default)]
+    pub alarms: crate::health::AlarmConfig,
 }
 
 /// Where to read Envoy's view of the workers cluster.

@@ -5,16 +5,20 @@
 //! - [`event`]: [`KvEvent`], the source-independent form of an engine's cache event.
 //! - [`index`]: [`RadixIndex`], prefix → workers holding it, fed by events, queried by hints.
 //! - [`load`]: each worker's load (hinted requests not finished, scraped vLLM metrics).
+//! - [`health`]: per-source counters (`/debug/sources`) and the event-plane alarms.
 //! - [`router`]: the rule turning matches and load into an ordered list of workers.
 //! - [`sources`]: transports that produce events (NATS for Dynamo).
 //! - [`metrics`]: the Prometheus metrics served on `/metrics`.
 //! - [`api`]: the HTTP API (`/v1/hint`, bundles, `/metrics`, `/healthz`).
 //! - [`state`]: everything above, shared by the API and the sources.
+//! - [`inspect`]: the `decode` command (captured payloads as JSON lines).
 
 pub mod api;
 pub mod config;
 pub mod event;
+pub mod health;
 pub mod index;
+pub mod inspect;
 pub mod load;
 pub mod metrics;
 pub mod registry;

@@ -7,7 +7,7 @@ use anyhow::Context as _;
 use clap::{Parser, Subcommand};
 use kvroute_sidecar::config::Config;
 use kvroute_sidecar::state::AppState;
-use kvroute_sidecar::{api, sources};
+use kvroute_sidecar::{api, inspect, sources};
 
 #[derive(Parser)]
 #[command(
@@ -30,6 +30,15 @@ enum Command {
         #[arg(long)]
         listen: Option<std::net::SocketAddr>,
     },
+    /// Print captured KV-event payloads as JSON lines (hashes as u64), one per event.
+    Decode {
+        /// Wire format of the files.
+        #[arg(long, value_enum)]
+        format: inspect::Format,
+        /// Captured message bodies (Dynamo) or payload frames (vLLM).
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+    },
 }
 
 #[tokio::main]
@@ -48,6 +57,14 @@ async fn main() -> anyhow::Result<()> {
                 config.listen = listen;
             }
             serve(config).await
+        }
+        Command::Decode { format, files } => {
+            for file in files {
+                for line in inspect::decode_file(format, &file)? {
+                    println!("{line}");
+                }
+            }
+            Ok(())
         }
     }
 }
@@ -99,6 +116,13 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     for zmq in config.zmq.clone() {
         tasks.spawn(sources::zmq::run(zmq, state.clone()));
     }
+    tasks.spawn({
+        let state = state.clone();
+        async move {
+            kvroute_sidecar::health::watch(state).await;
+            Ok(())
+        }
+    });
     if config.nats.is_none() && config.zmq.is_empty() {
         tracing::warn!("neither [nats] nor [[zmq]] configured: no KV events will arrive, every request goes to the least loaded worker");
     }

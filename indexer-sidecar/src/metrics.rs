@@ -39,6 +39,8 @@ pub struct Metrics {
     /// Sequence trouble on an event stream, by worker and kind (`gap`, `replayed`, `resync`,
     /// `restart`).
     pub sequence: Family<Labels, Counter>,
+    /// 1 while an event-plane alarm is on (`alarm`: `no_events`, `silent_worker`).
+    pub alarm: Family<Labels, Gauge>,
     /// Hinted requests not finished yet, by worker.
     pub in_flight: Family<Labels, Gauge>,
     /// Prompt blocks queued for prefill, by worker (Dynamo `kv_metrics`).
@@ -67,6 +69,7 @@ impl Default for Metrics {
             worker_usable: Family::default(),
             block_size_mismatches: Family::default(),
             sequence: Family::default(),
+            alarm: Family::default(),
             in_flight: Family::default(),
             queued_prefill_blocks: Family::default(),
             kv_used_blocks: Family::default(),
@@ -126,6 +129,11 @@ impl Default for Metrics {
         );
         m.registry
             .register("tickets", "Hint tickets closed, by how", m.tickets.clone());
+        m.registry.register(
+            "alarm",
+            "1 while an event-plane alarm is on",
+            m.alarm.clone(),
+        );
         m.registry.register(
             "block_size_mismatches",
             "Stored events whose block size differs from the configured one",

@@ -13,6 +13,7 @@ use kvroute_protocol::vllm::EventBatch;
 
 use crate::config::{Config, RoutingConfig};
 use crate::event::{KvEvent, VllmEventProblem};
+use crate::health::{AlarmConfig, EventPlane};
 use crate::index::RadixIndex;
 use crate::load::{Load, LoadTracker};
 use crate::metrics::{label, Metrics};
@@ -48,6 +49,10 @@ pub struct AppState {
     pub load: Mutex<LoadTracker>,
     /// KV block size of each model.
     block_sizes: HashMap<String, u32>,
+    /// Event sources and the alarms about them.
+    pub plane: Mutex<EventPlane>,
+    /// Alarm thresholds.
+    pub alarms: AlarmConfig,
     /// The most recent decisions, newest first, for `/debug/explain`.
     pub decisions: Mutex<VecDeque<serde_json::Value>>,
     /// Since when each worker has been unhealthy or absent in Envoy (`None`: usable).
@@ -85,6 +90,8 @@ impl AppState {
             bundles,
             routing: config.routing.clone(),
             metrics: Metrics::default(),
+            plane: Mutex::new(EventPlane::new(config.workers.len())),
+            alarms: config.alarms.clone(),
             block_sizes: config
                 .models
                 .iter()
@@ -111,7 +118,7 @@ impl AppState {
     }
 
     /// Apply one Dynamo event received on `subject`.
-    pub fn apply_dynamo(&self, subject: &str, event: &RouterEvent) {
+    pub fn apply_dynamo(&self, source: usize, subject: &str, event: &RouterEvent) {
         let Some(worker) = self.registry.by_dynamo_id(event.worker_id) else {
             self.metrics
                 .unknown_worker_events
@@ -120,6 +127,7 @@ impl AppState {
             return;
         };
         let (id, model) = (worker.id, worker.model.clone());
+        self.plane_event(source, id);
         let kv = KvEvent::from_dynamo(event);
         self.metrics
             .events
@@ -201,6 +209,10 @@ impl AppState {
                 if let Some(w) = self.registry.iter().find(|w| &w.address == first) {
                     decision.hint.ticket = load.hinted(w.id.0 as usize);
                     self.set_in_flight(&load, w.id);
+                    self.plane
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .hinted(w.id.0 as usize);
                 }
             }
             decision
@@ -285,6 +297,13 @@ impl AppState {
         }
     }
 
+    fn plane_event(&self, source: usize, worker: WorkerId) {
+        self.plane
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .event(source, worker.0 as usize);
+    }
+
     /// Drop every index entry of a worker (all its data-parallel ranks); how many were dropped.
     pub fn forget_worker(&self, worker: WorkerId) -> usize {
         let Some(w) = self.registry.get(worker) else {
@@ -303,7 +322,7 @@ impl AppState {
     }
 
     /// Apply a vLLM event batch of a known worker (`source` labels the metrics: the endpoint).
-    pub fn apply_vllm(&self, worker: WorkerId, source: &str, batch: &EventBatch) {
+    pub fn apply_vllm(&self, source: usize, worker: WorkerId, endpoint: &str, batch: &EventBatch) {
         let Some(w) = self.registry.get(worker) else {
             return;
         };
@@ -317,10 +336,11 @@ impl AppState {
         for event in &batch.events {
             match KvEvent::from_vllm(event, batch.dp_rank, block_size) {
                 Ok(kv) => {
+                    self.plane_event(source, worker);
                     self.metrics
                         .events
                         .get_or_create(&vec![
-                            ("subject", source.to_owned()),
+                            ("subject", endpoint.to_owned()),
                             ("type", kv.kind.label().to_owned()),
                         ])
                         .inc();

@@ -103,6 +103,10 @@ pub struct StackOptions {
     pub sidecar_uds: bool,
     /// Envoy's policy for unhinted requests.
     pub fallback: Fallback,
+    /// NATS subjects the sidecar subscribes to (`None`: its defaults).
+    pub nats_subjects: Option<Vec<String>>,
+    /// Extra TOML tables appended to the sidecar's configuration (`[alarms]`, `[routing]`).
+    pub sidecar_toml: String,
 }
 
 impl StackOptions {
@@ -116,6 +120,8 @@ impl StackOptions {
             envoy_concurrency: 2,
             sidecar_uds: false,
             fallback: Fallback::RingHash,
+            nats_subjects: None,
+            sidecar_toml: String::new(),
         }
     }
 }
@@ -229,6 +235,8 @@ impl Stack {
             text.push_str(&format!(
                 "\n[envoy]\nadmin_url = \"http://127.0.0.1:{admin}\"\npoll_interval_ms = 100\n"
             ));
+            text.push('\n');
+            text.push_str(&opts.sidecar_toml);
             if opts.sidecar_uds {
                 let socket = dir.join("sidecar.sock");
                 text = format!("unix_socket = \"{}\"\n{text}", socket.display());
@@ -433,8 +441,13 @@ fn sidecar_config(
     nats_url: &str,
     port: u16,
 ) -> String {
+    let subjects = opts
+        .nats_subjects
+        .as_ref()
+        .map(|s| format!("subjects = {s:?}\n"))
+        .unwrap_or_default();
     let mut out = format!(
-        "listen = \"127.0.0.1:{port}\"\n\n[nats]\nurl = \"{nats_url}\"\n\n[[models]]\nname = \"{MODEL}\"\ndir = \"{}\"\nblock_size = {}\n",
+        "listen = \"127.0.0.1:{port}\"\n\n[nats]\nurl = \"{nats_url}\"\n{subjects}\n[[models]]\nname = \"{MODEL}\"\ndir = \"{}\"\nblock_size = {}\n",
         paths::model_dir().display(),
         opts.sim.block_size
     );

@@ -21,6 +21,11 @@ pub async fn run(config: NatsConfig, state: Arc<AppState>) -> anyhow::Result<()>
         .connect(config.url.as_str())
         .await
         .with_context(|| format!("connecting to NATS at {}", config.url))?;
+    let source = state
+        .plane
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .register("nats", &config.url, config.subjects.clone());
     let mut subscriptions = Vec::new();
     for subject in &config.subjects {
         let sub = client
@@ -34,18 +39,32 @@ pub async fn run(config: NatsConfig, state: Arc<AppState>) -> anyhow::Result<()>
     for subject in &config.subjects {
         tracing::info!(%subject, url = %config.url, "subscribed to Dynamo KV events");
     }
+    state
+        .plane
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .subscribed(source);
     let mut messages = futures::stream::select_all(subscriptions);
     while let Some(msg) = messages.next().await {
-        handle(&state, msg.subject.as_str(), &msg.payload);
+        handle(&state, source, msg.subject.as_str(), &msg.payload);
     }
     anyhow::bail!("NATS subscription to {} ended", config.url)
 }
 
 /// Decode and apply one message body. Dynamo publishes each kind on its own subject, whose last
 /// segment names it.
-pub fn handle(state: &AppState, subject: &str, body: &[u8]) {
+pub fn handle(state: &AppState, source: usize, subject: &str, body: &[u8]) {
+    let seen = |decoded: bool| {
+        state
+            .plane
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .message(source, subject, decoded);
+    };
     if subject.rsplit('.').next() == Some(KV_METRICS_TOPIC) {
-        match decode_kv_metrics(body) {
+        let decoded = decode_kv_metrics(body);
+        seen(decoded.is_ok());
+        match decoded {
             Ok(m) => state.record_dynamo_metrics(&m),
             Err(e) => {
                 tracing::warn!(%subject, error = %e, bytes = body.len(), "undecodable kv_metrics message");
@@ -58,7 +77,9 @@ pub fn handle(state: &AppState, subject: &str, body: &[u8]) {
         }
         return;
     }
-    match decode_message(body) {
+    let decoded = decode_message(body);
+    seen(decoded.is_ok());
+    match decoded {
         Ok(decoded) => {
             if decoded.skipped > 0 {
                 state
@@ -68,7 +89,7 @@ pub fn handle(state: &AppState, subject: &str, body: &[u8]) {
                     .inc_by(decoded.skipped as u64);
             }
             for event in &decoded.events {
-                state.apply_dynamo(subject, event);
+                state.apply_dynamo(source, subject, event);
             }
         }
         Err(e) => {
@@ -103,6 +124,7 @@ mod tests {
         let body = std::fs::read(dir.join("kv_metrics.msgpack")).unwrap();
         handle(
             &state,
+            0,
             "namespace.dynamo.component.backend.endpoint.generate.kv_metrics",
             &body,
         );
@@ -115,6 +137,7 @@ mod tests {
         // A kv_metrics subject carrying something else is a decode error, not a panic.
         handle(
             &state,
+            0,
             "namespace.a.component.b.endpoint.c.kv_metrics",
             b"\x01",
         );

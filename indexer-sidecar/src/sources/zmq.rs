@@ -87,6 +87,11 @@ fn frames(msg: ZmqMessage) -> Option<Frames> {
 /// Subscribe to one publisher and apply its events until the process ends.
 pub async fn run(config: ZmqConfig, state: Arc<AppState>) -> anyhow::Result<()> {
     let mut last: std::collections::HashMap<WorkerId, u64> = Default::default();
+    let source = state
+        .plane
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .register("zmq", &config.endpoint, vec![config.topic.clone()]);
     loop {
         let mut socket = SubSocket::new();
         let mut monitor = socket.monitor();
@@ -107,10 +112,15 @@ pub async fn run(config: ZmqConfig, state: Arc<AppState>) -> anyhow::Result<()> 
             .await
             .with_context(|| format!("subscribing to {:?}", config.topic))?;
         tracing::info!(endpoint = %config.endpoint, topic = %config.topic, "subscribed to vLLM KV events");
+        state
+            .plane
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .subscribed(source);
         loop {
             tokio::select! {
                 msg = socket.recv() => match msg {
-                    Ok(msg) => handle(&config, &state, &mut last, msg).await,
+                    Ok(msg) => handle(&config, &state, source, &mut last, msg).await,
                     Err(e) => {
                         tracing::warn!(endpoint = %config.endpoint, error = %e, "ZMQ receive failed");
                         break;
@@ -142,13 +152,24 @@ impl NextEvent for futures::channel::mpsc::Receiver<SocketEvent> {
 async fn handle(
     config: &ZmqConfig,
     state: &AppState,
+    source: usize,
     last: &mut std::collections::HashMap<WorkerId, u64>,
     msg: ZmqMessage,
 ) {
     let Some((topic, seq, payload)) = frames(msg) else {
+        state
+            .plane
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .message(source, "", false);
         count_bad(state, "not [topic, seq, payload]", &config.endpoint);
         return;
     };
+    state
+        .plane
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .message(source, &topic, true);
     let address = config.worker.as_deref().or_else(|| worker_in_topic(&topic));
     let Some(worker) = address.and_then(|a| state.registry.by_address(a)) else {
         state
@@ -180,7 +201,7 @@ async fn handle(
                     tracing::info!(worker = %name, from, to, "filled an event gap from the replay socket");
                     bump("replayed", missed.len() as u64);
                     for (_, _, payload) in &missed {
-                        apply(state, id, &config.endpoint, payload);
+                        apply(state, source, id, &config.endpoint, payload);
                     }
                 }
                 Err(e) => {
@@ -192,13 +213,13 @@ async fn handle(
         }
     }
     last.insert(id, seq);
-    apply(state, id, &config.endpoint, &payload);
+    apply(state, source, id, &config.endpoint, &payload);
 }
 
-fn apply(state: &AppState, worker: WorkerId, source: &str, payload: &[u8]) {
+fn apply(state: &AppState, source: usize, worker: WorkerId, endpoint: &str, payload: &[u8]) {
     match decode_batch(payload) {
-        Ok(batch) => state.apply_vllm(worker, source, &batch),
-        Err(e) => count_bad(state, &e.to_string(), source),
+        Ok(batch) => state.apply_vllm(source, worker, endpoint, &batch),
+        Err(e) => count_bad(state, &e.to_string(), endpoint),
     }
 }
 

@@ -1,0 +1,358 @@
+//! Is the event plane what it should be? Per-source counters for `GET /debug/sources`, and the
+//! alarms for the classic silent failure: subscriptions that are healthy and receive nothing,
+//! so routing quietly degrades to least-loaded.
+//!
+//! Alarms (each a `kvroute_alarm{alarm,subject}` gauge and one log line when it starts):
+//! - `no_events`: no KV event from any source for `silence_s` while hints are being served;
+//!   the line names what is subscribed and what else was seen on the bus;
+//! - `silent_worker`: a worker was hinted `min_hints` times and has never published an event
+//!   (`silence_s` after start): events disabled on that engine, or a wrong `dynamo_worker_id` /
+//!   `[[zmq]]` entry.
+//!
+//! Orphan stores, sequence gaps, restarts and block-size mismatches have their own counters
+//! and log lines where they happen.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+/// Alarm thresholds (`[alarms]` in the configuration).
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AlarmConfig {
+    /// Seconds without events before `no_events` / `silent_worker` fire.
+    pub silence_s: u64,
+    /// Hints a worker must have received before `silent_worker` can fire for it.
+    pub min_hints: u64,
+}
+
+impl Default for AlarmConfig {
+    fn default() -> Self {
+        AlarmConfig {
+            silence_s: 30,
+            min_hints: 20,
+        }
+    }
+}
+
+/// One event source as `/debug/sources` shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct SourceStatus {
+    /// `nats` or `zmq`.
+    pub kind: &'static str,
+    /// URL or endpoint.
+    pub name: String,
+    /// What it subscribes to.
+    pub subscriptions: Vec<String>,
+    /// `connecting`, `subscribed`, `receiving`.
+    pub state: &'static str,
+    /// Messages received.
+    pub messages: u64,
+    /// KV events applied.
+    pub events: u64,
+    /// Messages that did not decode.
+    pub decode_errors: u64,
+    /// Messages per subject / topic.
+    pub subjects: BTreeMap<String, u64>,
+    /// Seconds since the last KV event (`None`: never).
+    pub last_event_age_s: Option<f64>,
+    #[serde(skip)]
+    last_event: Option<Instant>,
+}
+
+/// Every source, and when each worker last published or was hinted.
+#[derive(Debug)]
+pub struct EventPlane {
+    started: Instant,
+    sources: Vec<SourceStatus>,
+    /// Per worker: when it last published an event.
+    worker_event: Vec<Option<Instant>>,
+    /// Per worker: hints while it has published no event.
+    worker_hints: Vec<u64>,
+    last_hint: Option<Instant>,
+}
+
+/// An alarm that is on, and what its log line says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Alarm {
+    /// `no_events` or `silent_worker`.
+    pub name: &'static str,
+    /// What it is about (`all`, or a worker address).
+    pub subject: String,
+    /// The explanation for the log.
+    pub message: String,
+}
+
+impl EventPlane {
+    /// Nothing registered yet, for `workers` workers.
+    pub fn new(workers: usize) -> Self {
+        EventPlane {
+            started: Instant::now(),
+            sources: Vec::new(),
+            worker_event: vec![None; workers],
+            worker_hints: vec![0; workers],
+            last_hint: None,
+        }
+    }
+
+    /// Register a source; the returned index names it in later calls.
+    pub fn register(
+        &mut self,
+        kind: &'static str,
+        name: &str,
+        subscriptions: Vec<String>,
+    ) -> usize {
+        self.sources.push(SourceStatus {
+            kind,
+            name: name.to_owned(),
+            subscriptions,
+            state: "connecting",
+            messages: 0,
+            events: 0,
+            decode_errors: 0,
+            subjects: BTreeMap::new(),
+            last_event_age_s: None,
+            last_event: None,
+        });
+        self.sources.len() - 1
+    }
+
+    /// The source's subscriptions are in place.
+    pub fn subscribed(&mut self, source: usize) {
+        if let Some(s) = self.sources.get_mut(source) {
+            s.state = "subscribed";
+        }
+    }
+
+    /// A message arrived on `subject`; `decoded` says whether it decoded.
+    pub fn message(&mut self, source: usize, subject: &str, decoded: bool) {
+        if let Some(s) = self.sources.get_mut(source) {
+            s.messages += 1;
+            if !decoded {
+                s.decode_errors += 1;
+            }
+            // Bounded: a bus with endless distinct subjects must not grow this map forever.
+            if s.subjects.len() < 1000 || s.subjects.contains_key(subject) {
+                *s.subjects.entry(subject.to_owned()).or_default() += 1;
+            }
+        }
+    }
+
+    /// A KV event of `worker` (index) was applied.
+    pub fn event(&mut self, source: usize, worker: usize) {
+        let now = Instant::now();
+        if let Some(s) = self.sources.get_mut(source) {
+            s.events += 1;
+            s.state = "receiving";
+            s.last_event = Some(now);
+        }
+        if let Some(t) = self.worker_event.get_mut(worker) {
+            *t = Some(now);
+        }
+        if let Some(h) = self.worker_hints.get_mut(worker) {
+            *h = 0;
+        }
+    }
+
+    /// A hint named `worker` (index) first.
+    pub fn hinted(&mut self, worker: usize) {
+        self.last_hint = Some(Instant::now());
+        if let Some(h) = self.worker_hints.get_mut(worker) {
+            *h += 1;
+        }
+    }
+
+    /// Every source's status, ages as of now.
+    pub fn sources(&self) -> Vec<SourceStatus> {
+        let now = Instant::now();
+        self.sources
+            .iter()
+            .map(|s| SourceStatus {
+                last_event_age_s: s.last_event.map(|t| (now - t).as_secs_f64()),
+                ..s.clone()
+            })
+            .collect()
+    }
+
+    /// The alarms that are on now; `worker_name` turns a worker index into its address.
+    pub fn alarms(
+        &self,
+        config: &AlarmConfig,
+        worker_name: impl Fn(usize) -> String,
+    ) -> Vec<Alarm> {
+        let now = Instant::now();
+        let silence = Duration::from_secs(config.silence_s);
+        let quiet_since = |t: Option<Instant>| {
+            now.saturating_duration_since(t.unwrap_or(self.started)) >= silence
+        };
+        let mut out = Vec::new();
+        let last_event = self.sources.iter().filter_map(|s| s.last_event).max();
+        // "While hints are served": one in the silence window (at least the last 10 s).
+        let hints_recently = self.last_hint.is_some_and(|t| {
+            now.saturating_duration_since(t) < silence.max(Duration::from_secs(10))
+        });
+        if quiet_since(last_event) && hints_recently {
+            let subscribed: Vec<String> = self
+                .sources
+                .iter()
+                .flat_map(|s| {
+                    s.subscriptions
+                        .iter()
+                        .map(move |x| format!("{}:{x}", s.kind))
+                })
+                .collect();
+            let seen: Vec<String> = self
+                .sources
+                .iter()
+                .flat_map(|s| s.subjects.iter().map(|(k, n)| format!("{k} ({n})")))
+                .collect();
+            let when = match last_event {
+                Some(t) => format!("for {:.0} s", (now - t).as_secs_f64()),
+                None => "since start".to_owned(),
+            };
+            out.push(Alarm {
+                name: "no_events",
+                subject: "all".into(),
+                message: format!(
+                    "no KV events {when} while hints are being served: routing is load-only. Subscribed: [{}]. Messages seen: [{}]. Check the engines publish KV events, the NATS subjects (component names change with disaggregated prefill/decode) or ZMQ endpoints.",
+                    subscribed.join(", "),
+                    if seen.is_empty() { "none".to_owned() } else { seen.join(", ") },
+                ),
+            });
+        }
+        // Only "never": a worker serving prompts it fully holds rightly publishes nothing.
+        for (i, (&hints, &event)) in self.worker_hints.iter().zip(&self.worker_event).enumerate() {
+            if hints >= config.min_hints && event.is_none() && quiet_since(None) {
+                out.push(Alarm {
+                    name: "silent_worker",
+                    subject: worker_name(i),
+                    message: format!(
+                        "worker {} was hinted {hints} times and never published a KV event: its engine has KV events off, or its dynamo_worker_id / [[zmq]] entry is wrong",
+                        worker_name(i),
+                    ),
+                });
+            }
+        }
+        out
+    }
+}
+
+/// Check the alarms every few seconds: log a line when one starts or stops, and keep the
+/// `kvroute_alarm{alarm,subject}` gauges up to date.
+pub async fn watch(state: std::sync::Arc<crate::state::AppState>) {
+    let every = Duration::from_secs((state.alarms.silence_s / 3).clamp(1, 10));
+    let mut on: std::collections::BTreeSet<(&'static str, String)> = Default::default();
+    loop {
+        tokio::time::sleep(every).await;
+        let alarms = state
+            .plane
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .alarms(&state.alarms, |i| {
+                state
+                    .registry
+                    .get(crate::WorkerId(i as u32))
+                    .map_or_else(|| i.to_string(), |w| w.address.clone())
+            });
+        let now: std::collections::BTreeSet<_> =
+            alarms.iter().map(|a| (a.name, a.subject.clone())).collect();
+        for a in &alarms {
+            if !on.contains(&(a.name, a.subject.clone())) {
+                tracing::warn!(alarm = a.name, subject = %a.subject, "{}", a.message);
+            }
+        }
+        for (name, subject) in on.difference(&now) {
+            tracing::info!(alarm = name, %subject, "alarm cleared");
+        }
+        for (name, subject) in on.union(&now) {
+            state
+                .metrics
+                .alarm
+                .get_or_create(&vec![
+                    ("alarm", name.to_string()),
+                    ("subject", subject.clone()),
+                ])
+                .set(i64::from(now.contains(&(name, subject.clone()))));
+        }
+        on = now;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> AlarmConfig {
+        AlarmConfig {
+            silence_s: 0,
+            min_hints: 2,
+        }
+    }
+
+    #[test]
+    fn no_events_fires_only_while_hints_are_served() {
+        let mut plane = EventPlane::new(2);
+        let src = plane.register("nats", "nats://x", vec!["a.kv-events".into()]);
+        plane.subscribed(src);
+        assert!(
+            plane.alarms(&config(), |i| i.to_string()).is_empty(),
+            "no traffic, no alarm"
+        );
+        plane.message(src, "b.kv-events", true);
+        plane.hinted(0);
+        let alarms = plane.alarms(&config(), |i| i.to_string());
+        assert_eq!(alarms.len(), 1);
+        assert_eq!(alarms[0].name, "no_events");
+        assert!(
+            alarms[0].message.contains("nats:a.kv-events"),
+            "{}",
+            alarms[0].message
+        );
+        assert!(
+            alarms[0].message.contains("b.kv-events (1)"),
+            "{}",
+            alarms[0].message
+        );
+        let quiet = AlarmConfig {
+            silence_s: 3600,
+            ..config()
+        };
+        plane.event(src, 0);
+        assert!(plane.alarms(&quiet, |i| i.to_string()).is_empty());
+        assert_eq!(plane.sources()[0].state, "receiving");
+    }
+
+    #[test]
+    fn a_hinted_worker_that_never_publishes_is_named() {
+        let mut plane = EventPlane::new(2);
+        let src = plane.register("zmq", "tcp://e", vec!["kv-events".into()]);
+        let slow = AlarmConfig {
+            silence_s: 3600,
+            min_hints: 2,
+        };
+        plane.event(src, 0);
+        for _ in 0..3 {
+            plane.hinted(0);
+            plane.hinted(1);
+        }
+        assert!(
+            plane.alarms(&slow, |i| format!("w{i}")).is_empty(),
+            "not long enough"
+        );
+        let alarms = plane.alarms(&config(), |i| format!("w{i}"));
+        let silent: Vec<_> = alarms
+            .iter()
+            .filter(|a| a.name == "silent_worker")
+            .collect();
+        assert_eq!(
+            silent.len(),
+            1,
+            "only the one that never published: {alarms:?}"
+        );
+        assert_eq!(silent[0].subject, "w1");
+        plane.event(src, 1);
+        let alarms = plane.alarms(&config(), |i| format!("w{i}"));
+        assert!(alarms.iter().all(|a| a.subject != "w1"), "{alarms:?}");
+    }
+}
