@@ -1,0 +1,95 @@
+//! Interop with real vLLM output and real libzmq: the byte-exact ZMQ frames captured from vLLM
+//! 0.32 are published by libzmq (pyzmq, as vLLM does) with one message held back; the sidecar
+//! subscribes, sees the gap, fetches the message from the libzmq replay socket and indexes
+//! every captured store under kvroute's own hash of its tokens.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::metric;
+use kvroute_harness::paths;
+use kvroute_harness::process::{free_port, wait_for, Process};
+use kvroute_protocol::hash::token_prefix_hashes;
+use kvroute_protocol::hint::{HintRequest, HintResponse, HINT_CONTENT_TYPE};
+use kvroute_protocol::vllm::{decode_batch, VllmEvent};
+use kvroute_protocol::HashSeed;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn captured_vllm_stream_through_libzmq_with_a_replayed_gap() {
+    let raw = kvroute_protocol::samples_dir().join("vllm/run1-sha256-default/raw");
+    let dir = paths::run_dir("vllm-captures").unwrap();
+    let (pub_port, replay_port, port) = (
+        free_port().unwrap(),
+        free_port().unwrap(),
+        free_port().unwrap(),
+    );
+    let mut publisher = Command::new(paths::venv_tool("python").unwrap());
+    publisher
+        .arg(paths::workspace().join("tests/fixtures/vllm_publisher.py"))
+        .arg("--raw")
+        .arg(&raw)
+        .args(["--pub-port", &pub_port.to_string()])
+        .args(["--replay-port", &replay_port.to_string()])
+        .args(["--skip", "1", "--start-after", "2"]);
+    let (_publisher, _) = Process::spawn_until_line(
+        "publisher",
+        publisher,
+        &dir,
+        "READY",
+        Duration::from_secs(20),
+    )
+    .unwrap();
+    let config = format!(
+        "listen = \"127.0.0.1:{port}\"\n[[models]]\nname = \"m\"\ndir = \"{}\"\nblock_size = 32\n[[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\n[[zmq]]\nendpoint = \"tcp://127.0.0.1:{pub_port}\"\nreplay_endpoint = \"tcp://127.0.0.1:{replay_port}\"\nworker = \"127.0.0.1:9000\"\ntopic = \"kv-events\"\n",
+        paths::model_dir().display()
+    );
+    std::fs::write(dir.join("sidecar.toml"), config).unwrap();
+    let mut cmd = Command::new(paths::binary("kvroute-sidecar").unwrap());
+    cmd.arg("serve")
+        .arg("--config")
+        .arg(dir.join("sidecar.toml"));
+    let sidecar = Process::spawn("sidecar", cmd, &dir).unwrap();
+
+    let http = reqwest::Client::new();
+    let base = format!("http://127.0.0.1:{port}");
+    let (http_ref, metrics) = (&http, &format!("{base}/metrics"));
+    let text = wait_for("the replayed gap", Duration::from_secs(20), || async move {
+        let text = http_ref.get(metrics).send().await.ok()?.text().await.ok()?;
+        let replayed = "kvroute_sequence_total{worker=\"127.0.0.1:9000\",kind=\"replayed\"}";
+        (metric(&text, replayed)? >= 1.0).then_some(text)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}: {}", sidecar.log_tail()));
+    let gap = "kvroute_sequence_total{worker=\"127.0.0.1:9000\",kind=\"gap\"}";
+    assert_eq!(metric(&text, gap), Some(1.0), "{text}");
+    assert!(!text.contains("kvroute_decode_errors_total"), "{text}");
+
+    // Every captured store — including the replayed one — answers a hint for its own tokens
+    // with all of its blocks.
+    for seq in 0..3 {
+        let payload = std::fs::read(raw.join(format!("seq{seq:06}.payload.msgpack"))).unwrap();
+        let batch = decode_batch(&payload).unwrap();
+        let VllmEvent::BlockStored { token_ids, .. } = &batch.events[0] else {
+            panic!("seq {seq} is a store")
+        };
+        let req = HintRequest {
+            model: "m".into(),
+            hashes: token_prefix_hashes(token_ids, 32, HashSeed::default()),
+            finished: Vec::new(),
+        };
+        let resp: HintResponse = http
+            .post(format!("{base}/v1/hint"))
+            .header("content-type", HINT_CONTENT_TYPE)
+            .body(req.encode())
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(resp.workers[0], "127.0.0.1:9000");
+        assert_eq!(resp.matched_blocks, 12, "seq {seq}");
+    }
+}
