@@ -7,6 +7,7 @@
 //! - [`load`]: each worker's load (hinted requests not finished, scraped vLLM metrics).
 //! - [`health`]: per-source counters (`/debug/sources`) and the event-plane alarms.
 //! - [`router`]: the rule turning matches and load into an ordered list of workers.
+//! - [`sequence`]: message counters checked per publisher (next, gap, restart).
 //! - [`sources`]: transports that produce events (NATS for Dynamo).
 //! - [`metrics`]: the Prometheus metrics served on `/metrics`.
 //! - [`api`]: the HTTP API (`/v1/hint`, bundles, `/metrics`, `/healthz`).
@@ -23,6 +24,7 @@ pub mod load;
 pub mod metrics;
 pub mod registry;
 pub mod router;
+pub mod sequence;
 pub mod sources;
 pub mod state;
 

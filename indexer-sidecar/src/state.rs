@@ -19,6 +19,7 @@ use crate::load::{Load, LoadTracker};
 use crate::metrics::{label, Metrics};
 use crate::registry::{WorkerId, WorkerRegistry};
 use crate::router::{self, Decision, Rule};
+use crate::sequence::{check_seq, SeqCheck};
 use crate::sources::envoy_admin::HostView;
 
 /// How many recent decisions `/debug/explain` keeps.
@@ -51,6 +52,8 @@ pub struct AppState {
     block_sizes: HashMap<String, u32>,
     /// Event sources and the alarms about them.
     pub plane: Mutex<EventPlane>,
+    /// Last Dynamo `event_id` per (worker, data-parallel rank).
+    dynamo_cursors: Mutex<HashMap<(WorkerId, u32), u64>>,
     /// Alarm thresholds.
     pub alarms: AlarmConfig,
     /// The most recent decisions, newest first, for `/debug/explain`.
@@ -91,6 +94,7 @@ impl AppState {
             routing: config.routing.clone(),
             metrics: Metrics::default(),
             plane: Mutex::new(EventPlane::new(config.workers.len())),
+            dynamo_cursors: Mutex::new(HashMap::new()),
             alarms: config.alarms.clone(),
             block_sizes: config
                 .models
@@ -117,16 +121,55 @@ impl AppState {
         Ok(state)
     }
 
-    /// Apply one Dynamo event received on `subject`.
+    /// Apply one Dynamo event received on `subject`. Its `event_id` is checked per (worker,
+    /// data-parallel rank): a gap is counted (NATS core cannot replay; removals may have been
+    /// missed, so a few entries may be stale until evicted); going back means the worker
+    /// restarted with an empty cache, so its entries are dropped.
     pub fn apply_dynamo(&self, source: usize, subject: &str, event: &RouterEvent) {
         let Some(worker) = self.registry.by_dynamo_id(event.worker_id) else {
-            self.metrics
+            let counter = self
+                .metrics
                 .unknown_worker_events
-                .get_or_create(&label("worker_id", event.worker_id.to_string()))
-                .inc();
+                .get_or_create(&label("worker_id", event.worker_id.to_string()));
+            if counter.get() == 0 {
+                tracing::warn!(worker_id = event.worker_id, %subject, "KV events from a Dynamo worker that is not in [[workers]] (new worker, or another model/component): ignored");
+            }
+            counter.inc();
             return;
         };
         let (id, model) = (worker.id, worker.model.clone());
+        let address = worker.address.clone();
+        let check = {
+            let mut cursors = self
+                .dynamo_cursors
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            let key = (id, event.event.dp_rank);
+            let check = check_seq(cursors.get(&key).copied(), event.event.event_id);
+            cursors.insert(key, event.event.event_id);
+            check
+        };
+        let bump = |kind: &str| {
+            self.metrics
+                .sequence
+                .get_or_create(&vec![
+                    ("worker", address.clone()),
+                    ("kind", kind.to_owned()),
+                ])
+                .inc();
+        };
+        match check {
+            SeqCheck::First | SeqCheck::Next => {}
+            SeqCheck::Gap { from, to } => {
+                tracing::warn!(worker = %address, from, to, "Dynamo event_id gap: events lost");
+                bump("gap");
+            }
+            SeqCheck::Restarted => {
+                let dropped = self.forget_worker(id);
+                tracing::warn!(worker = %address, event_id = event.event.event_id, dropped, "Dynamo event_id went back: worker restarted, its index entries dropped");
+                bump("restart");
+            }
+        }
         self.plane_event(source, id);
         let kv = KvEvent::from_dynamo(event);
         self.metrics

@@ -273,6 +273,15 @@ pub fn parse_subject(subject: &str) -> Option<SubjectInfo> {
     }
 }
 
+/// The 1.2.x subject a worker publishes KV events on (no endpoint segment).
+pub fn subject_v12(namespace: &str, component: &str) -> String {
+    format!(
+        "namespace.{}.component.{}.kv-events",
+        percent_encode(namespace),
+        percent_encode(component)
+    )
+}
+
 /// The 1.6.x subject a worker publishes KV events on.
 pub fn subject_v16(namespace: &str, component: &str, endpoint: &str) -> String {
     format!(

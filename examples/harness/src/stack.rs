@@ -65,8 +65,12 @@ pub struct SimOptions {
     pub output_tokens: u32,
     /// Answer at once without tokenizing (data-path benchmark).
     pub instant: bool,
-    /// KV-event format per engine, cycled (`dynamo`, `vllm-map`, `vllm-array`, `none`).
+    /// KV-event format per engine, cycled (`dynamo`, `dynamo-v12`, `vllm-map`, `vllm-array`,
+    /// `none`).
     pub event_formats: Vec<String>,
+    /// Dynamo component the engines publish under (`backend`; `prefill` in a disaggregated
+    /// fleet).
+    pub dynamo_component: String,
 }
 
 impl Default for SimOptions {
@@ -82,6 +86,7 @@ impl Default for SimOptions {
             output_tokens: 8,
             instant: false,
             event_formats: vec!["dynamo".into()],
+            dynamo_component: "backend".into(),
         }
     }
 }
@@ -212,6 +217,7 @@ impl Stack {
             ("--decode-us-per-token", s.decode_us_per_token.to_string()),
             ("--output-tokens", s.output_tokens.to_string()),
             ("--event-format", s.event_formats.join(",")),
+            ("--component", s.dynamo_component.clone()),
         ] {
             sim.args([flag, &value]);
         }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use clap::Parser;
 use kvroute_prompt::Preprocessor;
-use kvroute_protocol::dynamo::subject_v16;
+use kvroute_protocol::dynamo::{subject_v12, subject_v16};
 use kvroute_protocol::vllm::EventEncoding;
 use kvroute_sim::publish::DynamoPublisher;
 use kvroute_sim::zmq::VllmPublisher;
@@ -63,8 +63,8 @@ struct Args {
     /// NATS server to publish Dynamo KV events to (engines with the `dynamo` format).
     #[arg(long)]
     nats: Option<String>,
-    /// KV-event format per engine, cycled over the engines: `dynamo` (NATS), `vllm-map` or
-    /// `vllm-array` (ZMQ PUB + replay socket on free loopback ports), `none`.
+    /// KV-event format per engine, cycled over the engines: `dynamo` (1.6, NATS), `dynamo-v12`,
+    /// `vllm-map` or `vllm-array` (ZMQ PUB + replay socket on free loopback ports), `none`.
     #[arg(long, value_delimiter = ',', default_value = "dynamo")]
     event_format: Vec<String>,
     /// Topic of vLLM-format messages.
@@ -122,7 +122,7 @@ async fn main() -> anyhow::Result<()> {
         };
         let format = args.event_format[index % args.event_format.len().max(1)].as_str();
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let publishes = format != "none" && (format != "dynamo" || nats.is_some());
+        let publishes = format != "none" && (!format.starts_with("dynamo") || nats.is_some());
         let engine = Arc::new(Engine::new(
             config,
             preprocessor.clone(),
@@ -130,13 +130,19 @@ async fn main() -> anyhow::Result<()> {
         ));
         let mut info = serde_json::json!({"index": index, "dynamo_worker_id": worker_id, "event_format": format});
         match format {
-            "dynamo" => {
+            "dynamo" | "dynamo-v12" => {
                 if let Some(client) = nats.clone() {
+                    let v12 = format == "dynamo-v12";
                     let publisher = DynamoPublisher {
                         client,
-                        subject: subject.clone(),
+                        subject: if v12 {
+                            subject_v12(&args.namespace, &args.component)
+                        } else {
+                            subject.clone()
+                        },
                         worker_id,
                         publisher_id: worker_id ^ 0x9e37_79b9_7f4a_7c15,
+                        v12,
                     };
                     tokio::spawn(publisher.run(rx));
                 }

@@ -1,10 +1,11 @@
-//! Publishing cache events in NVIDIA Dynamo 1.6's exact NATS wire format.
+//! Publishing cache events in NVIDIA Dynamo's exact NATS wire formats (1.6: an envelope around
+//! an array of events per batch; 1.2: one envelope per event).
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use kvroute_protocol::dynamo::{
-    encode_v16, EnvelopeHeader, KvCacheEvent, KvCacheEventData, RemovedBlocks, RouterEvent,
-    StoredBlock, StoredBlocks, KV_EVENTS_TOPIC,
+    encode_v12, encode_v16, EnvelopeHeader, KvCacheEvent, KvCacheEventData, RemovedBlocks,
+    RouterEvent, StoredBlock, StoredBlocks, KV_EVENTS_TOPIC,
 };
 use tokio::sync::mpsc;
 
@@ -41,6 +42,8 @@ pub struct DynamoPublisher {
     pub worker_id: u64,
     /// Random id of this publisher (envelope field).
     pub publisher_id: u64,
+    /// Dynamo 1.2's format: one message per event.
+    pub v12: bool,
 }
 
 impl DynamoPublisher {
@@ -50,11 +53,16 @@ impl DynamoPublisher {
         let mut sequence = 0u64;
         let mut event_id = 0u64;
         while let Some(batch) = rx.recv().await {
+            // A restarted worker is a new process: its event ids start over, unannounced.
+            if batch.iter().any(|c| matches!(c, CacheChange::Restarted)) {
+                event_id = 0;
+            }
             let events: Vec<RouterEvent> = batch
                 .into_iter()
-                .map(|change| {
+                .filter_map(|change| {
+                    let event = self.router_event(event_id + 1, change)?;
                     event_id += 1;
-                    self.router_event(event_id, change)
+                    Some(event)
                 })
                 .collect();
             if events.is_empty() {
@@ -71,14 +79,20 @@ impl DynamoPublisher {
                 topic: KV_EVENTS_TOPIC,
             };
             sequence += 1;
-            let body = encode_v16(header, &events);
-            if let Err(e) = self.client.publish(self.subject.clone(), body.into()).await {
-                tracing::warn!(error = %e, subject = %self.subject, "KV event publish failed");
+            let bodies = if self.v12 {
+                events.iter().map(|e| encode_v12(header, e)).collect()
+            } else {
+                vec![encode_v16(header, &events)]
+            };
+            for body in bodies {
+                if let Err(e) = self.client.publish(self.subject.clone(), body.into()).await {
+                    tracing::warn!(error = %e, subject = %self.subject, "KV event publish failed");
+                }
             }
         }
     }
 
-    fn router_event(&self, event_id: u64, change: CacheChange) -> RouterEvent {
+    fn router_event(&self, event_id: u64, change: CacheChange) -> Option<RouterEvent> {
         let data = match change {
             CacheChange::Stored { parent, blocks, .. } => KvCacheEventData::Stored(StoredBlocks {
                 parent_hash: parent,
@@ -95,9 +109,9 @@ impl DynamoPublisher {
             CacheChange::Removed(block_hashes) => {
                 KvCacheEventData::Removed(RemovedBlocks { block_hashes })
             }
-            CacheChange::Restarted => KvCacheEventData::Cleared,
+            CacheChange::Restarted => return None,
         };
-        RouterEvent {
+        Some(RouterEvent {
             worker_id: self.worker_id,
             storage_tier: "device".into(),
             residency_domain: Some("worker".into()),
@@ -106,6 +120,6 @@ impl DynamoPublisher {
                 data,
                 dp_rank: 0,
             },
-        }
+        })
     }
 }

@@ -21,43 +21,13 @@ use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocke
 use crate::config::ZmqConfig;
 use crate::metrics::label;
 use crate::registry::WorkerId;
+use crate::sequence::{check_seq, SeqCheck};
 use crate::state::AppState;
 
 /// How long a replay may take before the worker is resynced instead.
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 /// Pause before reconnecting to a publisher that went away.
 const RECONNECT_DELAY: Duration = Duration::from_millis(500);
-
-/// What a message's sequence number means, given the previous one of the same worker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SeqCheck {
-    /// The first message seen from this worker.
-    First,
-    /// The next message.
-    Next,
-    /// Messages `from..to` are missing (`to` is this message).
-    Gap {
-        /// First missing sequence number.
-        from: u64,
-        /// This message's.
-        to: u64,
-    },
-    /// The counter went back: the engine restarted.
-    Restarted,
-}
-
-/// Check `seq` against the last one seen (`None`: nothing seen yet).
-pub fn check_seq(last: Option<u64>, seq: u64) -> SeqCheck {
-    match last {
-        None => SeqCheck::First,
-        Some(last) if seq == last.wrapping_add(1) => SeqCheck::Next,
-        Some(last) if seq > last => SeqCheck::Gap {
-            from: last + 1,
-            to: seq,
-        },
-        Some(_) => SeqCheck::Restarted,
-    }
-}
 
 /// llm-d names the worker in the topic: `kv@<ip:port>@<model>`.
 pub fn worker_in_topic(topic: &str) -> Option<&str> {
@@ -274,16 +244,6 @@ async fn replay(config: &ZmqConfig, from: u64, to: u64) -> anyhow::Result<Vec<Fr
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sequence_checks() {
-        assert_eq!(check_seq(None, 5), SeqCheck::First);
-        assert_eq!(check_seq(Some(5), 6), SeqCheck::Next);
-        assert_eq!(check_seq(Some(5), 9), SeqCheck::Gap { from: 6, to: 9 });
-        assert_eq!(check_seq(Some(5), 0), SeqCheck::Restarted);
-        assert_eq!(check_seq(Some(5), 5), SeqCheck::Restarted);
-        assert_eq!(check_seq(Some(u64::MAX - 1), u64::MAX), SeqCheck::Next);
-    }
 
     #[test]
     fn llm_d_topics_name_the_worker() {
