@@ -7,7 +7,7 @@ VENV   := .venv
 WASM   := target/wasm32-wasip1/release/kvroute_filter.wasm
 
 .PHONY: all build venv venv-peers toolchain test lint demo clean \
-	bench-routing bench-routing-quick bench-datapath bench-index
+	bench-routing bench-routing-quick bench-datapath bench-index fuzz
 
 all: build
 
@@ -65,6 +65,22 @@ bench-datapath: venv build
 bench-index:
 	cargo bench -p kvroute-sidecar --bench index_summary
 	cargo bench -p kvroute-sidecar --bench index
+
+# Fuzz every wire decoder for FUZZ_SECONDS each (needs nightly and cargo-fuzz, installed here
+# if missing), seeded with the captured samples. Not part of `make test`.
+FUZZ_SECONDS ?= 60
+SAMPLES      ?= ../shared/data/samples
+fuzz:
+	@rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
+	@command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
+	mkdir -p target/fuzz/vllm_batch target/fuzz/dynamo_message target/fuzz/hint_request
+	cd fuzz && cargo +nightly fuzz run vllm_batch ../target/fuzz/vllm_batch \
+		$(abspath $(SAMPLES))/vllm/run1-sha256-default/raw $(abspath $(SAMPLES))/vllm/run2-sha256_cbor-evict-reset/raw \
+		-- -max_total_time=$(FUZZ_SECONDS)
+	cd fuzz && cargo +nightly fuzz run dynamo_message ../target/fuzz/dynamo_message \
+		$(abspath $(SAMPLES))/dynamo -- -max_total_time=$(FUZZ_SECONDS)
+	cd fuzz && cargo +nightly fuzz run hint_request ../target/fuzz/hint_request \
+		-- -max_total_time=$(FUZZ_SECONDS)
 
 clean:
 	rm -rf target/e2e target/demo

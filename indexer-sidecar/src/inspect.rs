@@ -1,5 +1,6 @@
-//! `kvroute-sidecar decode`: captured event payloads as JSON lines, so an operator can check
-//! what an engine publishes without running the sidecar.
+//! Operator commands: `decode` and `tap` show captured or live event payloads as JSON lines, so
+//! an operator can check what engines publish without running the sidecar; `tokenize` shows
+//! what the filter computes for a request body.
 
 use std::path::Path;
 
@@ -24,20 +25,7 @@ pub fn decode_file(format: Format, path: &Path) -> anyhow::Result<Vec<Value>> {
     let body = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
     let file = path.display().to_string();
     let out = match format {
-        Format::DynamoNats => match decode_message(&body) {
-            Ok(decoded) => decoded
-                .events
-                .iter()
-                .map(|e| json!({"file": file, "topic": decoded.topic, "event": e}))
-                .collect(),
-            Err(events_error) => match decode_kv_metrics(&body) {
-                Ok(m) => vec![json!({"file": file, "topic": "kv_metrics", "kv_metrics": {
-                    "worker_id": m.worker_id, "dp_rank": m.dp_rank,
-                    "kv_used_blocks": m.kv_used_blocks, "active_prefill_tokens": m.active_prefill_tokens,
-                    "active_decode_blocks": m.active_decode_blocks}})],
-                Err(_) => vec![json!({"file": file, "error": events_error.to_string()})],
-            },
-        },
+        Format::DynamoNats => dynamo_lines(&body, json!({"file": file})),
         Format::VllmZmq => {
             let sibling = |ext: &str| {
                 let name = path
@@ -48,20 +36,71 @@ pub fn decode_file(format: Format, path: &Path) -> anyhow::Result<Vec<Value>> {
             };
             let seq = sibling("seq").and_then(|s| decode_seq(&s).ok());
             let topic = sibling("topic").map(|t| String::from_utf8_lossy(&t).into_owned());
-            match decode_batch(&body) {
-                Ok(batch) => batch
-                    .events
-                    .iter()
-                    .map(|e| {
-                        json!({"file": file, "seq": seq, "topic": topic, "ts": batch.ts,
-                               "dp_rank": batch.dp_rank, "event": vllm_json(e)})
-                    })
-                    .collect(),
-                Err(e) => vec![json!({"file": file, "seq": seq, "error": e.to_string()})],
-            }
+            vllm_lines(
+                topic.as_deref().unwrap_or(""),
+                seq,
+                &body,
+                json!({"file": file}),
+            )
         }
     };
     Ok(out)
+}
+
+/// One JSON object per event of a Dynamo message body, each starting from `base`.
+pub fn dynamo_lines(body: &[u8], base: Value) -> Vec<Value> {
+    let with = |extra: Value| {
+        let mut v = base.clone();
+        if let (Some(v), Value::Object(extra)) = (v.as_object_mut(), extra) {
+            v.extend(extra);
+        }
+        v
+    };
+    match decode_message(body) {
+        Ok(decoded) => decoded
+            .events
+            .iter()
+            .map(|e| with(json!({"topic": decoded.topic, "event": e})))
+            .collect(),
+        Err(events_error) => match decode_kv_metrics(body) {
+            Ok(m) => vec![with(json!({"topic": "kv_metrics", "kv_metrics": {
+                "worker_id": m.worker_id, "dp_rank": m.dp_rank,
+                "kv_used_blocks": m.kv_used_blocks, "active_prefill_tokens": m.active_prefill_tokens,
+                "active_decode_blocks": m.active_decode_blocks}}))],
+            Err(_) => vec![with(json!({"error": events_error.to_string()}))],
+        },
+    }
+}
+
+/// One JSON object per event of a vLLM payload frame.
+pub fn vllm_lines(topic: &str, seq: Option<u64>, payload: &[u8], base: Value) -> Vec<Value> {
+    let mut base = base;
+    if let Some(b) = base.as_object_mut() {
+        b.insert("topic".into(), topic.into());
+        b.insert("seq".into(), seq.into());
+    }
+    match decode_batch(payload) {
+        Ok(batch) => batch
+            .events
+            .iter()
+            .map(|e| {
+                let mut line = base.clone();
+                if let Some(l) = line.as_object_mut() {
+                    l.insert("ts".into(), batch.ts.into());
+                    l.insert("dp_rank".into(), batch.dp_rank.into());
+                    l.insert("event".into(), vllm_json(e));
+                }
+                line
+            })
+            .collect(),
+        Err(e) => {
+            let mut line = base;
+            if let Some(l) = line.as_object_mut() {
+                l.insert("error".into(), e.to_string().into());
+            }
+            vec![line]
+        }
+    }
 }
 
 fn vllm_json(e: &VllmEvent) -> Value {
@@ -96,9 +135,174 @@ fn vllm_json(e: &VllmEvent) -> Value {
     }
 }
 
+/// What `tap` listens to.
+#[derive(Debug, Clone)]
+pub struct TapTargets {
+    /// NATS server URL.
+    pub nats: Option<String>,
+    /// NATS subjects (wildcards allowed).
+    pub subjects: Vec<String>,
+    /// vLLM PUB endpoints to connect to.
+    pub zmq: Vec<String>,
+    /// ZMQ topic prefix.
+    pub topic: String,
+    /// Seconds between count summaries.
+    pub summary: std::time::Duration,
+}
+
+/// Subscribe like the sidecar would and print every decoded event as a JSON line on stdout,
+/// and every `summary` the message counts per subject and per Dynamo component on stderr.
+/// NATS messages on subjects that are not KV events (metrics, discovery) are counted only.
+pub async fn tap(targets: TapTargets) -> anyhow::Result<()> {
+    use futures::StreamExt;
+    use kvroute_protocol::dynamo::parse_subject;
+    use std::collections::BTreeMap;
+    use zeromq::{Socket, SocketRecv};
+
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(String, Vec<Value>)>();
+    if let Some(url) = &targets.nats {
+        let client = async_nats::ConnectOptions::new()
+            .retry_on_initial_connect()
+            .name("kvroute-tap")
+            .connect(url.as_str())
+            .await
+            .with_context(|| format!("connecting to NATS at {url}"))?;
+        let mut subs = Vec::new();
+        for subject in &targets.subjects {
+            subs.push(client.subscribe(subject.clone()).await?);
+        }
+        eprintln!("tap: NATS {url}, subjects {:?}", targets.subjects);
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            let mut messages = futures::stream::select_all(subs);
+            while let Some(msg) = messages.next().await {
+                let subject = msg.subject.to_string();
+                let last = subject.rsplit('.').next().unwrap_or("");
+                let lines = if last == "kv-events" || last == "kv_metrics" {
+                    dynamo_lines(&msg.payload, json!({"subject": subject}))
+                } else {
+                    Vec::new()
+                };
+                if tx.send((subject, lines)).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    for endpoint in &targets.zmq {
+        let mut socket = zeromq::SubSocket::new();
+        socket
+            .connect(endpoint)
+            .await
+            .with_context(|| format!("connecting to {endpoint}"))?;
+        socket.subscribe(&targets.topic).await?;
+        eprintln!("tap: ZMQ {endpoint}, topic {:?}", targets.topic);
+        let (tx, endpoint) = (tx.clone(), endpoint.clone());
+        tokio::spawn(async move {
+            while let Ok(msg) = socket.recv().await {
+                let frames = msg.into_vec();
+                let lines = match frames.as_slice() {
+                    [topic, seq, payload] => vllm_lines(
+                        &String::from_utf8_lossy(topic),
+                        decode_seq(seq).ok(),
+                        payload,
+                        json!({"endpoint": endpoint}),
+                    ),
+                    _ => vec![
+                        json!({"endpoint": endpoint, "error": format!("{} frames, not 3", frames.len())}),
+                    ],
+                };
+                if tx.send((endpoint.clone(), lines)).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    drop(tx);
+    let mut per_subject: BTreeMap<String, u64> = BTreeMap::new();
+    let mut tick = tokio::time::interval(targets.summary);
+    tick.tick().await;
+    loop {
+        tokio::select! {
+            got = rx.recv() => {
+                let Some((subject, lines)) = got else { return Ok(()) };
+                *per_subject.entry(subject).or_default() += 1;
+                for line in lines {
+                    println!("{line}");
+                }
+            }
+            _ = tick.tick() => {
+                let mut components: BTreeMap<String, u64> = BTreeMap::new();
+                for (subject, n) in &per_subject {
+                    let component = parse_subject(subject)
+                        .map(|s| s.component)
+                        .or_else(|| {
+                            // Non-KV Dynamo subjects: namespace.N.component.C.…
+                            let parts: Vec<&str> = subject.split('.').collect();
+                            (parts.get(2) == Some(&"component")).then(|| parts.get(3).map(|c| c.to_string())).flatten()
+                        })
+                        .unwrap_or_else(|| "-".into());
+                    *components.entry(component).or_default() += n;
+                }
+                eprintln!("tap: messages per subject {per_subject:?}; per component {components:?}");
+            }
+        }
+    }
+}
+
+/// What the filter computes for one request body with the model directory `dir`: the rendered
+/// prompt, the token ids and the block (prefix) hashes — the same code path (bundle loading as
+/// the sidecar serves it, template, tokenizer, hashing) the filter runs in Envoy.
+pub fn tokenize(dir: &Path, block_size: u32, body: &[u8]) -> anyhow::Result<Value> {
+    use kvroute_prompt::request::LlmRequest;
+    use kvroute_protocol::HashSeed;
+
+    let req = LlmRequest::parse(body).context("parsing the request body")?;
+    let bundle = kvroute_prompt::model_dir::load_bundle(dir, &req.model, block_size)
+        .with_context(|| format!("loading {}", dir.display()))?;
+    let pre = kvroute_prompt::Preprocessor::from_bundle(&bundle)?;
+    let rendered = pre.render(&req)?;
+    let hashed = pre.hashes(&req)?;
+    let seed = HashSeed::for_request(req.lora.as_deref(), req.cache_salt.as_deref());
+    Ok(json!({
+        "model": req.model,
+        "block_size": block_size,
+        "rendered": rendered,
+        "token_ids": hashed.tokens,
+        "tokens": hashed.tokens.len(),
+        "seed": seed.0,
+        "lora": req.lora,
+        "cache_salt": req.cache_salt,
+        "block_hashes": hashed.hashes.iter().map(|h| h.0).collect::<Vec<_>>(),
+        "tail_tokens": hashed.tokens.len() % block_size.max(1) as usize,
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tokenize_shows_prompt_tokens_and_hashes() {
+        let dir = kvroute_protocol::samples_dir().join("vllm/tiny-llama-tokenizer");
+        let out = tokenize(
+            &dir,
+            4,
+            br#"{"model":"m","messages":[{"role":"user","content":"hello world"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            out["rendered"],
+            "<s><|user|>\nhello world<|end|>\n<|assistant|>\n"
+        );
+        let tokens = out["tokens"].as_u64().unwrap();
+        assert_eq!(
+            out["block_hashes"].as_array().unwrap().len() as u64,
+            tokens / 4
+        );
+        assert_eq!(out["tail_tokens"].as_u64().unwrap(), tokens % 4);
+        assert!(tokenize(&dir, 4, b"{not json").is_err());
+    }
 
     #[test]
     fn decodes_the_captures_of_both_formats() {

@@ -30,6 +30,35 @@ enum Command {
         #[arg(long)]
         listen: Option<std::net::SocketAddr>,
     },
+    /// Subscribe like the sidecar would and print live events as JSON lines (stdout), with
+    /// message counts per subject and component every few seconds (stderr).
+    Tap {
+        /// NATS server URL (Dynamo).
+        #[arg(long)]
+        nats: Option<String>,
+        /// NATS subject (repeatable; default: everything under `namespace.>`).
+        #[arg(long = "subject")]
+        subjects: Vec<String>,
+        /// vLLM ZMQ PUB endpoint to connect to (repeatable).
+        #[arg(long = "zmq")]
+        zmq: Vec<String>,
+        /// ZMQ topic prefix.
+        #[arg(long, default_value = "")]
+        topic: String,
+        /// Seconds between count summaries.
+        #[arg(long, default_value_t = 5)]
+        summary_s: u64,
+    },
+    /// Print what the filter computes for a request body read from stdin: rendered prompt,
+    /// token ids, block hashes (as u64), as JSON.
+    Tokenize {
+        /// HF-style model directory, as in `[[models]] dir`.
+        #[arg(long)]
+        model_dir: PathBuf,
+        /// KV block size of the engines.
+        #[arg(long, default_value_t = 16)]
+        block_size: u32,
+    },
     /// Print captured KV-event payloads as JSON lines (hashes as u64), one per event.
     Decode {
         /// Wire format of the files.
@@ -57,6 +86,39 @@ async fn main() -> anyhow::Result<()> {
                 config.listen = listen;
             }
             serve(config).await
+        }
+        Command::Tap {
+            nats,
+            subjects,
+            zmq,
+            topic,
+            summary_s,
+        } => {
+            if nats.is_none() && zmq.is_empty() {
+                anyhow::bail!("tap needs --nats URL and/or --zmq ENDPOINT");
+            }
+            let subjects = if subjects.is_empty() {
+                vec!["namespace.>".to_owned()]
+            } else {
+                subjects
+            };
+            inspect::tap(inspect::TapTargets {
+                nats,
+                subjects,
+                zmq,
+                topic,
+                summary: std::time::Duration::from_secs(summary_s.max(1)),
+            })
+            .await
+        }
+        Command::Tokenize {
+            model_dir,
+            block_size,
+        } => {
+            let mut body = Vec::new();
+            std::io::Read::read_to_end(&mut std::io::stdin(), &mut body)?;
+            println!("{}", inspect::tokenize(&model_dir, block_size, &body)?);
+            Ok(())
         }
         Command::Decode { format, files } => {
             for file in files {
