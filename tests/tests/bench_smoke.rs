@@ -19,7 +19,14 @@ async fn routing_benchmark_smoke() {
                 assert!(r[k].as_f64().is_some(), "{w}/{m}/{k}");
             }
         }
-        assert_eq!(modes["vllm-router:kv_aware"]["available"], false);
+        // A peer runs if `.venv-peers` has it (make bench-routing), else it is reported
+        // unavailable with the reason; either way the run goes on.
+        let peer = &modes["vllm-router:kv_aware"];
+        if peer["available"] == true {
+            assert_eq!(peer["errors"], 0, "{w}: {peer}");
+        } else {
+            assert!(!peer["reason"].as_str().unwrap().is_empty(), "{w}: {peer}");
+        }
     }
     for f in ["routing.json", "routing.md", "routing.png"] {
         assert!(std::fs::metadata(out.join(f)).unwrap().len() > 0, "{f}");

@@ -164,14 +164,22 @@ fn unavailable(reason: String) -> Value {
            "requests": 0, "errors": 0, "available": false, "reason": reason})
 }
 
-/// Which modes to run: the four core modes, plus the peers in a full run. The smoke run keeps
-/// one peer that cannot run here, to exercise the "unavailable" path.
+/// kvroute fed by vLLM's ZMQ events instead of Dynamo's (side by side with vllm-router's
+/// `kv_aware`, which reads the same events).
+pub const KVROUTE_ZMQ: &str = "kvroute:vllm-zmq";
+
+/// Which modes to run: the four core modes, plus kvroute on vLLM events and the peers in a full
+/// run. The smoke run keeps one peer (not installed for `make test`), to exercise the
+/// "unavailable" path.
 pub fn mode_names(scale: Scale) -> Vec<String> {
     let mut modes: Vec<String> = ["round_robin", "ring_hash", "kvroute", "oracle"]
         .map(String::from)
         .to_vec();
     match scale {
-        Scale::Full => modes.extend(PEERS.iter().map(|p| p.mode.to_owned())),
+        Scale::Full => {
+            modes.push(KVROUTE_ZMQ.to_owned());
+            modes.extend(PEERS.iter().map(|p| p.mode.to_owned()));
+        }
         Scale::Smoke => modes.push("vllm-router:kv_aware".to_owned()),
         Scale::Quick => {}
     }
@@ -180,7 +188,7 @@ pub fn mode_names(scale: Scale) -> Vec<String> {
 
 async fn run_mode(mode: &str, workload: &Workload, engines: usize) -> Result<Value> {
     let stack_mode = match mode {
-        "kvroute" => Mode::Kvroute,
+        "kvroute" | KVROUTE_ZMQ => Mode::Kvroute,
         "ring_hash" => Mode::RingHash,
         _ => Mode::RoundRobin,
     };
@@ -189,18 +197,22 @@ async fn run_mode(mode: &str, workload: &Workload, engines: usize) -> Result<Val
         stack_mode,
     );
     opts.sim = fleet(engines, workload.capacity_blocks);
+    // Engines publish vLLM's ZMQ events for the routers that read them.
+    let peer = PEERS.iter().find(|p| p.mode == mode);
+    if mode == KVROUTE_ZMQ || peer.is_some_and(|p| p.kv_events) {
+        opts.sim.event_formats = vec!["vllm-map".into()];
+    }
     let mut stack = Stack::start(opts).await?;
     let addresses: Vec<String> = stack.engines.iter().map(|e| e.address.clone()).collect();
     let mut _peer = None;
     let target = match mode {
-        "round_robin" | "ring_hash" | "kvroute" => Target::Router(stack.envoy_url.clone()),
+        "round_robin" | "ring_hash" | "kvroute" | KVROUTE_ZMQ => {
+            Target::Router(stack.envoy_url.clone())
+        }
         "oracle" => Target::Oracle(addresses),
         other => {
-            let peer = PEERS
-                .iter()
-                .find(|p| p.mode == other)
-                .ok_or_else(|| anyhow::anyhow!("unknown mode {other}"))?;
-            match peer.start(&addresses, &stack.dir).await {
+            let peer = peer.ok_or_else(|| anyhow::anyhow!("unknown mode {other}"))?;
+            match peer.start(&stack.engines, &stack.dir).await {
                 Ok((process, url)) => {
                     _peer = Some(process);
                     Target::Router(url)

@@ -12,6 +12,7 @@ use anyhow::{bail, Result};
 
 use crate::paths;
 use crate::process::{free_port, wait_for, Process};
+use crate::stack::{EngineInfo, MODEL};
 
 /// A peer router and policy.
 #[derive(Debug, Clone, Copy)]
@@ -24,8 +25,8 @@ pub struct Peer {
     pub subcommand: Option<&'static str>,
     /// `--policy` value.
     pub policy: &'static str,
-    /// Why it cannot run here, if it cannot.
-    pub unavailable: Option<&'static str>,
+    /// Reads the engines' vLLM ZMQ KV events (they must publish them).
+    pub kv_events: bool,
 }
 
 /// The peers the routing benchmark tries.
@@ -35,30 +36,28 @@ pub const PEERS: [Peer; 4] = [
         program: "sglang-router",
         subcommand: Some("launch"),
         policy: "cache_aware",
-        unavailable: None,
+        kv_events: false,
     },
     Peer {
         mode: "vllm-router:cache_aware",
         program: "vllm-router",
         subcommand: None,
         policy: "cache_aware",
-        unavailable: None,
+        kv_events: false,
     },
     Peer {
         mode: "vllm-router:kv_aware",
         program: "vllm-router",
         subcommand: None,
         policy: "kv_aware",
-        unavailable: Some(
-            "needs vLLM ZMQ KV events, which the simulated engines do not publish yet",
-        ),
+        kv_events: true,
     },
     Peer {
         mode: "smg:cache_aware",
         program: "smg",
         subcommand: Some("launch"),
         policy: "cache_aware",
-        unavailable: None,
+        kv_events: false,
     },
 ];
 
@@ -70,11 +69,8 @@ pub fn venv() -> PathBuf {
 }
 
 impl Peer {
-    /// Start the peer in front of `engines` (`ip:port`); returns the process and its base URL.
-    pub async fn start(&self, engines: &[String], dir: &Path) -> Result<(Process, String)> {
-        if let Some(why) = self.unavailable {
-            bail!("{why}");
-        }
+    /// Start the peer in front of `engines`; returns the process and its base URL.
+    pub async fn start(&self, engines: &[EngineInfo], dir: &Path) -> Result<(Process, String)> {
         let program = venv().join("bin").join(self.program);
         if !program.exists() {
             bail!(
@@ -89,7 +85,19 @@ impl Peer {
             cmd.arg(sub);
         }
         cmd.arg("--worker-urls");
-        cmd.args(engines.iter().map(|e| format!("http://{e}")));
+        cmd.args(engines.iter().map(|e| format!("http://{}", e.address)));
+        if self.kv_events {
+            for e in engines {
+                let (Some(events), Some(replay)) = (&e.zmq_endpoint, &e.replay_endpoint) else {
+                    bail!("engine {} publishes no vLLM KV events", e.address);
+                };
+                let url = format!("http://{}", e.address);
+                cmd.arg("--kv-event-source").arg(format!("{url}={events}"));
+                cmd.arg("--kv-event-replay-source")
+                    .arg(format!("{url}={replay}"));
+            }
+            cmd.args(["--kv-event-block-size", "16", "--kv-event-model", MODEL]);
+        }
         cmd.args([
             "--policy",
             self.policy,
