@@ -123,10 +123,26 @@ impl Preprocessor {
         }
     }
 
-    /// Tokens and block hashes of a request.
+    /// Tokens and block hashes of a request. A chat with non-text parts (images…) is hashed
+    /// only up to the first one ([`ChatInput::text_prefix`]), less its last full block: text
+    /// tokenized without what follows it may end differently at the cut.
     pub fn hashes(&self, req: &LlmRequest) -> Result<PromptHashes, PromptError> {
-        let tokens = self.tokens(req)?;
         let seed = HashSeed::for_request(req.lora.as_deref(), req.cache_salt.as_deref());
+        let prefix = match &req.input {
+            PromptInput::Chat(chat) => chat.text_prefix(),
+            _ => None,
+        };
+        let tokens = match prefix {
+            None => self.tokens(req)?,
+            Some(prefix) if prefix.messages.is_empty() => Vec::new(),
+            Some(prefix) => {
+                let template = self.template.as_ref().ok_or(TemplateError::Missing)?;
+                let mut tokens = self.tokenizer.encode(&template.render(&prefix)?, false)?;
+                let safe_blocks = (tokens.len() / self.block_size).saturating_sub(1);
+                tokens.truncate(safe_blocks * self.block_size);
+                tokens
+            }
+        };
         let hashes = token_prefix_hashes(&tokens, self.block_size, seed);
         Ok(PromptHashes { tokens, hashes })
     }
@@ -135,6 +151,36 @@ impl Preprocessor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn multimodal_chats_hash_the_text_before_the_first_non_text_part() {
+        let dir = kvroute_protocol::samples_dir().join("vllm/tiny-llama-tokenizer");
+        let pre =
+            Preprocessor::from_bundle(&model_dir::load_bundle(&dir, "tiny", 4).unwrap()).unwrap();
+        let system = "You are a careful assistant who reads the whole document first. ".repeat(4);
+        let parse =
+            |body: serde_json::Value| LlmRequest::parse(body.to_string().as_bytes()).unwrap();
+        let image = serde_json::json!({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}});
+        let with_image = parse(serde_json::json!({"model": "tiny", "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": [image, {"type": "text", "text": "what is this?"}]}]}));
+        let text_only = parse(serde_json::json!({"model": "tiny", "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "what is this?"}]}));
+        let mm = pre.hashes(&with_image).unwrap();
+        let text = pre.hashes(&text_only).unwrap();
+        assert!(mm.hashes.len() >= 4, "{}", mm.hashes.len());
+        assert!(mm.hashes.len() < text.hashes.len());
+        assert_eq!(
+            mm.hashes[..],
+            text.hashes[..mm.hashes.len()],
+            "the system prompt's blocks match what a text-only request cached"
+        );
+        // An image first: nothing before it to hash.
+        let image_first = parse(serde_json::json!({"model": "tiny", "messages": [
+            {"role": "user", "content": [image]}]}));
+        assert!(pre.hashes(&image_first).unwrap().hashes.is_empty());
+    }
 
     #[test]
     fn tiny_llama_bundle_hashes_chat_and_completion() {

@@ -31,6 +31,37 @@ pub struct ChatInput {
     pub template_kwargs: Map<String, Value>,
 }
 
+impl ChatInput {
+    /// The chat up to its first non-text content part (image, audio, video…), or `None` when
+    /// every part is text. Engines expand such parts into tokens the filter cannot reproduce,
+    /// so only the text before the first one can be hashed: the messages before it, plus that
+    /// message's text parts before it (continued, without a generation prompt).
+    pub fn text_prefix(&self) -> Option<ChatInput> {
+        for (i, message) in self.messages.iter().enumerate() {
+            let Some(Value::Array(parts)) = message.get("content") else {
+                continue;
+            };
+            let is_text = |p: &Value| p.get("type").and_then(Value::as_str) == Some("text");
+            let Some(j) = parts.iter().position(|p| !is_text(p)) else {
+                continue;
+            };
+            let mut messages = self.messages[..i].to_vec();
+            if j > 0 {
+                let mut cut = message.clone();
+                cut["content"] = Value::Array(parts[..j].to_vec());
+                messages.push(cut);
+            }
+            return Some(ChatInput {
+                messages,
+                add_generation_prompt: false,
+                continue_final_message: j > 0,
+                ..self.clone()
+            });
+        }
+        None
+    }
+}
+
 /// What the prompt is made from.
 #[derive(Debug, Clone, PartialEq)]
 pub enum PromptInput {
