@@ -41,12 +41,27 @@ impl std::fmt::Display for InstallError {
 pub struct ModelRegistry {
     loaded: HashMap<String, LoadedModel>,
     failed: HashMap<String, String>,
+    /// LoRA adapter name → the model it is served on.
+    adapters: HashMap<String, String>,
 }
 
 impl ModelRegistry {
     /// The loaded bundle of `model`, if any.
     pub fn get(&self, model: &str) -> Option<&LoadedModel> {
         self.loaded.get(model)
+    }
+
+    /// The bundle a request's `model` uses: its own, or — for a LoRA adapter served under its
+    /// own name — its base model's, with the base model's name and the adapter.
+    pub fn resolve<'a>(
+        &'a self,
+        model: &'a str,
+    ) -> Option<(&'a str, &'a LoadedModel, Option<&'a str>)> {
+        if let Some(loaded) = self.loaded.get(model) {
+            return Some((model, loaded, None));
+        }
+        let base = self.adapters.get(model)?;
+        Some((base.as_str(), self.loaded.get(base)?, Some(model)))
     }
 
     /// How many models are loaded.
@@ -67,6 +82,11 @@ impl ModelRegistry {
             .map(|e| (e.model.as_str(), e.version.as_str()))
             .collect();
         self.loaded.retain(|m, _| listed.contains_key(m.as_str()));
+        self.adapters = catalog
+            .models
+            .iter()
+            .flat_map(|e| e.adapters.iter().map(|a| (a.clone(), e.model.clone())))
+            .collect();
         self.failed
             .retain(|m, v| listed.get(m.as_str()) == Some(&v.as_str()));
         catalog
@@ -123,6 +143,7 @@ pub(crate) mod tests {
                 .map(|(m, v)| CatalogEntry {
                     model: m.to_string(),
                     version: v.to_string(),
+                    adapters: Vec::new(),
                 })
                 .collect(),
         }

@@ -56,12 +56,19 @@ pub fn plan(
         .or(req.user.as_deref())
         .filter(|s| !s.is_empty())
         .map(|s| hex(xxh3_64(s.as_bytes())));
-    let Some(model) = models.get(&req.model) else {
+    let requested = req.model.clone();
+    let Some((base, model, adapter)) = models.resolve(&requested) else {
         return unhinted(
             Some(session.unwrap_or_else(|| text_key(&req))),
             FallbackReason::NoBundle,
         );
     };
+    let (base, adapter) = (base.to_owned(), adapter.map(str::to_owned));
+    let mut req = req;
+    if req.lora.is_none() {
+        // vLLM hashes (and names in its events) an adapter's blocks with the adapter.
+        req.lora = adapter;
+    }
     let hashed = match model.preprocessor.hashes(&req) {
         Ok(h) => h,
         Err(e) => {
@@ -94,7 +101,7 @@ pub fn plan(
     Plan {
         key,
         hint: Some(HintRequest {
-            model: req.model,
+            model: base,
             hashes: hashed.hashes,
             finished: Vec::new(),
         }),
@@ -151,6 +158,46 @@ mod tests {
         ]})
         .to_string()
         .into_bytes()
+    }
+
+    /// A LoRA adapter served under its own name uses its base model's bundle and index, with
+    /// the adapter's hash seed, as vLLM names its blocks.
+    #[test]
+    fn lora_adapter_models_use_the_base_bundle_with_the_adapter_seed() {
+        let mut reg = registry(4);
+        let version = reg.get("tiny").unwrap().version.clone();
+        let catalog = kvroute_protocol::bundle::Catalog {
+            models: vec![kvroute_protocol::bundle::CatalogEntry {
+                model: "tiny".into(),
+                version,
+                adapters: vec!["tiny-sql".into()],
+            }],
+        };
+        assert!(reg.reconcile(&catalog).is_empty());
+        let cfg = FilterConfig::default();
+        let body = |model: &str, lora: Option<&str>| {
+            let mut v: serde_json::Value = serde_json::from_slice(&chat("select it")).unwrap();
+            v["model"] = model.into();
+            if let Some(l) = lora {
+                v["lora_name"] = l.into();
+            }
+            v.to_string().into_bytes()
+        };
+        let adapter = plan(&body("tiny-sql", None), &reg, &cfg, None);
+        let explicit = plan(&body("tiny", Some("tiny-sql")), &reg, &cfg, None);
+        let base = plan(&body("tiny", None), &reg, &cfg, None);
+        let (a, e, b) = (
+            adapter.hint.unwrap(),
+            explicit.hint.unwrap(),
+            base.hint.unwrap(),
+        );
+        assert_eq!(a.model, "tiny", "the hint asks the base model's index");
+        assert_eq!(a.hashes, e.hashes);
+        assert_ne!(a.hashes, b.hashes, "the adapter seed separates its blocks");
+        assert_eq!(
+            plan(&body("other-sql", None), &reg, &cfg, None).fallback,
+            Some(FallbackReason::NoBundle)
+        );
     }
 
     #[test]

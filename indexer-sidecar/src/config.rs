@@ -13,6 +13,7 @@
 //! name = "tiny-llama"               # the request's `model`
 //! dir = "examples/models/tiny-llama" # tokenizer.json, tokenizer_config.json, chat_template.jinja
 //! block_size = 16                   # must equal the engines' KV block size
+//! lora_adapters = ["sql-lora"]      # optional: adapters requested by name as the `model`
 //!
 //! [[zmq]]                           # vLLM KV events (one entry per engine endpoint)
 //! endpoint = "tcp://127.0.0.1:5557" # vLLM's kv-events `endpoint`
@@ -170,6 +171,9 @@ pub struct ModelConfig {
     pub dir: PathBuf,
     /// KV block size of the engines serving it.
     pub block_size: u32,
+    /// LoRA adapters the engines serve on it under their own names (vLLM `--lora-modules`).
+    #[serde(default)]
+    pub lora_adapters: Vec<String>,
 }
 
 /// One worker.

@@ -75,6 +75,7 @@ impl AppState {
             catalog.models.push(CatalogEntry {
                 model: m.name.clone(),
                 version: bundle.version.clone(),
+                adapters: m.lora_adapters.clone(),
             });
             bundles
                 .by_model

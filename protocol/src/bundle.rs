@@ -22,6 +22,10 @@ pub struct CatalogEntry {
     pub model: String,
     /// Content hash of the bundle: changes whenever any part of it changes.
     pub version: String,
+    /// LoRA adapters served on this model under their own names (vLLM `--lora-modules`): a
+    /// request naming one uses this bundle, hashed with the adapter's seed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub adapters: Vec<String>,
 }
 
 /// The catalog of bundles the sidecar serves.
