@@ -7,7 +7,7 @@ VENV   := .venv
 WASM   := target/wasm32-wasip1/release/kvroute_filter.wasm
 
 .PHONY: all build venv venv-peers toolchain test lint demo clean \
-	bench-routing bench-routing-quick bench-datapath bench-index fuzz
+	bench-routing bench-routing-quick bench-datapath bench-index bench-prepare fuzz
 
 all: build
 
@@ -65,6 +65,9 @@ bench-datapath: venv build
 bench-index:
 	cargo bench -p kvroute-sidecar --bench index_summary
 	cargo bench -p kvroute-sidecar --bench index
+
+bench-prepare:
+	cargo bench -p kvroute-prompt --bench prepare
 
 # Fuzz every wire decoder for FUZZ_SECONDS each (needs nightly and cargo-fuzz, installed here
 # if missing), seeded with the captured samples. Not part of `make test`.

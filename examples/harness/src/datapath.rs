@@ -1,7 +1,8 @@
 //! `make bench-datapath`: what kvroute adds to Envoy's request path.
 //!
 //! The same upstream that answers at once (the simulator's `--instant` mode), behind plain Envoy
-//! and behind Envoy + kvroute (filter + sidecar, over TCP and over a Unix socket), with chat
+//! and behind Envoy + kvroute (filter alone with hints off; filter + sidecar, over TCP and over
+//! a Unix socket), with chat
 //! prompts of about 1k, 8k and 32k tokens, one request at a time and 16 at once. Reports latency
 //! p50/p99, requests/s and Envoy CPU per request (from /proc, user + system time).
 
@@ -101,6 +102,38 @@ async fn load(stack: &Stack, body: &Value, concurrency: usize, requests: usize) 
     }))
 }
 
+/// Envoy's heap (`/memory`: allocated and heap size, bytes).
+async fn envoy_memory(stack: &Stack) -> Result<Value> {
+    let m: Value = stack
+        .http
+        .get(format!("{}/memory", stack.admin_url))
+        .send()
+        .await?
+        .json()
+        .await?;
+    let num = |k: &str| {
+        m[k].as_str()
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    Ok(json!({"allocated": num("allocated"), "heap_size": num("heap_size")}))
+}
+
+/// The slowest bundle load the filter VMs logged ("loaded bundle … in N ms").
+fn bundle_load_ms(dir: &Path) -> Option<f64> {
+    let log = std::fs::read_to_string(dir.join("envoy.log")).ok()?;
+    log.lines()
+        .filter_map(|l| {
+            l.split(" in ")
+                .last()?
+                .strip_suffix(" ms")?
+                .trim()
+                .parse::<f64>()
+                .ok()
+        })
+        .reduce(f64::max)
+}
+
 /// Run every case; write `datapath.json` into `out`.
 pub async fn run(scale: Scale, out: &Path) -> Result<Value> {
     let all: &[(&str, usize)] = &[("1k", 1000), ("8k", 8000), ("32k", 32000)];
@@ -109,8 +142,11 @@ pub async fn run(scale: Scale, out: &Path) -> Result<Value> {
     } else {
         all
     };
-    let setups: [(&str, Mode, bool); 3] = [
+    // `filter_only`: the filter with hints off — parse, template, tokenize and hash inside
+    // Envoy, no sidecar call: what preparing a request costs on the event loop.
+    let setups: [(&str, Mode, bool); 4] = [
         ("plain", Mode::RoundRobin, false),
+        ("filter_only", Mode::RingHash, false),
         ("kvroute", Mode::Kvroute, false),
         ("kvroute_uds", Mode::Kvroute, true),
     ];
@@ -124,6 +160,7 @@ pub async fn run(scale: Scale, out: &Path) -> Result<Value> {
         .map(|(name, tokens)| Ok((*name, body_of(*tokens)?)))
         .collect::<Result<_>>()?;
     let mut cases = serde_json::Map::new();
+    let (mut memory, mut bundle_ms) = (serde_json::Map::new(), serde_json::Map::new());
     for (name, _) in &bodies {
         cases.insert((*name).to_owned(), json!({}));
     }
@@ -142,6 +179,10 @@ pub async fn run(scale: Scale, out: &Path) -> Result<Value> {
             case[setup] = c1;
             case[format!("{setup}_c16")] = c16;
         }
+        memory.insert(setup.to_owned(), envoy_memory(&stack).await?);
+        if mode != Mode::RoundRobin {
+            bundle_ms.insert(setup.to_owned(), json!(bundle_load_ms(&stack.dir)));
+        }
         // Let Envoy settle between setups: the next one starts its own.
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -149,8 +190,16 @@ pub async fn run(scale: Scale, out: &Path) -> Result<Value> {
         let plain = case["plain"]["p50_us"].as_f64().unwrap_or(0.0);
         let kv = case["kvroute"]["p50_us"].as_f64().unwrap_or(0.0);
         case["added_p50_us"] = json!(kv - plain);
+        let prepare = case["filter_only"]["p50_us"].as_f64().unwrap_or(0.0);
+        case["prepare_p50_us"] = json!(prepare - plain);
     }
-    let doc = json!({"cases": cases, "scale": format!("{scale:?}")});
+    // Envoy runs one VM per worker thread plus one on the main thread.
+    let vms = (StackOptions::new("", Mode::Kvroute).envoy_concurrency + 1) as f64;
+    let plain_mem = memory["plain"]["allocated"].as_f64().unwrap_or(0.0);
+    let filter_mem = memory["filter_only"]["allocated"].as_f64().unwrap_or(0.0);
+    let doc = json!({"cases": cases, "scale": format!("{scale:?}"),
+        "envoy_memory": memory, "bundle_load_ms": bundle_ms,
+        "filter_memory_per_vm_bytes": (filter_mem - plain_mem) / vms});
     std::fs::create_dir_all(out)?;
     std::fs::write(
         out.join("datapath.json"),
