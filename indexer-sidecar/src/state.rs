@@ -497,3 +497,51 @@ impl AppState {
         }
     }
 }
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// A state with one model (block size 16) and worker `127.0.0.1:9000`, Dynamo id of the
+    /// captured samples.
+    pub(crate) fn state() -> AppState {
+        let model = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/models/tiny-llama");
+        let text = format!(
+            "[[models]]\nname = \"m\"\ndir = \"{model}\"\nblock_size = 16\n[[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\ndynamo_worker_id = 13140558925506144034\n"
+        );
+        let config: Config = toml::from_str(&text).unwrap();
+        AppState::from_config(&config).unwrap()
+    }
+
+    /// vLLM events with another block size than the model's are refused, counted per worker,
+    /// and do not reach the index.
+    #[test]
+    fn block_size_mismatch_is_counted_not_indexed() {
+        use kvroute_protocol::vllm::{EngineBlockHash, EventBatch, VllmEvent};
+        let state = state();
+        let batch = EventBatch {
+            events: vec![VllmEvent::BlockStored {
+                block_hashes: vec![EngineBlockHash(1)],
+                parent: None,
+                token_ids: (0..32).collect(),
+                block_size: 32,
+                lora_name: None,
+                medium: None,
+                has_extra_keys: vec![],
+            }],
+            ..EventBatch::default()
+        };
+        let worker = state.registry.by_address("127.0.0.1:9000").unwrap().id;
+        state.apply_vllm(0, worker, "tcp://e", &batch);
+        state.apply_vllm(0, worker, "tcp://e", &batch);
+        let text = state.metrics.render();
+        assert!(
+            text.contains("kvroute_block_size_mismatches_total{worker=\"127.0.0.1:9000\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvroute_index_blocks{worker=\"127.0.0.1:9000\"} 0"),
+            "{text}"
+        );
+    }
+}

@@ -106,16 +106,7 @@ pub fn handle(state: &AppState, source: usize, subject: &str, body: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Config;
-
-    fn state() -> AppState {
-        let model = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/models/tiny-llama");
-        let text = format!(
-            "[[models]]\nname = \"m\"\ndir = \"{model}\"\nblock_size = 16\n[[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\ndynamo_worker_id = 13140558925506144034\n"
-        );
-        let config: Config = toml::from_str(&text).unwrap();
-        AppState::from_config(&config).unwrap()
-    }
+    use crate::state::tests::state;
 
     #[test]
     fn kv_metrics_feed_the_load_not_the_index() {
