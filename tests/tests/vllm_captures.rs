@@ -93,3 +93,56 @@ async fn captured_vllm_stream_through_libzmq_with_a_replayed_gap() {
         assert_eq!(resp.matched_blocks, 12, "seq {seq}");
     }
 }
+
+/// vLLM connects when its endpoint has no `*`: the sidecar binds, and llm-d's topic
+/// `kv@<ip:port>@<model>` names the worker (no `worker` in the config).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bound_socket_learns_the_worker_from_llm_d_topics() {
+    let raw = kvroute_protocol::samples_dir().join("vllm/run1-sha256-default/raw");
+    let dir = paths::run_dir("vllm-bind").unwrap();
+    let (bind_port, replay_port, port) = (
+        free_port().unwrap(),
+        free_port().unwrap(),
+        free_port().unwrap(),
+    );
+    let config = format!(
+        "listen = \"127.0.0.1:{port}\"\n[[models]]\nname = \"m\"\ndir = \"{}\"\nblock_size = 32\n[[workers]]\naddress = \"127.0.0.1:9001\"\nmodel = \"m\"\n[[zmq]]\nendpoint = \"tcp://127.0.0.1:{bind_port}\"\nbind = true\ntopic = \"kv@\"\n",
+        paths::model_dir().display()
+    );
+    std::fs::write(dir.join("sidecar.toml"), config).unwrap();
+    let mut cmd = Command::new(paths::binary("kvroute-sidecar").unwrap());
+    cmd.arg("serve")
+        .arg("--config")
+        .arg(dir.join("sidecar.toml"));
+    let sidecar = Process::spawn("sidecar", cmd, &dir).unwrap();
+    let mut publisher = Command::new(paths::venv_tool("python").unwrap());
+    publisher
+        .arg(paths::workspace().join("tests/fixtures/vllm_publisher.py"))
+        .arg("--raw")
+        .arg(&raw)
+        .args(["--pub-port", "0", "--replay-port", &replay_port.to_string()])
+        .args(["--connect", &format!("tcp://127.0.0.1:{bind_port}")])
+        .args(["--topic", "kv@127.0.0.1:9001@m", "--start-after", "2"]);
+    let (_publisher, _) = Process::spawn_until_line(
+        "publisher",
+        publisher,
+        &dir,
+        "READY",
+        Duration::from_secs(20),
+    )
+    .unwrap();
+    let http = reqwest::Client::new();
+    let metrics = format!("http://127.0.0.1:{port}/metrics");
+    let (http_ref, metrics) = (&http, &metrics);
+    wait_for(
+        "events indexed under the topic's worker",
+        Duration::from_secs(20),
+        || async move {
+            let text = http_ref.get(metrics).send().await.ok()?.text().await.ok()?;
+            (metric(&text, "kvroute_index_blocks{worker=\"127.0.0.1:9001\"}")? >= 12.0)
+                .then_some(())
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}: {}", sidecar.log_tail()));
+}
