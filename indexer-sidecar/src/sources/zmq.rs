@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use futures::StreamExt;
 use kvroute_protocol::vllm::{decode_batch, decode_seq, REPLAY_END};
 use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
@@ -87,6 +88,8 @@ pub async fn run(config: ZmqConfig, state: Arc<AppState>) -> anyhow::Result<()> 
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .subscribed(source);
+        // A bound socket outlives its peers; a connected one is redone when its publisher goes.
+        let mut watching = !config.bind;
         loop {
             tokio::select! {
                 msg = socket.recv() => match msg {
@@ -96,26 +99,17 @@ pub async fn run(config: ZmqConfig, state: Arc<AppState>) -> anyhow::Result<()> 
                         break;
                     }
                 },
-                event = monitor.next_event() => {
-                    if matches!(event, Some(SocketEvent::Disconnected(_)) | None) && !config.bind {
+                event = monitor.next(), if watching => match event {
+                    Some(SocketEvent::Disconnected(_)) => {
                         tracing::warn!(endpoint = %config.endpoint, "vLLM KV-event publisher went away; reconnecting");
                         break;
                     }
-                }
+                    Some(_) => {}
+                    None => watching = false,
+                },
             }
         }
         tokio::time::sleep(RECONNECT_DELAY).await;
-    }
-}
-
-/// Monitor events without pulling in a stream trait for one call.
-trait NextEvent {
-    async fn next_event(&mut self) -> Option<SocketEvent>;
-}
-
-impl NextEvent for futures::channel::mpsc::Receiver<SocketEvent> {
-    async fn next_event(&mut self) -> Option<SocketEvent> {
-        futures::StreamExt::next(self).await
     }
 }
 
