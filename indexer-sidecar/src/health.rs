@@ -215,7 +215,7 @@ impl EventPlane {
                 name: "no_events",
                 subject: "all".into(),
                 message: format!(
-                    "no KV events {when} while hints are being served: routing is load-only. Subscribed: [{}]. Messages seen: [{}]. Check the engines publish KV events, the NATS subjects (component names change with disaggregated prefill/decode) or ZMQ endpoints.",
+                    "no KV events {when} while hints are being served: routing is load-only. Subscribed: [{}]. Messages seen: [{}]. Check the engines publish KV events, the NATS subjects (component names change with disaggregated prefill/decode) or ZMQ endpoints; `kvroute-sidecar tap --nats URL` lists every subject and component on the bus.",
                     subscribed.join(", "),
                     if seen.is_empty() { "none".to_owned() } else { seen.join(", ") },
                 ),

@@ -8,9 +8,20 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
 
-/// A free TCP port on 127.0.0.1, chosen by the kernel.
+/// A free TCP port on 127.0.0.1, chosen by the kernel, and never one this process was given
+/// before: the port is released at once, so the kernel may offer it again to the next call
+/// before anyone binds it (seen: a test's bind port equal to its listen port).
 pub fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    for _ in 0..100 {
+        let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+        if !given.contains(&port) {
+            given.push(port);
+            return Ok(port);
+        }
+    }
+    bail!("no unused free port after 100 tries")
 }
 
 /// A running child process; stdout and stderr go to `<dir>/<name>.log`.
