@@ -104,10 +104,6 @@ async fn explain(State(state): State<Arc<AppState>>) -> Response {
 }
 
 async fn sources(State(state): State<Arc<AppState>>) -> Response {
-    let sources = state
-        .plane
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .sources();
+    let sources = state.plane().sources();
     Json(sources).into_response()
 }

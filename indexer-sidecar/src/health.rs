@@ -245,16 +245,12 @@ pub async fn watch(state: std::sync::Arc<crate::state::AppState>) {
     let mut on: std::collections::BTreeSet<(&'static str, String)> = Default::default();
     loop {
         tokio::time::sleep(every).await;
-        let alarms = state
-            .plane
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .alarms(&state.alarms, |i| {
-                state
-                    .registry
-                    .get(crate::WorkerId(i as u32))
-                    .map_or_else(|| i.to_string(), |w| w.address.clone())
-            });
+        let alarms = state.plane().alarms(&state.alarms, |i| {
+            state
+                .registry
+                .get(crate::WorkerId(i as u32))
+                .map_or_else(|| i.to_string(), |w| w.address.clone())
+        });
         let now: std::collections::BTreeSet<_> =
             alarms.iter().map(|a| (a.name, a.subject.clone())).collect();
         for a in &alarms {

@@ -50,8 +50,8 @@ pub struct AppState {
     pub load: Mutex<LoadTracker>,
     /// KV block size of each model.
     block_sizes: HashMap<String, u32>,
-    /// Event sources and the alarms about them.
-    pub plane: Mutex<EventPlane>,
+    /// Event sources and the alarms about them (see [`AppState::plane`]).
+    plane: Mutex<EventPlane>,
     /// Last Dynamo `event_id` per (worker, data-parallel rank).
     dynamo_cursors: Mutex<HashMap<(WorkerId, u32), u64>>,
     /// Alarm thresholds.
@@ -253,10 +253,7 @@ impl AppState {
                 if let Some(w) = self.registry.iter().find(|w| &w.address == first) {
                     decision.hint.ticket = load.hinted(w.id.0 as usize);
                     self.set_in_flight(&load, w.id);
-                    self.plane
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .hinted(w.id.0 as usize);
+                    self.plane().hinted(w.id.0 as usize);
                 }
             }
             decision
@@ -341,11 +338,13 @@ impl AppState {
         }
     }
 
+    /// The event sources' bookkeeping (a poisoned lock is still usable: it holds counters).
+    pub fn plane(&self) -> std::sync::MutexGuard<'_, EventPlane> {
+        self.plane.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn plane_event(&self, source: usize, worker: WorkerId) {
-        self.plane
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .event(source, worker.0 as usize);
+        self.plane().event(source, worker.0 as usize);
     }
 
     /// Drop every index entry of a worker (all its data-parallel ranks); how many were dropped.

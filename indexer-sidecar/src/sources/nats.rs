@@ -22,9 +22,7 @@ pub async fn run(config: NatsConfig, state: Arc<AppState>) -> anyhow::Result<()>
         .await
         .with_context(|| format!("connecting to NATS at {}", config.url))?;
     let source = state
-        .plane
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
+        .plane()
         .register("nats", &config.url, config.subjects.clone());
     let mut subscriptions = Vec::new();
     for subject in &config.subjects {
@@ -39,11 +37,7 @@ pub async fn run(config: NatsConfig, state: Arc<AppState>) -> anyhow::Result<()>
     for subject in &config.subjects {
         tracing::info!(%subject, url = %config.url, "subscribed to Dynamo KV events");
     }
-    state
-        .plane
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .subscribed(source);
+    state.plane().subscribed(source);
     let mut messages = futures::stream::select_all(subscriptions);
     while let Some(msg) = messages.next().await {
         handle(&state, source, msg.subject.as_str(), &msg.payload);
@@ -55,11 +49,7 @@ pub async fn run(config: NatsConfig, state: Arc<AppState>) -> anyhow::Result<()>
 /// segment names it.
 pub fn handle(state: &AppState, source: usize, subject: &str, body: &[u8]) {
     let seen = |decoded: bool| {
-        state
-            .plane
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .message(source, subject, decoded);
+        state.plane().message(source, subject, decoded);
     };
     if subject.rsplit('.').next() == Some(KV_METRICS_TOPIC) {
         let decoded = decode_kv_metrics(body);

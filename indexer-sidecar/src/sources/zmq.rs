@@ -59,9 +59,7 @@ fn frames(msg: ZmqMessage) -> Option<Frames> {
 pub async fn run(config: ZmqConfig, state: Arc<AppState>) -> anyhow::Result<()> {
     let mut last: std::collections::HashMap<WorkerId, u64> = Default::default();
     let source = state
-        .plane
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
+        .plane()
         .register("zmq", &config.endpoint, vec![config.topic.clone()]);
     loop {
         let mut socket = SubSocket::new();
@@ -83,11 +81,7 @@ pub async fn run(config: ZmqConfig, state: Arc<AppState>) -> anyhow::Result<()> 
             .await
             .with_context(|| format!("subscribing to {:?}", config.topic))?;
         tracing::info!(endpoint = %config.endpoint, topic = %config.topic, "subscribed to vLLM KV events");
-        state
-            .plane
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .subscribed(source);
+        state.plane().subscribed(source);
         // A bound socket outlives its peers; a connected one is redone when its publisher goes.
         let mut watching = !config.bind;
         loop {
@@ -121,19 +115,11 @@ async fn handle(
     msg: ZmqMessage,
 ) {
     let Some((topic, seq, payload)) = frames(msg) else {
-        state
-            .plane
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .message(source, "", false);
+        state.plane().message(source, "", false);
         count_bad(state, "not [topic, seq, payload]", &config.endpoint);
         return;
     };
-    state
-        .plane
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .message(source, &topic, true);
+    state.plane().message(source, &topic, true);
     let address = config.worker.as_deref().or_else(|| worker_in_topic(&topic));
     let Some(worker) = address.and_then(|a| state.registry.by_address(a)) else {
         state
