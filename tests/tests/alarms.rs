@@ -52,18 +52,7 @@ async fn wrong_subject_raises_no_events_and_silent_workers() {
         "{line}"
     );
     // Still routed, by load: nothing failed above.
-    let sources: serde_json::Value = stack
-        .http
-        .get(format!(
-            "{}/debug/sources",
-            stack.sidecar_url.as_ref().unwrap()
-        ))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let sources = sidecar_json(&stack, "/debug/sources").await;
     assert_eq!(sources[0]["kind"], "nats");
     assert_eq!(sources[0]["events"], 0, "{sources}");
     assert_eq!(sources[0]["state"], "subscribed", "{sources}");
@@ -87,18 +76,7 @@ async fn healthy_event_plane_stays_quiet() {
             .any(|l| l.starts_with("kvroute_alarm{") && l.ends_with(" 1")),
         "{m}"
     );
-    let sources: serde_json::Value = stack
-        .http
-        .get(format!(
-            "{}/debug/sources",
-            stack.sidecar_url.as_ref().unwrap()
-        ))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let sources = sidecar_json(&stack, "/debug/sources").await;
     assert_eq!(sources[0]["state"], "receiving", "{sources}");
     assert!(sources[0]["last_event_age_s"].as_f64().unwrap() < 5.0);
 }

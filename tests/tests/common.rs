@@ -92,3 +92,48 @@ pub async fn engine_metric(stack: &Stack, engine: usize, name: &str) -> f64 {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }
+
+/// A JSON document from the sidecar's API (`/debug/sources`, `/debug/explain`, …).
+pub async fn sidecar_json(stack: &Stack, path: &str) -> Value {
+    let url = format!("{}{path}", stack.sidecar_url.as_ref().expect("a sidecar"));
+    let resp = stack.http.get(url).send().await.unwrap();
+    resp.json().await.unwrap()
+}
+
+/// Start `kvroute-sidecar serve` on `config` (TOML), written to `dir/sidecar.toml`; its log is
+/// `dir/sidecar.log`.
+pub fn spawn_sidecar(dir: &std::path::Path, config: &str) -> kvroute_harness::process::Process {
+    use kvroute_harness::{paths, process::Process};
+    let path = dir.join("sidecar.toml");
+    std::fs::write(&path, config).unwrap();
+    let mut cmd = std::process::Command::new(paths::binary("kvroute-sidecar").unwrap());
+    cmd.arg("serve").arg("--config").arg(path);
+    Process::spawn("sidecar", cmd, dir).unwrap()
+}
+
+/// Ask the sidecar at `base` for a hint for model `m`'s prompt `tokens` (no seed).
+pub async fn hint_for_tokens(
+    http: &reqwest::Client,
+    base: &str,
+    tokens: &[u32],
+    block_size: usize,
+) -> kvroute_protocol::hint::HintResponse {
+    use kvroute_protocol::hint::{HintRequest, HINT_CONTENT_TYPE};
+    let req = HintRequest {
+        model: "m".into(),
+        hashes: kvroute_protocol::hash::token_prefix_hashes(
+            tokens,
+            block_size,
+            kvroute_protocol::HashSeed::default(),
+        ),
+        finished: Vec::new(),
+    };
+    let resp = http
+        .post(format!("{base}/v1/hint"))
+        .header("content-type", HINT_CONTENT_TYPE)
+        .body(req.encode())
+        .send()
+        .await
+        .unwrap();
+    resp.json().await.unwrap()
+}

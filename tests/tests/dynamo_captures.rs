@@ -7,13 +7,10 @@ mod common;
 use std::process::Command;
 use std::time::Duration;
 
-use common::metric;
+use common::{hint_for_tokens, metric, spawn_sidecar};
 use kvroute_harness::paths;
 use kvroute_harness::process::{free_port, wait_for, Process};
 use kvroute_protocol::dynamo::decode_message;
-use kvroute_protocol::hash::token_prefix_hashes;
-use kvroute_protocol::hint::{HintRequest, HintResponse, HINT_CONTENT_TYPE};
-use kvroute_protocol::HashSeed;
 
 const BACKEND: &str = "namespace.dynamo.component.backend.endpoint.generate.kv-events";
 const PREFILL: &str = "namespace.dynamo.component.prefill.endpoint.generate.kv-events";
@@ -70,12 +67,7 @@ async fn captured_dynamo_events_through_real_nats() {
             9000 + i
         ));
     }
-    std::fs::write(dir.join("sidecar.toml"), config).unwrap();
-    let mut cmd = Command::new(paths::binary("kvroute-sidecar").unwrap());
-    cmd.arg("serve")
-        .arg("--config")
-        .arg(dir.join("sidecar.toml"));
-    let sidecar = Process::spawn("sidecar", cmd, &dir).unwrap();
+    let sidecar = spawn_sidecar(&dir, &config);
     let http = reqwest::Client::new();
     let base = format!("http://127.0.0.1:{port}");
     let metrics_url = format!("{base}/metrics");
@@ -178,21 +170,7 @@ async fn captured_dynamo_events_through_real_nats() {
         .iter()
         .map(|t| t.as_u64().unwrap() as u32)
         .collect();
-    let req = HintRequest {
-        model: "m".into(),
-        hashes: token_prefix_hashes(&tokens, 16, HashSeed::default()),
-        finished: Vec::new(),
-    };
-    let resp: HintResponse = http
-        .post(format!("{base}/v1/hint"))
-        .header("content-type", HINT_CONTENT_TYPE)
-        .body(req.encode())
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let resp = hint_for_tokens(&http, &base, &tokens, 16).await;
     assert_eq!(resp.workers[0], "127.0.0.1:9000");
     assert_eq!(resp.matched_blocks, 4);
     // A malformed hint request is a 400, not a crash.

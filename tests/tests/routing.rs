@@ -288,18 +288,7 @@ async fn ejected_worker_is_never_hinted() {
         .await;
         assert_ne!(served_by(&o), 1, "request {i} went to the ejected engine");
     }
-    let explain: serde_json::Value = stack
-        .http
-        .get(format!(
-            "{}/debug/explain",
-            stack.sidecar_url.as_ref().unwrap()
-        ))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let explain = sidecar_json(&stack, "/debug/explain").await;
     let latest = &explain[0]["decision"];
     let candidates = latest["candidates"].as_array().unwrap();
     assert!(

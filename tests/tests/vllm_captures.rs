@@ -8,13 +8,10 @@ mod common;
 use std::process::Command;
 use std::time::Duration;
 
-use common::metric;
+use common::{hint_for_tokens, metric, spawn_sidecar};
 use kvroute_harness::paths;
 use kvroute_harness::process::{free_port, wait_for, Process};
-use kvroute_protocol::hash::token_prefix_hashes;
-use kvroute_protocol::hint::{HintRequest, HintResponse, HINT_CONTENT_TYPE};
 use kvroute_protocol::vllm::{decode_batch, VllmEvent};
-use kvroute_protocol::HashSeed;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn captured_vllm_stream_through_libzmq_with_a_replayed_gap() {
@@ -45,12 +42,7 @@ async fn captured_vllm_stream_through_libzmq_with_a_replayed_gap() {
         "listen = \"127.0.0.1:{port}\"\n[[models]]\nname = \"m\"\ndir = \"{}\"\nblock_size = 32\n[[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\n[[zmq]]\nendpoint = \"tcp://127.0.0.1:{pub_port}\"\nreplay_endpoint = \"tcp://127.0.0.1:{replay_port}\"\nworker = \"127.0.0.1:9000\"\ntopic = \"kv-events\"\n",
         paths::model_dir().display()
     );
-    std::fs::write(dir.join("sidecar.toml"), config).unwrap();
-    let mut cmd = Command::new(paths::binary("kvroute-sidecar").unwrap());
-    cmd.arg("serve")
-        .arg("--config")
-        .arg(dir.join("sidecar.toml"));
-    let sidecar = Process::spawn("sidecar", cmd, &dir).unwrap();
+    let sidecar = spawn_sidecar(&dir, &config);
 
     let http = reqwest::Client::new();
     let base = format!("http://127.0.0.1:{port}");
@@ -74,21 +66,7 @@ async fn captured_vllm_stream_through_libzmq_with_a_replayed_gap() {
         let VllmEvent::BlockStored { token_ids, .. } = &batch.events[0] else {
             panic!("seq {seq} is a store")
         };
-        let req = HintRequest {
-            model: "m".into(),
-            hashes: token_prefix_hashes(token_ids, 32, HashSeed::default()),
-            finished: Vec::new(),
-        };
-        let resp: HintResponse = http
-            .post(format!("{base}/v1/hint"))
-            .header("content-type", HINT_CONTENT_TYPE)
-            .body(req.encode())
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let resp = hint_for_tokens(&http, &base, token_ids, 32).await;
         assert_eq!(resp.workers[0], "127.0.0.1:9000");
         assert_eq!(resp.matched_blocks, 12, "seq {seq}");
     }
@@ -109,12 +87,7 @@ async fn bound_socket_learns_the_worker_from_llm_d_topics() {
         "listen = \"127.0.0.1:{port}\"\n[[models]]\nname = \"m\"\ndir = \"{}\"\nblock_size = 32\n[[workers]]\naddress = \"127.0.0.1:9001\"\nmodel = \"m\"\n[[zmq]]\nendpoint = \"tcp://127.0.0.1:{bind_port}\"\nbind = true\ntopic = \"kv@\"\n",
         paths::model_dir().display()
     );
-    std::fs::write(dir.join("sidecar.toml"), config).unwrap();
-    let mut cmd = Command::new(paths::binary("kvroute-sidecar").unwrap());
-    cmd.arg("serve")
-        .arg("--config")
-        .arg(dir.join("sidecar.toml"));
-    let sidecar = Process::spawn("sidecar", cmd, &dir).unwrap();
+    let sidecar = spawn_sidecar(&dir, &config);
     let mut publisher = Command::new(paths::venv_tool("python").unwrap());
     publisher
         .arg(paths::workspace().join("tests/fixtures/vllm_publisher.py"))

@@ -122,15 +122,5 @@ async fn an_engine_restart_clears_its_worker() {
 
 /// The sidecar's latest hint decision (`/debug/explain`).
 async fn latest_decision(stack: &Stack) -> serde_json::Value {
-    let url = format!("{}/debug/explain", stack.sidecar_url.as_ref().unwrap());
-    let explain: serde_json::Value = stack
-        .http
-        .get(url)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    explain[0]["decision"].clone()
+    sidecar_json(stack, "/debug/explain").await[0]["decision"].clone()
 }
