@@ -383,7 +383,8 @@ impl Stack {
         });
     }
 
-    /// Send a signal (`STOP`, `CONT`, …) to one process, e.g. to make it hang without dying.
+    /// Send a signal (`STOP`, `CONT`, …) to one process, e.g. to make it hang without dying;
+    /// `STOP` returns once the process has stopped.
     pub fn signal(&self, name: &str, signal: &str) -> Result<()> {
         let p = self
             .processes
@@ -396,6 +397,17 @@ impl Stack {
             .status()?;
         if !status.success() {
             bail!("kill -{signal} {name} failed");
+        }
+        if signal == "STOP" {
+            // kill returns once the signal is queued; on a loaded machine the process can run on
+            // (and answer a request) for tens of milliseconds. Wait until every thread stopped.
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while !all_threads_stopped(p.pid()) {
+                if std::time::Instant::now() > deadline {
+                    bail!("{name} did not stop within 10 s of SIGSTOP");
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
         }
         Ok(())
     }
@@ -517,4 +529,19 @@ pub fn render_envoy(
         bail!("{template} has a placeholder the harness does not fill");
     }
     Ok(out)
+}
+
+/// Whether every thread of process `pid` is stopped (state `T` in `/proc/PID/task/*/stat`).
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|task| {
+        std::fs::read_to_string(task.path().join("stat")).is_ok_and(|stat| {
+            // The state follows the command name, which is in parentheses and may hold spaces.
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.trim_start().chars().next())
+                == Some('T')
+        })
+    })
 }
