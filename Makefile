@@ -7,7 +7,8 @@ VENV   := .venv
 WASM   := target/wasm32-wasip1/release/kvroute_filter.wasm
 
 .PHONY: all build venv venv-peers toolchain test lint demo clean \
-	bench-routing bench-routing-quick bench-datapath bench-index bench-prepare fuzz
+	bench-routing bench-routing-quick bench-datapath bench-index bench-prepare fuzz \
+	precision-fixtures
 
 all: build
 
@@ -68,6 +69,14 @@ bench-index:
 
 bench-prepare:
 	cargo bench -p kvroute-prompt --bench prepare
+
+# Regenerate the precision fixtures (trained tokenizers, model dirs, transformers' token ids) in a
+# separate venv with the pinned transformers; not part of `make test` — commit what it writes.
+PRECISION := prompt/fixtures/precision
+precision-fixtures:
+	$(PYTHON) -m venv .venv-fixtures
+	.venv-fixtures/bin/pip install --quiet --disable-pip-version-check -r $(PRECISION)/requirements.txt
+	.venv-fixtures/bin/python $(PRECISION)/generate.py
 
 # Fuzz every wire decoder for FUZZ_SECONDS each (needs nightly and cargo-fuzz, installed here
 # if missing), seeded with the captured samples. Not part of `make test`.

@@ -274,6 +274,8 @@ pub fn tokenize(dir: &Path, block_size: u32, body: &[u8]) -> anyhow::Result<Valu
         "lora": req.lora,
         "cache_salt": req.cache_salt,
         "block_hashes": hashed.hashes.iter().map(|h| h.0).collect::<Vec<_>>(),
+        // As `/debug/explain` prints it, to compare with what the filter sent.
+        "last_block": hashed.hashes.last().map(|h| format!("{:016x}", h.0)),
         "tail_tokens": hashed.tokens.len() % block_size.max(1) as usize,
     }))
 }
@@ -301,6 +303,11 @@ mod tests {
             tokens / 4
         );
         assert_eq!(out["tail_tokens"].as_u64().unwrap(), tokens % 4);
+        let last = out["block_hashes"].as_array().unwrap().last().unwrap();
+        assert_eq!(
+            out["last_block"],
+            format!("{:016x}", last.as_u64().unwrap())
+        );
         assert!(tokenize(&dir, 4, b"{not json").is_err());
     }
 

@@ -282,6 +282,9 @@ impl AppState {
             "model": req.model,
             "prompt_blocks": req.hashes.len(),
             "first_block": req.hashes.first().map(|h| format!("{:016x}", h.0)),
+            // The prefix hash of the whole hashed prompt: equal to `kvroute-sidecar tokenize`'s
+            // `last_block` exactly when the filter saw the same tokens.
+            "last_block": req.hashes.last().map(|h| format!("{:016x}", h.0)),
             "decision": decision,
         });
         let mut recent = self.decisions.lock().unwrap_or_else(|e| e.into_inner());

@@ -113,8 +113,10 @@ impl Preprocessor {
                 let template = self.template.as_ref().ok_or(TemplateError::Missing)?;
                 let text = template.render(chat)?;
                 // The template already holds BOS and friends: engines encode chat prompts
-                // without adding special tokens.
-                Ok(self.tokenizer.encode(&text, false)?)
+                // without adding special tokens unless the request asks (vLLM's default: no).
+                Ok(self
+                    .tokenizer
+                    .encode(&text, req.add_special_tokens.unwrap_or(false))?)
             }
             PromptInput::Text(text) => Ok(self
                 .tokenizer
@@ -137,7 +139,8 @@ impl Preprocessor {
             Some(prefix) if prefix.messages.is_empty() => Vec::new(),
             Some(prefix) => {
                 let template = self.template.as_ref().ok_or(TemplateError::Missing)?;
-                let mut tokens = self.tokenizer.encode(&template.render(&prefix)?, false)?;
+                let special = req.add_special_tokens.unwrap_or(false);
+                let mut tokens = self.tokenizer.encode(&template.render(&prefix)?, special)?;
                 let safe_blocks = (tokens.len() / self.block_size).saturating_sub(1);
                 tokens.truncate(safe_blocks * self.block_size);
                 tokens

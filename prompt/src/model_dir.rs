@@ -46,7 +46,6 @@ fn read(path: PathBuf) -> Result<String, ModelDirError> {
 /// The bundle is checked by building a [`crate::Preprocessor`] from it, so a model the filter
 /// could not load is reported here, at sidecar start, by name.
 pub fn load_bundle(dir: &Path, model: &str, block_size: u32) -> Result<ModelBundle, ModelDirError> {
-    let tokenizer_json = canonicalize(&read(dir.join("tokenizer.json"))?)?;
     let config_path = dir.join("tokenizer_config.json");
     let config: Value = if config_path.exists() {
         let text = read(config_path.clone())?;
@@ -57,6 +56,14 @@ pub fn load_bundle(dir: &Path, model: &str, block_size: u32) -> Result<ModelBund
     } else {
         Value::Null
     };
+    let tokenizer_path = dir.join("tokenizer.json");
+    let raw: Value = serde_json::from_str(&read(tokenizer_path.clone())?).map_err(|source| {
+        ModelDirError::Json {
+            path: tokenizer_path,
+            source,
+        }
+    })?;
+    let tokenizer_json = canonicalize(&with_config_tokens(raw, &config).to_string())?;
     let template_path = dir.join("chat_template.jinja");
     let chat_template = if template_path.exists() {
         Some(read(template_path)?)
@@ -100,6 +107,132 @@ fn special_token(config: &Value, key: &str) -> Option<String> {
     }
 }
 
+/// The special tokens `transformers` reads from `tokenizer_config.json`, in the order it adds them.
+const SPECIAL_TOKEN_KEYS: [&str; 7] = [
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+];
+
+/// `tokenizer.json` with the tokens `tokenizer_config.json` declares but it lacks, added the way
+/// `transformers` adds them when it loads the tokenizer (and so the way vLLM tokenizes): each
+/// `added_tokens_decoder` entry at its id, then every special token (`bos_token`…,
+/// `additional_special_tokens`) as a special added token that is matched before normalization —
+/// at its vocabulary id if the model has the piece, else at the next free id. Without this a
+/// template's `<|im_end|>` would be split into pieces here while the engine sees one token.
+fn with_config_tokens(mut tokenizer: Value, config: &Value) -> Value {
+    let vocab_id = |tokenizer: &Value, piece: &str| -> Option<u64> {
+        match tokenizer.pointer("/model/vocab")? {
+            Value::Object(map) => map.get(piece)?.as_u64(),
+            Value::Array(pieces) => pieces
+                .iter()
+                .position(|p| p.get(0).and_then(Value::as_str) == Some(piece))
+                .map(|i| i as u64),
+            _ => None,
+        }
+    };
+    let vocab_len = |tokenizer: &Value| -> u64 {
+        match tokenizer.pointer("/model/vocab") {
+            Some(Value::Object(map)) => map
+                .values()
+                .filter_map(Value::as_u64)
+                .max()
+                .map_or(0, |m| m + 1),
+            Some(Value::Array(pieces)) => pieces.len() as u64,
+            _ => 0,
+        }
+    };
+    let mut wanted: Vec<(Option<u64>, Value)> = Vec::new();
+    if let Some(Value::Object(decoder)) = config.get("added_tokens_decoder") {
+        for (id, token) in decoder {
+            if let (Ok(id), Some(content)) = (id.parse::<u64>(), token.get("content")) {
+                if content.is_string() {
+                    wanted.push((Some(id), token.clone()));
+                }
+            }
+        }
+    }
+    let as_token = |v: &Value| -> Option<Value> {
+        let content = match v {
+            Value::String(s) => s.clone(),
+            Value::Object(o) => o.get("content")?.as_str()?.to_owned(),
+            _ => return None,
+        };
+        let flag = |key: &str| v.get(key).and_then(Value::as_bool).unwrap_or(false);
+        Some(serde_json::json!({
+            "content": content,
+            "single_word": flag("single_word"),
+            "lstrip": flag("lstrip"),
+            "rstrip": flag("rstrip"),
+            "normalized": false,
+            "special": true,
+        }))
+    };
+    let specials = SPECIAL_TOKEN_KEYS
+        .iter()
+        .filter_map(|k| config.get(*k))
+        .chain(
+            config
+                .get("additional_special_tokens")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten(),
+        );
+    wanted.extend(specials.filter_map(as_token).map(|t| (None, t)));
+    for (id, mut token) in wanted {
+        let Some(content) = token
+            .get("content")
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+        else {
+            continue;
+        };
+        let added = tokenizer
+            .get("added_tokens")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
+        if added
+            .iter()
+            .any(|t| t.get("content").and_then(Value::as_str) == Some(&content))
+        {
+            continue;
+        }
+        let next = added
+            .iter()
+            .filter_map(|t| t.get("id").and_then(Value::as_u64))
+            .map(|i| i + 1)
+            .chain([vocab_len(&tokenizer)])
+            .max()
+            .unwrap_or(0);
+        let id = id
+            .or_else(|| vocab_id(&tokenizer, &content))
+            .unwrap_or(next);
+        token["id"] = id.into();
+        for (key, default) in [
+            ("single_word", false),
+            ("lstrip", false),
+            ("rstrip", false),
+            ("normalized", false),
+            ("special", true),
+        ] {
+            if token.get(key).and_then(Value::as_bool).is_none() {
+                token[key] = default.into();
+            }
+        }
+        if let Some(Value::Array(list)) = tokenizer.get_mut("added_tokens") {
+            list.push(token);
+        } else {
+            tokenizer["added_tokens"] = Value::Array(vec![token]);
+        }
+    }
+    tokenizer
+}
+
 /// A content hash over everything that changes tokens or hashes.
 fn version_of(b: &ModelBundle) -> String {
     let mut h = xxhash_rust::xxh3::Xxh3::new();
@@ -139,6 +272,48 @@ mod tests {
     fn missing_dir_is_an_error() {
         let err = load_bundle(Path::new("/nonexistent"), "x", 16).unwrap_err();
         assert!(err.to_string().contains("tokenizer.json"), "{err}");
+    }
+
+    #[test]
+    fn config_special_tokens_are_added_as_transformers_adds_them() {
+        let tokenizer = serde_json::json!({
+            "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "<s>": 2}},
+            "added_tokens": [{"id": 3, "content": "<pad>", "special": true}],
+        });
+        let config = serde_json::json!({
+            "bos_token": "<s>",
+            "eos_token": {"content": "<|im_end|>", "rstrip": true},
+            "pad_token": "<pad>",
+            "additional_special_tokens": ["<tool>"],
+            "added_tokens_decoder": {"9": {"content": "<think>", "special": false}},
+        });
+        let out = with_config_tokens(tokenizer, &config);
+        let added: Vec<(u64, &str, bool)> = out["added_tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| {
+                let id = t["id"].as_u64().unwrap();
+                (
+                    id,
+                    t["content"].as_str().unwrap(),
+                    t["special"].as_bool().unwrap(),
+                )
+            })
+            .collect();
+        // A piece the model has keeps its id; new ones go after every id in use.
+        assert_eq!(
+            added,
+            [
+                (3, "<pad>", true),
+                (9, "<think>", false),
+                (2, "<s>", true),
+                (10, "<|im_end|>", true),
+                (11, "<tool>", true)
+            ]
+        );
+        assert_eq!(out["added_tokens"][3]["rstrip"], true);
+        assert_eq!(out["added_tokens"][3]["normalized"], false);
     }
 
     #[test]

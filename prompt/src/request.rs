@@ -84,7 +84,8 @@ pub struct LlmRequest {
     pub lora: Option<String>,
     /// `cache_salt` (tenant isolation: changes the hash seed).
     pub cache_salt: Option<String>,
-    /// `add_special_tokens` for completions (engine default: true).
+    /// `add_special_tokens`: run the tokenizer's post-processor (engine default: true for
+    /// completions, false for chats, whose template writes the special tokens).
     pub add_special_tokens: Option<bool>,
     /// OpenAI `user` field.
     pub user: Option<String>,
