@@ -60,8 +60,11 @@ impl ChatTemplate {
 
     /// Render a chat request to the prompt string.
     pub fn render(&self, chat: &ChatInput) -> Result<String, TemplateError> {
+        // As transformers layers it: special tokens, then chat_template_kwargs (which may
+        // override them), then the request's own fields, which nothing overrides.
         let mut ctx = serde_json::Map::new();
-        // chat_template_kwargs first, so the request's own fields win on a clash (as in vLLM).
+        ctx.insert("bos_token".into(), Value::String(self.bos_token.clone()));
+        ctx.insert("eos_token".into(), Value::String(self.eos_token.clone()));
         for (k, v) in &chat.template_kwargs {
             ctx.insert(k.clone(), v.clone());
         }
@@ -73,8 +76,6 @@ impl ChatTemplate {
             "add_generation_prompt".into(),
             Value::Bool(chat.add_generation_prompt),
         );
-        ctx.insert("bos_token".into(), Value::String(self.bos_token.clone()));
-        ctx.insert("eos_token".into(), Value::String(self.eos_token.clone()));
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
@@ -123,52 +124,81 @@ fn raise_exception(message: String) -> Result<JValue, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, message))
 }
 
-/// `tojson` as transformers defines it: `json.dumps(x, ensure_ascii=False, indent=…)`.
+/// `tojson` as transformers defines it: `json.dumps(x, ensure_ascii=False, indent=…,
+/// separators=…, sort_keys=…)`.
 fn tojson(value: JValue, kwargs: Kwargs) -> Result<JValue, Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
-    let _: Option<JValue> = kwargs.get("separators")?;
-    let _: Option<bool> = kwargs.get("sort_keys")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
     kwargs.assert_all_used()?;
+    let mut layout = JsonLayout {
+        indent,
+        // Python's defaults: `", "` between items without indent, `","` with it; `": "` always.
+        item: if indent.is_some() { "," } else { ", " }.to_owned(),
+        key: ": ".to_owned(),
+        sort_keys: sort_keys.unwrap_or(false),
+    };
+    if let Some(seps) = separators {
+        let [item, key] = <[String; 2]>::try_from(seps).map_err(|_| {
+            Error::new(
+                ErrorKind::InvalidOperation,
+                "separators must be (item, key)",
+            )
+        })?;
+        layout.item = item;
+        layout.key = key;
+    }
     let json = serde_json::to_value(&value)
         .map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
     let mut out = String::new();
-    python_json(&json, indent, 0, &mut out);
+    python_json(&json, &layout, 0, &mut out);
     Ok(JValue::from_safe_string(out))
 }
 
-/// Python `json.dumps` layout: `", "` and `": "` separators without indent, `","` and `": "`
-/// with it; non-ASCII kept as is (serde_json escapes strings the same way Python does then).
-fn python_json(v: &Value, indent: Option<usize>, depth: usize, out: &mut String) {
+/// How `json.dumps` was asked to lay its output out.
+struct JsonLayout {
+    indent: Option<usize>,
+    item: String,
+    key: String,
+    sort_keys: bool,
+}
+
+/// Python `json.dumps` layout; non-ASCII kept as is (serde_json escapes strings the same way
+/// Python does then).
+fn python_json(v: &Value, layout: &JsonLayout, depth: usize, out: &mut String) {
     let newline = |out: &mut String, depth: usize| {
-        if let Some(n) = indent {
+        if let Some(n) = layout.indent {
             out.push('\n');
             out.extend(std::iter::repeat_n(' ', n * depth));
         }
     };
-    let item_sep = if indent.is_some() { "," } else { ", " };
     match v {
         Value::Array(items) if !items.is_empty() => {
             out.push('[');
             for (i, item) in items.iter().enumerate() {
                 if i > 0 {
-                    out.push_str(item_sep);
+                    out.push_str(&layout.item);
                 }
                 newline(out, depth + 1);
-                python_json(item, indent, depth + 1, out);
+                python_json(item, layout, depth + 1, out);
             }
             newline(out, depth);
             out.push(']');
         }
         Value::Object(map) if !map.is_empty() => {
+            let mut entries: Vec<_> = map.iter().collect();
+            if layout.sort_keys {
+                entries.sort_by(|a, b| a.0.cmp(b.0));
+            }
             out.push('{');
-            for (i, (k, item)) in map.iter().enumerate() {
+            for (i, (k, item)) in entries.into_iter().enumerate() {
                 if i > 0 {
-                    out.push_str(item_sep);
+                    out.push_str(&layout.item);
                 }
                 newline(out, depth + 1);
                 out.push_str(&Value::String(k.clone()).to_string());
-                out.push_str(": ");
-                python_json(item, indent, depth + 1, out);
+                out.push_str(&layout.key);
+                python_json(item, layout, depth + 1, out);
             }
             newline(out, depth);
             out.push('}');
@@ -317,6 +347,43 @@ mod tests {
         assert_eq!(
             out,
             "[{\"name\": \"get_weather\", \"desc\": \"天気 <b>\", \"n\": 1.0, \"a\": [], \"o\": {}}]|{\n  \"name\": \"get_weather\",\n  \"desc\": \"天気 <b>\",\n  \"n\": 1.0,\n  \"a\": [],\n  \"o\": {}\n}"
+        );
+    }
+
+    #[test]
+    fn tojson_separators_and_sort_keys() {
+        let t = ChatTemplate::new(
+            "{{ tools | tojson(separators=(',', ':'), sort_keys=true) }}|{{ tools | tojson(indent=1, separators=(';', '=')) }}",
+            None,
+            None,
+        )
+        .unwrap();
+        let mut c = chat(json!([{"role": "user", "content": "x"}]));
+        c.tools = Some(json!({"b": [1, 2], "a": {"d": 1, "c": 2}}));
+        assert_eq!(
+            t.render(&c).unwrap(),
+            "{\"a\":{\"c\":2,\"d\":1},\"b\":[1,2]}|{\n \"b\"=[\n  1;\n  2\n ];\n \"a\"={\n  \"d\"=1;\n  \"c\"=2\n }\n}"
+        );
+    }
+
+    #[test]
+    fn template_kwargs_override_special_tokens_but_not_the_request() {
+        let t = ChatTemplate::new(
+            "{{ bos_token }}|{{ add_generation_prompt }}|{{ messages | length }}",
+            Some("<s>"),
+            None,
+        )
+        .unwrap();
+        let mut c = chat(json!([{"role": "user", "content": "x"}]));
+        c.template_kwargs =
+            json!({"bos_token": "<B>", "add_generation_prompt": false, "messages": []})
+                .as_object()
+                .unwrap()
+                .clone();
+        assert_eq!(
+            t.render(&c).unwrap(),
+            "<B>|True|1",
+            "booleans print as Python prints them"
         );
     }
 
