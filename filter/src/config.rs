@@ -19,6 +19,8 @@ pub struct FilterConfig {
     pub worker_header: String,
     /// Header the route's ring-hash/maglev hash policy reads.
     pub key_header: String,
+    /// Header naming the Dynamo instance in pin mode (a Dynamo frontend serves it there).
+    pub instance_header: String,
     /// Bodies larger than this are not buffered or parsed; they go on unhinted.
     pub max_body_bytes: usize,
     /// The fallback key is the prefix hash of this many leading blocks (or fewer, if shorter)…
@@ -39,6 +41,7 @@ impl Default for FilterConfig {
             hints: true,
             worker_header: "x-kvroute-worker".into(),
             key_header: "x-kvroute-key".into(),
+            instance_header: "x-worker-instance-id".into(),
             max_body_bytes: 4 << 20,
             fallback_key_blocks: 8,
             session_header: "x-session-id".into(),

@@ -333,19 +333,26 @@ impl Request {
             None => {
                 self.fall_back(FallbackReason::Sidecar);
             }
-            Some(hint) => match hint.override_host_value() {
-                None => {
-                    self.fall_back(FallbackReason::NoWorker);
+            Some(hint) => {
+                let config = Rc::clone(&self.shared.borrow().config);
+                let header = match (hint.instance_id, hint.override_host_value()) {
+                    (Some(id), _) => Some((&config.instance_header, id.to_string())),
+                    (None, Some(hosts)) => Some((&config.worker_header, hosts)),
+                    (None, None) => None,
+                };
+                match header {
+                    None => {
+                        self.fall_back(FallbackReason::NoWorker);
+                    }
+                    Some((name, value)) => {
+                        self.ticket = hint.ticket;
+                        self.set_header(name, Some(&value));
+                        let shared = self.shared.borrow();
+                        shared.bump(Counter::Hinted, 1);
+                        shared.bump(Counter::MatchedBlocks, u64::from(hint.matched_blocks));
+                    }
                 }
-                Some(value) => {
-                    self.ticket = hint.ticket;
-                    let config = Rc::clone(&self.shared.borrow().config);
-                    self.set_header(&config.worker_header, Some(&value));
-                    let shared = self.shared.borrow();
-                    shared.bump(Counter::Hinted, 1);
-                    shared.bump(Counter::MatchedBlocks, u64::from(hint.matched_blocks));
-                }
-            },
+            }
         }
         self.state = State::Passing;
         if hostcalls::resume_http_request().is_err() {
@@ -377,6 +384,7 @@ impl HttpContext for Request {
         // Only kvroute decides these; a client must not be able to pick a worker.
         self.set_header(&config.worker_header, None);
         self.set_header(&config.key_header, None);
+        self.set_header(&config.instance_header, None);
         if !config.session_header.is_empty() {
             self.session = self.header(&config.session_header);
         }

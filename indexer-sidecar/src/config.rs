@@ -26,6 +26,13 @@
 //! model = "tiny-llama"
 //! dynamo_worker_id = 1001           # the worker_id in its KV events
 //!
+//! [[dynamo_discovery]]              # Dynamo workers behind a Dynamo frontend (pin mode)
+//! dir = "/var/lib/dynamo/discovery" # file discovery root (holds v1/instances/…)
+//! model = "tiny-llama"
+//! namespace = "dynamo"              # defaults: dynamo / backend / generate
+//! component = "backend"
+//! endpoint = "generate"
+//!
 //! [envoy]                          # optional: Envoy's view of the workers cluster
 //! admin_url = "http://127.0.0.1:9901" # unhealthy or absent workers are never hinted
 //! cluster = "workers"
@@ -83,6 +90,50 @@ pub struct Config {
     /// When the event plane's alarms fire.
     #[serde(default)]
     pub alarms: crate::health::AlarmConfig,
+    /// Dynamo instances to find in Dynamo's file discovery directory (pin mode).
+    #[serde(default)]
+    pub dynamo_discovery: Vec<DiscoveryConfig>,
+}
+
+/// Dynamo workers behind a Dynamo frontend, found in Dynamo's file discovery directory. They are
+/// hinted by instance id: the filter sends `x-worker-instance-id` and the frontend (router mode
+/// `direct` or `kv`) serves the request on that instance.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiscoveryConfig {
+    /// The discovery root (the directory holding `v1/instances/…`; relative paths are relative
+    /// to the config file).
+    pub dir: PathBuf,
+    /// The model the instances serve.
+    pub model: String,
+    /// Dynamo namespace.
+    #[serde(default = "default_dynamo_namespace")]
+    pub namespace: String,
+    /// The component serving requests (with disaggregation: the decode component).
+    #[serde(default = "default_dynamo_component")]
+    pub component: String,
+    /// Its endpoint.
+    #[serde(default = "default_dynamo_endpoint")]
+    pub endpoint: String,
+    /// How often the directory is read.
+    #[serde(default = "default_discovery_poll_ms")]
+    pub poll_interval_ms: u64,
+}
+
+fn default_dynamo_namespace() -> String {
+    "dynamo".into()
+}
+
+fn default_dynamo_component() -> String {
+    "backend".into()
+}
+
+fn default_dynamo_endpoint() -> String {
+    "generate".into()
+}
+
+fn default_discovery_poll_ms() -> u64 {
+    1000
 }
 
 /// Where to read Envoy's view of the workers cluster.
@@ -237,6 +288,11 @@ impl Config {
                 m.dir = base.join(&m.dir);
             }
         }
+        for d in &mut config.dynamo_discovery {
+            if d.dir.is_relative() {
+                d.dir = base.join(&d.dir);
+            }
+        }
         config.validate()?;
         Ok(config)
     }
@@ -272,6 +328,15 @@ impl Config {
                 if !ids.insert(id) {
                     bail!("dynamo_worker_id {id} is configured twice");
                 }
+            }
+        }
+        for d in &self.dynamo_discovery {
+            if !names.contains(d.model.as_str()) {
+                bail!(
+                    "[[dynamo_discovery]] {} serves model {}, which is not configured",
+                    d.dir.display(),
+                    d.model
+                );
             }
         }
         for z in &self.zmq {

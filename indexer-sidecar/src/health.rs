@@ -96,6 +96,14 @@ impl EventPlane {
         }
     }
 
+    /// Make room for `workers` workers (workers are only ever added).
+    pub fn grow(&mut self, workers: usize) {
+        if workers > self.worker_event.len() {
+            self.worker_event.resize(workers, None);
+            self.worker_hints.resize(workers, 0);
+        }
+    }
+
     /// Register a source; the returned index names it in later calls.
     pub fn register(
         &mut self,
@@ -247,7 +255,7 @@ pub async fn watch(state: std::sync::Arc<crate::state::AppState>) {
         tokio::time::sleep(every).await;
         let alarms = state.plane().alarms(&state.alarms, |i| {
             state
-                .registry
+                .registry()
                 .get(crate::WorkerId(i as u32))
                 .map_or_else(|| i.to_string(), |w| w.address.clone())
         });

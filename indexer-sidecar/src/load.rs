@@ -91,6 +91,16 @@ impl LoadTracker {
         }
     }
 
+    /// Make room for `workers` workers (workers are only ever added).
+    pub fn grow(&mut self, workers: usize) {
+        if workers > self.scraped.len() {
+            self.envoy_active.resize(workers, 0.0);
+            self.scraped.resize(workers, None);
+            self.open.resize(workers, BTreeMap::new());
+            self.dynamo.resize(workers, BTreeMap::new());
+        }
+    }
+
     /// The current load of worker `i`.
     pub fn get(&self, i: usize) -> Load {
         let mut load = self.scraped.get(i).copied().flatten().unwrap_or_default();

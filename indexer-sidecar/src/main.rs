@@ -178,6 +178,9 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     for zmq in config.zmq.clone() {
         tasks.spawn(sources::zmq::run(zmq, state.clone()));
     }
+    for discovery in config.dynamo_discovery.clone() {
+        tasks.spawn(sources::discovery::run(discovery, state.clone()));
+    }
     tasks.spawn({
         let state = state.clone();
         async move {

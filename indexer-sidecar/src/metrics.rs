@@ -50,6 +50,8 @@ pub struct Metrics {
     /// Tickets closed, by how: finished (reported), unknown (reported but not open),
     /// reclaimed (a scrape showed fewer requests), expired.
     pub tickets: Family<Labels, Counter>,
+    /// Dynamo instances with a discovery record, by model.
+    pub discovered_instances: Family<Labels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -74,6 +76,7 @@ impl Default for Metrics {
             queued_prefill_blocks: Family::default(),
             kv_used_blocks: Family::default(),
             tickets: Family::default(),
+            discovered_instances: Family::default(),
         };
         m.registry
             .register("hints", "Hint requests by result", m.hints.clone());
@@ -153,6 +156,11 @@ impl Default for Metrics {
             "kv_used_blocks",
             "KV blocks in use (Dynamo kv_metrics)",
             m.kv_used_blocks.clone(),
+        );
+        m.registry.register(
+            "discovered_instances",
+            "Dynamo instances with a record in the discovery directory",
+            m.discovered_instances.clone(),
         );
         m.registry.register(
             "scrape_errors",

@@ -1,4 +1,7 @@
 //! The workers the sidecar may hint: dense ids, addresses and how events name them.
+//!
+//! Configured workers come first; workers found in Dynamo's discovery directory are appended
+//! while the sidecar runs. Ids are never reused, so every per-worker table stays valid.
 
 use std::collections::HashMap;
 
@@ -19,10 +22,13 @@ pub struct Worker {
     pub model: String,
     /// Its Dynamo instance id, if it publishes Dynamo events.
     pub dynamo_worker_id: Option<u64>,
+    /// Hinted by its Dynamo instance id (`x-worker-instance-id` to a Dynamo frontend) rather
+    /// than by address: a worker found through Dynamo discovery.
+    pub pinned: bool,
 }
 
-/// All configured workers.
-#[derive(Debug, Default)]
+/// All known workers.
+#[derive(Debug, Default, Clone)]
 pub struct WorkerRegistry {
     workers: Vec<Worker>,
     by_dynamo_id: HashMap<u64, WorkerId>,
@@ -42,9 +48,34 @@ impl WorkerRegistry {
                 address: c.address.clone(),
                 model: c.model.clone(),
                 dynamo_worker_id: c.dynamo_worker_id,
+                pinned: false,
             });
         }
         reg
+    }
+
+    /// Append a Dynamo instance found through discovery (hinted by instance id); its new id.
+    pub fn add_pinned(&mut self, instance_id: u64, address: String, model: String) -> WorkerId {
+        let id = WorkerId(self.workers.len() as u32);
+        self.by_dynamo_id.insert(instance_id, id);
+        self.workers.push(Worker {
+            id,
+            address,
+            model,
+            dynamo_worker_id: Some(instance_id),
+            pinned: true,
+        });
+        id
+    }
+
+    /// How many workers there are (ids are `0..len`).
+    pub fn len(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// Whether there is no worker.
+    pub fn is_empty(&self) -> bool {
+        self.workers.is_empty()
     }
 
     /// The worker with this id.

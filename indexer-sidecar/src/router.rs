@@ -130,7 +130,7 @@ pub fn choose(
         HintResponse {
             matched_blocks: chosen.first().map_or(0, |c| c.1),
             workers: chosen.iter().map(|c| address(c.0)).collect(),
-            ticket: None,
+            ..HintResponse::default()
         }
     };
     Decision {

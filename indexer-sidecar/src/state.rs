@@ -1,8 +1,8 @@
 //! [`AppState`]: the registry, the per-model indexes, the bundles and the metrics, shared by the
 //! HTTP API and the event sources.
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::{Mutex, RwLock};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
@@ -17,7 +17,7 @@ use crate::health::{AlarmConfig, EventPlane};
 use crate::index::RadixIndex;
 use crate::load::{Load, LoadTracker};
 use crate::metrics::{label, Metrics};
-use crate::registry::{WorkerId, WorkerRegistry};
+use crate::registry::{Worker, WorkerId, WorkerRegistry};
 use crate::router::{self, Decision, Rule};
 use crate::sequence::{check_seq, SeqCheck};
 use crate::sources::envoy_admin::HostView;
@@ -36,8 +36,10 @@ pub struct Bundles {
 
 /// Everything the sidecar knows.
 pub struct AppState {
-    /// The workers.
-    pub registry: WorkerRegistry,
+    /// The workers (swapped whole when discovery adds one; readers hold a snapshot).
+    registry: RwLock<Arc<WorkerRegistry>>,
+    /// Serializes discovery's additions to the registry.
+    adding: Mutex<()>,
     /// One index per model.
     pub indexes: RwLock<HashMap<String, RadixIndex>>,
     /// Bundles served to filters.
@@ -83,7 +85,8 @@ impl AppState {
         }
         bundles.catalog = serde_json::to_vec(&catalog)?;
         let state = AppState {
-            registry: WorkerRegistry::new(&config.workers),
+            registry: RwLock::new(Arc::new(WorkerRegistry::new(&config.workers))),
+            adding: Mutex::new(()),
             indexes: RwLock::new(
                 config
                     .models
@@ -112,7 +115,7 @@ impl AppState {
                 config.envoy.as_ref().map_or(30_000, |e| e.grace_period_ms),
             ),
         };
-        for w in state.registry.iter() {
+        for w in state.registry().iter() {
             state
                 .metrics
                 .index_blocks
@@ -127,7 +130,8 @@ impl AppState {
     /// missed, so a few entries may be stale until evicted); going back means the worker
     /// restarted with an empty cache, so its entries are dropped.
     pub fn apply_dynamo(&self, source: usize, subject: &str, event: &RouterEvent) {
-        let Some(worker) = self.registry.by_dynamo_id(event.worker_id) else {
+        let registry = self.registry();
+        let Some(worker) = registry.by_dynamo_id(event.worker_id) else {
             let counter = self
                 .metrics
                 .unknown_worker_events
@@ -193,7 +197,7 @@ impl AppState {
         let held = index.blocks_of(worker);
         drop(indexes);
         let address = self
-            .registry
+            .registry()
             .get(worker)
             .map(|w| w.address.clone())
             .unwrap_or_default();
@@ -234,6 +238,7 @@ impl AppState {
         // A few tiers beyond the hint's length, so saturated leaders have runners-up.
         let matches = index.find_matches(&req.hashes, self.routing.max_hinted_workers * 2);
         drop(indexes);
+        let registry = self.registry();
         let decision = {
             let mut load = self.load.lock().unwrap_or_else(|e| e.into_inner());
             let unusable = self
@@ -243,24 +248,29 @@ impl AppState {
             let mut decision = router::choose(
                 req.hashes.len() as u32,
                 &matches,
-                &self.registry,
+                &registry,
                 &self.routing,
                 |w| load.get(w.0 as usize),
                 |w| unusable.get(w.0 as usize).is_some_and(Option::is_none),
             );
             drop(unusable);
             if let Some(first) = decision.hint.workers.first() {
-                if let Some(w) = self.registry.iter().find(|w| &w.address == first) {
+                if let Some(w) = registry.iter().find(|w| &w.address == first) {
                     decision.hint.ticket = load.hinted(w.id.0 as usize);
                     self.set_in_flight(&load, w.id);
                     self.plane().hinted(w.id.0 as usize);
+                    if w.pinned {
+                        // Behind a Dynamo frontend: one instance id, no addresses for Envoy.
+                        decision.hint.instance_id = w.dynamo_worker_id;
+                        decision.hint.workers.clear();
+                    }
                 }
             }
             decision
         };
         let resp = decision.hint.clone();
         let result = match decision.rule {
-            _ if resp.workers.is_empty() => "no_worker",
+            _ if resp.workers.is_empty() && resp.instance_id.is_none() => "no_worker",
             Rule::NoMatch => "no_match",
             Rule::LongestMatch | Rule::LeastLoaded => {
                 self.metrics
@@ -296,8 +306,84 @@ impl AppState {
 
     /// Apply Envoy's view of the workers cluster: health, membership and requests in flight.
     /// A worker Envoy does not list or considers unhealthy is never hinted; after the grace
-    /// period its index entries are dropped (it may come back with an empty cache).
+    /// period its index entries are dropped (it may come back with an empty cache). Pinned
+    /// workers are not in Envoy's cluster (a Dynamo frontend is): discovery decides for them.
     pub fn record_envoy_view(&self, hosts: &HashMap<String, HostView>) {
+        let registry = self.registry();
+        let mut seen = Vec::new();
+        {
+            let mut load = self.load.lock().unwrap_or_else(|e| e.into_inner());
+            for w in registry.iter().filter(|w| !w.pinned) {
+                let view = hosts.get(&w.address);
+                load.envoy_active(w.id.0 as usize, view.map_or(0.0, |v| v.rq_active));
+                let why = if view.is_some() {
+                    "Envoy does not consider this worker healthy"
+                } else {
+                    "Envoy does not list this worker"
+                };
+                seen.push((w, view.is_some_and(|v| v.healthy), why));
+            }
+        }
+        self.set_usable(&seen);
+    }
+
+    /// Apply one scan of Dynamo's discovery directory for `model`'s instances (instance id →
+    /// request-plane address): new instances are added as pinned workers; instances whose
+    /// record is gone are no longer hinted and, after the grace period, lose their entries.
+    pub fn record_discovery(&self, model: &str, instances: &BTreeMap<u64, String>) {
+        let added: Vec<(u64, String)> = {
+            let registry = self.registry();
+            instances
+                .iter()
+                .filter(|(id, _)| registry.by_dynamo_id(**id).is_none())
+                .map(|(id, at)| (*id, format!("{at}/{id:x}")))
+                .collect()
+        };
+        if !added.is_empty() {
+            // One adder at a time; the per-worker tables grow before the new registry is
+            // published, so every id a reader can see has its rows. The registry lock itself is
+            // only held to swap (hint() holds the load lock while it reads the registry).
+            let _adding = self.adding.lock().unwrap_or_else(|e| e.into_inner());
+            let mut registry = WorkerRegistry::clone(&self.registry());
+            for (id, address) in added {
+                registry.add_pinned(id, address.clone(), model.to_owned());
+                tracing::info!(instance_id = id, worker = %address, model, "Dynamo instance discovered: hinted by instance id");
+                self.metrics
+                    .index_blocks
+                    .get_or_create(&label("worker", address))
+                    .set(0);
+            }
+            let n = registry.len();
+            self.load.lock().unwrap_or_else(|e| e.into_inner()).grow(n);
+            self.plane().grow(n);
+            {
+                let mut unusable = self
+                    .unusable_since
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                if unusable.len() < n {
+                    unusable.resize(n, None);
+                }
+            }
+            *self.registry.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(registry);
+        }
+        let registry = self.registry();
+        let seen: Vec<_> = registry
+            .iter()
+            .filter(|w| w.pinned && w.model == model)
+            .map(|w| {
+                let present = w
+                    .dynamo_worker_id
+                    .is_some_and(|id| instances.contains_key(&id));
+                (w, present, "its Dynamo discovery record is gone")
+            })
+            .collect();
+        self.set_usable(&seen);
+    }
+
+    /// Mark workers usable or not (with why not); drop the entries of those unusable for longer
+    /// than the grace period.
+    fn set_usable(&self, workers: &[(&Worker, bool, &str)]) {
         let now = Instant::now();
         let mut expired = Vec::new();
         {
@@ -305,11 +391,7 @@ impl AppState {
                 .unusable_since
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
-            let mut load = self.load.lock().unwrap_or_else(|e| e.into_inner());
-            for w in self.registry.iter() {
-                let view = hosts.get(&w.address);
-                load.envoy_active(w.id.0 as usize, view.map_or(0.0, |v| v.rq_active));
-                let usable = view.is_some_and(|v| v.healthy);
+            for &(w, usable, why) in workers {
                 self.metrics
                     .worker_usable
                     .get_or_create(&label("worker", w.address.clone()))
@@ -323,7 +405,7 @@ impl AppState {
                         *slot = None;
                     }
                     (false, None) => {
-                        tracing::warn!(worker = %w.address, listed = view.is_some(), "Envoy does not consider this worker healthy: no more hints to it");
+                        tracing::warn!(worker = %w.address, "{why}: no more hints to it");
                         *slot = Some(now);
                     }
                     (false, Some(since)) if now.duration_since(since) >= self.grace_period => {
@@ -336,9 +418,14 @@ impl AppState {
         for (id, address) in expired {
             let dropped = self.forget_worker(id);
             if dropped > 0 {
-                tracing::warn!(worker = %address, blocks = dropped, "unhealthy past the grace period: index entries dropped");
+                tracing::warn!(worker = %address, blocks = dropped, "unusable past the grace period: index entries dropped");
             }
         }
+    }
+
+    /// A snapshot of the workers (cheap: one reference count).
+    pub fn registry(&self) -> Arc<WorkerRegistry> {
+        Arc::clone(&self.registry.read().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// The event sources' bookkeeping (a poisoned lock is still usable: it holds counters).
@@ -352,7 +439,8 @@ impl AppState {
 
     /// Drop every index entry of a worker (all its data-parallel ranks); how many were dropped.
     pub fn forget_worker(&self, worker: WorkerId) -> usize {
-        let Some(w) = self.registry.get(worker) else {
+        let registry = self.registry();
+        let Some(w) = registry.get(worker) else {
             return 0;
         };
         let mut indexes = self.indexes.write().unwrap_or_else(|e| e.into_inner());
@@ -369,7 +457,8 @@ impl AppState {
 
     /// Apply a vLLM event batch of a known worker (`source` labels the metrics: the endpoint).
     pub fn apply_vllm(&self, source: usize, worker: WorkerId, endpoint: &str, batch: &EventBatch) {
-        let Some(w) = self.registry.get(worker) else {
+        let registry = self.registry();
+        let Some(w) = registry.get(worker) else {
             return;
         };
         let block_size = self.block_sizes.get(&w.model).copied().unwrap_or(0);
@@ -421,7 +510,8 @@ impl AppState {
 
     /// Record a Dynamo worker's `kv_metrics` (load of one data-parallel rank).
     pub fn record_dynamo_metrics(&self, m: &KvMetrics) {
-        let Some(worker) = self.registry.by_dynamo_id(m.worker_id) else {
+        let registry = self.registry();
+        let Some(worker) = registry.by_dynamo_id(m.worker_id) else {
             self.metrics
                 .unknown_worker_events
                 .get_or_create(&label("worker_id", m.worker_id.to_string()))
@@ -491,7 +581,7 @@ impl AppState {
     }
 
     fn set_in_flight(&self, tracker: &LoadTracker, worker: WorkerId) {
-        if let Some(w) = self.registry.get(worker) {
+        if let Some(w) = self.registry().get(worker) {
             self.metrics
                 .in_flight
                 .get_or_create(&label("worker", w.address.clone()))
@@ -515,6 +605,64 @@ pub(crate) mod tests {
         AppState::from_config(&config).unwrap()
     }
 
+    /// Instances found through discovery are hinted by instance id, and not once their record
+    /// is gone; the captured Dynamo prompt steers to the instance that stored it.
+    #[test]
+    fn discovered_instances_are_pinned_until_their_record_goes() {
+        use kvroute_protocol::hash::token_prefix_hashes;
+        use kvroute_protocol::HashSeed;
+        let model = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/models/tiny-llama");
+        let text = format!("[[models]]\nname = \"m\"\ndir = \"{model}\"\nblock_size = 16\n");
+        let state = AppState::from_config(&toml::from_str(&text).unwrap()).unwrap();
+        let samples = kvroute_protocol::samples_dir().join("dynamo");
+        let body = std::fs::read(samples.join("kv-events_stored_prompt_4blocks.msgpack")).unwrap();
+        let events = kvroute_protocol::dynamo::decode_message(&body)
+            .unwrap()
+            .events;
+        let publisher = events[0].worker_id;
+        let other = 77;
+        let instances: BTreeMap<u64, String> = [
+            (publisher, "127.0.0.1:40051".to_owned()),
+            (other, "127.0.0.1:40052".to_owned()),
+        ]
+        .into();
+        state.record_discovery("m", &instances);
+        state.record_discovery("m", &instances);
+        assert_eq!(state.registry().len(), 2, "each instance is added once");
+        for e in &events {
+            state.apply_dynamo(0, "subject", e);
+        }
+        let golden: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(samples.join("hash_golden.json")).unwrap())
+                .unwrap();
+        let tokens: Vec<u32> = golden["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        let req = HintRequest {
+            model: "m".into(),
+            hashes: token_prefix_hashes(&tokens, 16, HashSeed::default()),
+            finished: Vec::new(),
+        };
+        let hint = state.hint(&req).unwrap();
+        assert_eq!(hint.instance_id, Some(publisher));
+        assert!(hint.workers.is_empty(), "no address for Envoy: {hint:?}");
+        assert_eq!(hint.matched_blocks, 4);
+        assert!(hint.ticket.is_some());
+
+        state.record_discovery("m", &[(other, "127.0.0.1:40052".to_owned())].into());
+        for _ in 0..5 {
+            let hint = state.hint(&req).unwrap();
+            assert_eq!(
+                hint.instance_id,
+                Some(other),
+                "the departed instance is not hinted"
+            );
+        }
+    }
+
     /// vLLM events with another block size than the model's are refused, counted per worker,
     /// and do not reach the index.
     #[test]
@@ -533,7 +681,7 @@ pub(crate) mod tests {
             }],
             ..EventBatch::default()
         };
-        let worker = state.registry.by_address("127.0.0.1:9000").unwrap().id;
+        let worker = state.registry().by_address("127.0.0.1:9000").unwrap().id;
         state.apply_vllm(0, worker, "tcp://e", &batch);
         state.apply_vllm(0, worker, "tcp://e", &batch);
         let text = state.metrics.render();

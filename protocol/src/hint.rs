@@ -16,6 +16,8 @@
 //!   [u64 LE]              tickets of hinted requests that finished since the last report
 //! hint response (Content-Type: application/json)
 //!   {"workers": ["ip:port", …], "matched_blocks": n, "ticket": t}
+//!   or, for a worker behind a Dynamo frontend (pin mode):
+//!   {"workers": [], "instance_id": id, "matched_blocks": n, "ticket": t}
 //! finished report (POST /v1/finished, same content type; sent when no hint request carries them)
 //!   "KVF1" u32 LE count, [u64 LE] tickets
 //! ```
@@ -170,9 +172,13 @@ pub struct HintResponse {
     /// How many leading blocks the first worker holds.
     #[serde(default)]
     pub matched_blocks: u32,
-    /// Report this when the request finishes (present when `workers` is not empty).
+    /// Report this when the request finishes (present when a worker is named).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ticket: Option<Ticket>,
+    /// Pin mode: the Dynamo instance id of the best worker, for the filter to send as
+    /// `x-worker-instance-id` to a Dynamo frontend (which then serves the request there).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance_id: Option<u64>,
 }
 
 impl HintResponse {
@@ -260,9 +266,15 @@ mod tests {
             workers: vec!["127.0.0.1:1".into(), "127.0.0.1:2".into()],
             matched_blocks: 3,
             ticket: Some(Ticket(5)),
+            instance_id: None,
         };
         let json = serde_json::to_string(&resp).unwrap();
         assert!(json.contains(r#""ticket":5"#), "{json}");
+        assert!(!json.contains("instance_id"), "{json}");
+        // Dynamo instance ids use all 64 bits.
+        let pinned: HintResponse =
+            serde_json::from_str(r#"{"workers":[],"instance_id":13666402953397619855}"#).unwrap();
+        assert_eq!(pinned.instance_id, Some(13666402953397619855));
         assert!(!serde_json::to_string(&HintResponse::default())
             .unwrap()
             .contains("ticket"));

@@ -2,20 +2,12 @@
 
 use std::process::Command;
 
-use kvroute_harness::stack::{render_envoy, EngineInfo, SidecarAddress};
+use kvroute_harness::stack::{render_envoy, SidecarAddress};
 use kvroute_harness::{paths, Fallback, Mode, StackOptions};
 
 #[test]
 fn shipped_envoy_configs_validate() {
-    let engines: Vec<EngineInfo> = (0..3)
-        .map(|i| EngineInfo {
-            index: i,
-            address: format!("127.0.0.1:{}", 8100 + i),
-            dynamo_worker_id: i as u64,
-            zmq_endpoint: None,
-            replay_endpoint: None,
-        })
-        .collect();
+    let engines: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", 8100 + i)).collect();
     let dir = paths::run_dir("envoy-validate").unwrap();
     let uds = SidecarAddress::Unix(dir.join("sidecar.sock"));
     let tcp = SidecarAddress::Tcp(9100);

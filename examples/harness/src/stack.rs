@@ -112,6 +112,9 @@ pub struct StackOptions {
     pub nats_subjects: Option<Vec<String>>,
     /// Extra TOML tables appended to the sidecar's configuration (`[alarms]`, `[routing]`).
     pub sidecar_toml: String,
+    /// Pin mode: Envoy sends to the simulator's Dynamo-frontend stand-in, the sidecar finds the
+    /// engines through Dynamo discovery records and hints their instance ids.
+    pub dynamo_frontend: bool,
 }
 
 impl StackOptions {
@@ -127,6 +130,7 @@ impl StackOptions {
             fallback: Fallback::RingHash,
             nats_subjects: None,
             sidecar_toml: String::new(),
+            dynamo_frontend: false,
         }
     }
 }
@@ -151,6 +155,9 @@ pub struct EngineInfo {
 #[derive(Deserialize)]
 struct SimReady {
     engines: Vec<EngineInfo>,
+    /// The Dynamo-frontend stand-in (`--frontend`).
+    #[serde(default)]
+    frontend: Option<String>,
 }
 
 /// A running fleet. Every process is killed when it is dropped.
@@ -224,12 +231,22 @@ impl Stack {
         if s.instant {
             sim.arg("--instant");
         }
+        let discovery = dir.join("discovery");
+        if opts.dynamo_frontend {
+            sim.arg("--frontend").arg("--discovery-dir").arg(&discovery);
+        }
         let (sim, ready) =
             Process::spawn_until_line("sim", sim, &dir, "READY", Duration::from_secs(30))?;
         processes.push(sim);
-        let engines = serde_json::from_str::<SimReady>(&ready)
-            .context("parsing the simulator's READY line")?
-            .engines;
+        let ready = serde_json::from_str::<SimReady>(&ready)
+            .context("parsing the simulator's READY line")?;
+        let engines = ready.engines;
+        // What Envoy's `workers` cluster lists: the engines, or in pin mode the frontend.
+        let upstreams: Vec<String> = match (&ready.frontend, opts.dynamo_frontend) {
+            (Some(frontend), true) => vec![frontend.clone()],
+            (None, true) => bail!("the simulator did not start its frontend"),
+            _ => engines.iter().map(|e| e.address.clone()).collect(),
+        };
 
         let sidecar_port = free_port()?;
         let (listen, admin) = (free_port()?, free_port()?);
@@ -238,6 +255,13 @@ impl Stack {
         } else {
             let config = dir.join("sidecar.toml");
             let mut text = sidecar_config(&opts, &engines, &nats_url, sidecar_port);
+            if opts.dynamo_frontend {
+                text.push_str(&format!(
+                    "\n[[dynamo_discovery]]\ndir = \"{}\"\nmodel = \"{MODEL}\"\ncomponent = \"{}\"\npoll_interval_ms = 100\n",
+                    discovery.display(),
+                    opts.sim.dynamo_component
+                ));
+            }
             text.push_str(&format!(
                 "\n[envoy]\nadmin_url = \"http://127.0.0.1:{admin}\"\npoll_interval_ms = 100\n"
             ));
@@ -272,7 +296,7 @@ impl Stack {
         };
         std::fs::write(
             &envoy_config,
-            render_envoy(&opts, &engines, listen, admin, &sidecar)?,
+            render_envoy(&opts, &upstreams, listen, admin, &sidecar)?,
         )?;
         let mut envoy = Command::new(paths::venv_tool("envoy")?);
         envoy
@@ -316,9 +340,9 @@ impl Stack {
             .await;
             stack.with_envoy_log(loaded)?;
         }
-        // Envoy health-checks the engines; hosts count once the first check passed, and the
-        // sidecar hints only hosts it has seen Envoy call healthy.
-        let engines = stack.engines.len() as u64;
+        // Envoy lists every upstream, and the sidecar hints only workers it has seen Envoy
+        // (or, in pin mode, Dynamo discovery) call usable.
+        let (engines, upstreams) = (stack.engines.len() as u64, upstreams.len() as u64);
         let stack_ref = &stack;
         let healthy = wait_for(
             "Envoy to find every engine healthy",
@@ -327,7 +351,7 @@ impl Stack {
                 let n = stack_ref
                     .envoy_stat("cluster.workers.membership_healthy")
                     .await?;
-                if n < engines {
+                if n < upstreams {
                     return None;
                 }
                 if stack_ref.sidecar_url.is_none() {
@@ -470,10 +494,13 @@ fn sidecar_config(
         opts.sim.block_size
     );
     for e in engines {
-        out.push_str(&format!(
-            "\n[[workers]]\naddress = \"{}\"\nmodel = \"{MODEL}\"\ndynamo_worker_id = {}\n",
-            e.address, e.dynamo_worker_id
-        ));
+        // In pin mode the engines are found through Dynamo discovery instead.
+        if !opts.dynamo_frontend {
+            out.push_str(&format!(
+                "\n[[workers]]\naddress = \"{}\"\nmodel = \"{MODEL}\"\ndynamo_worker_id = {}\n",
+                e.address, e.dynamo_worker_id
+            ));
+        }
         if let (Some(events), Some(replay)) = (&e.zmq_endpoint, &e.replay_endpoint) {
             out.push_str(&format!(
                 "\n[[zmq]]\nendpoint = \"{events}\"\nreplay_endpoint = \"{replay}\"\nworker = \"{}\"\ntopic = \"kv-events\"\n",
@@ -487,7 +514,7 @@ fn sidecar_config(
 /// Fill the shipped Envoy template (`envoy/kvroute.yaml` or `envoy/round-robin.yaml`).
 pub fn render_envoy(
     opts: &StackOptions,
-    engines: &[EngineInfo],
+    upstreams: &[String],
     listen: u16,
     admin: u16,
     sidecar: &SidecarAddress,
@@ -498,10 +525,10 @@ pub fn render_envoy(
         (_, Fallback::Maglev) => "envoy/kvroute-maglev.yaml",
     };
     let text = std::fs::read_to_string(paths::workspace().join(template))?;
-    let endpoints: Vec<String> = engines
+    let endpoints: Vec<String> = upstreams
         .iter()
-        .map(|e| {
-            let (ip, port) = e.address.rsplit_once(':').unwrap_or((&e.address, "0"));
+        .map(|address| {
+            let (ip, port) = address.rsplit_once(':').unwrap_or((address, "0"));
             format!("        - endpoint: {{ address: {{ socket_address: {{ address: {ip}, port_value: {port} }} }} }}")
         })
         .collect();

@@ -80,6 +80,14 @@ struct Args {
     component: String,
     #[arg(long, default_value = "generate")]
     endpoint: String,
+    /// Also serve a Dynamo-frontend stand-in on a free port: requests carrying
+    /// `x-worker-instance-id` go to that engine (Dynamo's direct routing).
+    #[arg(long)]
+    frontend: bool,
+    /// Write each engine's Dynamo discovery record (`v1/instances/<namespace>/<component>/
+    /// <endpoint>/<instance id hex>`) under this directory, as Dynamo's file discovery does.
+    #[arg(long)]
+    discovery_dir: Option<std::path::PathBuf>,
 }
 
 #[tokio::main]
@@ -106,6 +114,7 @@ async fn main() -> anyhow::Result<()> {
     };
     let subject = subject_v16(&args.namespace, &args.component, &args.endpoint);
     let mut ready = Vec::new();
+    let mut pinnable = Vec::new();
     let mut servers = tokio::task::JoinSet::new();
     for index in 0..args.engines {
         let worker_id = args.worker_id_base.wrapping_add(index as u64);
@@ -174,21 +183,62 @@ async fn main() -> anyhow::Result<()> {
         };
         let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
         let address = listener.local_addr()?.to_string();
-        info["address"] = address.into();
+        info["address"] = address.clone().into();
         ready.push(info);
         let app = if args.instant {
             server::instant_router(index)
         } else {
             server::router(engine)
         };
+        if let Some(dir) = &args.discovery_dir {
+            write_discovery_record(dir, &args, worker_id, &address)?;
+        }
+        pinnable.push((worker_id, app.clone()));
         servers.spawn(async move { axum::serve(listener, app).await });
     }
-    println!(
-        "READY {}",
-        serde_json::json!({"engines": ready, "subject": subject})
-    );
+    let mut announced = serde_json::json!({"engines": ready, "subject": subject});
+    if args.frontend {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?;
+        announced["frontend"] = listener.local_addr()?.to_string().into();
+        let app = server::frontend_router(pinnable);
+        servers.spawn(async move { axum::serve(listener, app).await });
+    }
+    println!("READY {announced}");
     tokio::select! {
         Some(done) = servers.join_next() => { done??; Ok(()) }
         _ = tokio::signal::ctrl_c() => Ok(()),
     }
+}
+
+/// An `Endpoint` instance record as Dynamo's file discovery writes it (the captured
+/// `discovery_instance_record.json` layout), named by the instance id in hex.
+fn write_discovery_record(
+    root: &std::path::Path,
+    args: &Args,
+    instance_id: u64,
+    address: &str,
+) -> anyhow::Result<()> {
+    let (ns, component, endpoint) = (&args.namespace, &args.component, &args.endpoint);
+    let dir = root
+        .join("v1/instances")
+        .join(ns)
+        .join(component)
+        .join(endpoint);
+    std::fs::create_dir_all(&dir)?;
+    let record = serde_json::json!({
+        "type": "Endpoint",
+        "component": component,
+        "endpoint": endpoint,
+        "namespace": ns,
+        "instance_id": instance_id,
+        "transport": {"tcp": format!("{address}/{instance_id:x}/{ns}/{component}/{endpoint}")},
+        "device_type": "cuda",
+        "request_plane_codec": "msgpack",
+    });
+    // Written aside and renamed, so a reader never sees half a record.
+    let path = dir.join(format!("{instance_id:x}"));
+    let tmp = dir.join(format!(".{instance_id:x}.tmp"));
+    std::fs::write(&tmp, record.to_string())?;
+    std::fs::rename(&tmp, &path)?;
+    Ok(())
 }

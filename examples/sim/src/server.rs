@@ -40,6 +40,42 @@ pub fn instant_router(index: usize) -> Router {
         ))
 }
 
+/// A stand-in for a Dynamo frontend in front of the engines: a request carrying
+/// `x-worker-instance-id` is served by that instance, as Dynamo's direct routing does (an unknown
+/// id is a 503, as a frontend answers for an instance that is gone); others go round robin.
+pub fn frontend_router(engines: Vec<(u64, Router)>) -> Router {
+    let engines = Arc::new(engines);
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    Router::new().fallback(move |req: axum::extract::Request| {
+        let (engines, next) = (engines.clone(), next.clone());
+        async move {
+            let pinned = req
+                .headers()
+                .get(INSTANCE_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .map(|v| v.trim().parse::<u64>());
+            let engine = match pinned {
+                Some(Ok(id)) => engines.iter().find(|(e, _)| *e == id),
+                Some(Err(_)) => None,
+                None => engines.get(next.fetch_add(1, Ordering::Relaxed) % engines.len().max(1)),
+            };
+            match engine {
+                Some((_, router)) => match tower::ServiceExt::oneshot(router.clone(), req).await {
+                    Ok(resp) => resp,
+                    Err(never) => match never {},
+                },
+                None => error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "no such worker instance".into(),
+                ),
+            }
+        }
+    })
+}
+
+/// The header a Dynamo frontend reads to serve a request on one worker instance.
+pub const INSTANCE_HEADER: &str = "x-worker-instance-id";
+
 /// Response header naming the engine that served a request (for tests and the demo).
 pub const ENGINE_HEADER: &str = "x-sim-engine";
 

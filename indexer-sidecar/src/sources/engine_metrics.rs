@@ -20,7 +20,9 @@ pub async fn run(state: Arc<AppState>) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let scrapes = state.registry.iter().map(|w| {
+        // Pinned workers sit behind a Dynamo frontend: their load comes from `kv_metrics`.
+        let registry = state.registry();
+        let scrapes = registry.iter().filter(|w| !w.pinned).map(|w| {
             let http = &http;
             async move {
                 let url = format!("http://{}/metrics", w.address);

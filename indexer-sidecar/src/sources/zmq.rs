@@ -121,7 +121,8 @@ async fn handle(
     };
     state.plane().message(source, &topic, true);
     let address = config.worker.as_deref().or_else(|| worker_in_topic(&topic));
-    let Some(worker) = address.and_then(|a| state.registry.by_address(a)) else {
+    let registry = state.registry();
+    let Some(worker) = address.and_then(|a| registry.by_address(a)) else {
         state
             .metrics
             .unknown_worker_events
