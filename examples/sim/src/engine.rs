@@ -262,7 +262,7 @@ impl Engine {
                 blocks: stored,
                 tokens: tokens[admitted.stored_from * size..kept * size].to_vec(),
                 lora: req.lora.clone(),
-                salted_from_start: req.cache_salt.is_some() && admitted.stored_from == 0,
+                salt_of_first: req.cache_salt.clone().filter(|_| admitted.stored_from == 0),
             });
         }
         // Sent under the cache lock so the publisher sees changes in cache order.

@@ -22,9 +22,9 @@ pub enum CacheChange {
         tokens: Vec<u32>,
         /// LoRA adapter of the request.
         lora: Option<String>,
-        /// The run starts at block 0 of a request with a `cache_salt` (vLLM hashes the salt into
-        /// block 0 as an extra key).
-        salted_from_start: bool,
+        /// The request's `cache_salt` when the run starts at its block 0 (vLLM hashes the salt
+        /// into block 0 as an extra key).
+        salt_of_first: Option<String>,
     },
     /// Blocks evicted (engine hashes).
     Removed(Vec<u64>),

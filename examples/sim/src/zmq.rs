@@ -1,8 +1,9 @@
 //! Publishing cache events the way vLLM's ZMQ publisher does: a PUB socket sending
 //! `[topic, seq u64 BE, msgpack batch]`, and a ROUTER replay socket answering `["", start seq]`
-//! with every buffered message from there, then the end marker.
+//! with every buffered message from there, then the end marker. Block hashes are vLLM's own
+//! ([`crate::vllm_hash`]).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -16,6 +17,7 @@ use tokio::sync::mpsc;
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::publish::CacheChange;
+use crate::vllm_hash::{self, FullHash};
 
 /// Messages kept for replay (vLLM's default `buffer_steps` is 10000).
 const REPLAY_BUFFER: usize = 10_000;
@@ -28,6 +30,9 @@ pub struct VllmPublisher {
     block_size: u32,
     buffer: Arc<Mutex<VecDeque<(u64, Bytes)>>>,
     drop_next: Arc<AtomicU64>,
+    /// vLLM's full hash of every cached block, by the cache's own block hash (parents chain
+    /// through it; entries go with their block).
+    full_hashes: HashMap<u64, FullHash>,
 }
 
 /// Where a publisher listens, for the READY line.
@@ -66,6 +71,7 @@ impl VllmPublisher {
             block_size,
             buffer,
             drop_next,
+            full_hashes: HashMap::new(),
         };
         let endpoints = Endpoints {
             events: events.to_string(),
@@ -81,6 +87,7 @@ impl VllmPublisher {
         while let Some(changes) = rx.recv().await {
             if changes.iter().any(|c| matches!(c, CacheChange::Restarted)) {
                 seq = 0;
+                self.full_hashes.clear();
                 self.buffer
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
@@ -126,25 +133,38 @@ impl VllmPublisher {
         }
     }
 
-    fn event(&self, change: CacheChange) -> Option<VllmEvent> {
-        let hash = |h: u64| EngineBlockHash(h);
+    /// The event for a cache change, with the block hashes vLLM would publish.
+    fn event(&mut self, change: CacheChange) -> Option<VllmEvent> {
         Some(match change {
             CacheChange::Stored {
                 parent,
                 blocks,
                 tokens,
                 lora,
-                salted_from_start,
+                salt_of_first,
             } => {
-                let mut has_extra_keys = vec![false; blocks.len()];
-                if salted_from_start {
-                    if let Some(first) = has_extra_keys.first_mut() {
-                        *first = true;
-                    }
+                let size = self.block_size as usize;
+                let mut chain = parent
+                    .and_then(|p| self.full_hashes.get(&p).copied())
+                    .unwrap_or_else(vllm_hash::none_hash);
+                let mut block_hashes = Vec::with_capacity(blocks.len());
+                let mut has_extra_keys = Vec::with_capacity(blocks.len());
+                for (i, &(own, _)) in blocks.iter().enumerate() {
+                    // vLLM's extra keys: the LoRA name on every block, the salt on block 0.
+                    let salt = salt_of_first.as_deref().filter(|_| i == 0);
+                    let extra: Vec<&str> = lora.as_deref().into_iter().chain(salt).collect();
+                    let block_tokens = tokens.get(i * size..(i + 1) * size).unwrap_or(&[]);
+                    chain = vllm_hash::block_hash(&chain, block_tokens, &extra);
+                    self.full_hashes.insert(own, chain);
+                    block_hashes.push(EngineBlockHash(vllm_hash::event_value(&chain)));
+                    has_extra_keys.push(salt.is_some());
                 }
+                let parent = parent
+                    .and_then(|p| self.full_hashes.get(&p))
+                    .map(|full| EngineBlockHash(vllm_hash::event_value(full)));
                 VllmEvent::BlockStored {
-                    block_hashes: blocks.iter().map(|b| hash(b.0)).collect(),
-                    parent: parent.map(hash),
+                    block_hashes,
+                    parent,
                     token_ids: tokens,
                     block_size: self.block_size,
                     lora_name: lora,
@@ -153,7 +173,11 @@ impl VllmPublisher {
                 }
             }
             CacheChange::Removed(hashes) => VllmEvent::BlockRemoved {
-                block_hashes: hashes.into_iter().map(hash).collect(),
+                block_hashes: hashes
+                    .into_iter()
+                    .filter_map(|own| self.full_hashes.remove(&own))
+                    .map(|full| EngineBlockHash(vllm_hash::event_value(&full)))
+                    .collect(),
                 medium: Some("GPU".into()),
             },
             // A new process does not announce itself: its sequence restarts at 0.
