@@ -7,7 +7,7 @@ use kvroute_harness::{datapath, paths};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routing_benchmark_smoke() {
     let out = paths::run_dir("bench-routing-smoke").unwrap();
-    let doc = bench::run(Scale::Smoke, 2, &out, None).await.unwrap();
+    let doc = bench::run(Scale::Smoke, 2, &out, None, None).await.unwrap();
     for w in ["conversation_trace", "multi_turn", "hot_prefix"] {
         let modes = &doc["workloads"][w]["modes"];
         for m in ["round_robin", "ring_hash", "kvroute", "oracle"] {

@@ -30,6 +30,9 @@ enum Command {
         /// Only these workloads (comma-separated).
         #[arg(long, value_delimiter = ',')]
         workloads: Option<Vec<String>>,
+        /// Only these modes (comma-separated; the oracle always runs).
+        #[arg(long, value_delimiter = ',')]
+        modes: Option<Vec<String>>,
     },
     /// Plain Envoy vs Envoy + kvroute on an instant upstream.
     Datapath,
@@ -43,8 +46,13 @@ async fn main() -> Result<()> {
         .unwrap_or_else(|| paths::workspace().join("target/bench"));
     let scale = if cli.quick { Scale::Quick } else { Scale::Full };
     match cli.command {
-        Command::Routing { engines, workloads } => {
-            let doc = bench::run(scale, engines, &out, workloads.as_deref()).await?;
+        Command::Routing {
+            engines,
+            workloads,
+            modes,
+        } => {
+            let doc =
+                bench::run(scale, engines, &out, workloads.as_deref(), modes.as_deref()).await?;
             println!("\n{}", bench::markdown(&doc));
             println!("written to {}", out.join("routing.{json,md,png}").display());
         }
