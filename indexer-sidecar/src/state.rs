@@ -137,7 +137,7 @@ impl AppState {
                 .unknown_worker_events
                 .get_or_create(&label("worker_id", event.worker_id.to_string()));
             if counter.get() == 0 {
-                tracing::warn!(worker_id = event.worker_id, %subject, "KV events from a Dynamo worker that is not in [[workers]] (new worker, or another model/component): ignored");
+                tracing::warn!(worker_id = event.worker_id, %subject, "KV events from a Dynamo worker that is neither in [[workers]] nor discovered (yet), or of another model/component: ignored");
             }
             counter.inc();
             return;
