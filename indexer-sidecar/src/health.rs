@@ -57,8 +57,15 @@ pub struct SourceStatus {
     pub subjects: BTreeMap<String, u64>,
     /// Seconds since the last KV event (`None`: never).
     pub last_event_age_s: Option<f64>,
+    /// NATS: messages per subject on the whole Dynamo bus (`namespace.>`) during the last probe,
+    /// taken while no KV events arrive (see `sources::nats`).
+    pub bus: BTreeMap<String, u64>,
+    /// Seconds since that probe (`None`: never probed).
+    pub bus_probe_age_s: Option<f64>,
     #[serde(skip)]
     last_event: Option<Instant>,
+    #[serde(skip)]
+    bus_probed: Option<Instant>,
 }
 
 /// Every source, and when each worker last published or was hinted.
@@ -121,7 +128,10 @@ impl EventPlane {
             decode_errors: 0,
             subjects: BTreeMap::new(),
             last_event_age_s: None,
+            bus: BTreeMap::new(),
+            bus_probe_age_s: None,
             last_event: None,
+            bus_probed: None,
         });
         self.sources.len() - 1
     }
@@ -178,9 +188,32 @@ impl EventPlane {
             .iter()
             .map(|s| SourceStatus {
                 last_event_age_s: s.last_event.map(|t| (now - t).as_secs_f64()),
+                bus_probe_age_s: s.bus_probed.map(|t| (now - t).as_secs_f64()),
                 ..s.clone()
             })
             .collect()
+    }
+
+    /// Record what a probe of the whole bus saw on behalf of `source`.
+    pub fn record_bus(&mut self, source: usize, seen: BTreeMap<String, u64>) {
+        if let Some(s) = self.sources.get_mut(source) {
+            s.bus = seen;
+            s.bus_probed = Some(Instant::now());
+        }
+    }
+
+    /// The `no_events` condition: no KV event on any source for `silence_s` (or since start)
+    /// while hints were served recently.
+    pub fn silent_while_hinting(&self, config: &AlarmConfig) -> bool {
+        let now = Instant::now();
+        let silence = Duration::from_secs(config.silence_s);
+        let last_event = self.sources.iter().filter_map(|s| s.last_event).max();
+        let quiet = now.saturating_duration_since(last_event.unwrap_or(self.started)) >= silence;
+        // "While hints are served": one in the silence window (at least the last 10 s).
+        let hints_recently = self.last_hint.is_some_and(|t| {
+            now.saturating_duration_since(t) < silence.max(Duration::from_secs(10))
+        });
+        quiet && hints_recently
     }
 
     /// The alarms that are on now; `worker_name` turns a worker index into its address.
@@ -196,11 +229,7 @@ impl EventPlane {
         };
         let mut out = Vec::new();
         let last_event = self.sources.iter().filter_map(|s| s.last_event).max();
-        // "While hints are served": one in the silence window (at least the last 10 s).
-        let hints_recently = self.last_hint.is_some_and(|t| {
-            now.saturating_duration_since(t) < silence.max(Duration::from_secs(10))
-        });
-        if quiet_since(last_event) && hints_recently {
+        if self.silent_while_hinting(config) {
             let subscribed: Vec<String> = self
                 .sources
                 .iter()
@@ -215,6 +244,20 @@ impl EventPlane {
                 .iter()
                 .flat_map(|s| s.subjects.iter().map(|(k, n)| format!("{k} ({n})")))
                 .collect();
+            let on_bus: Vec<String> = self
+                .sources
+                .iter()
+                .filter(|s| s.bus_probed.is_some())
+                .flat_map(|s| s.bus.iter().map(|(k, n)| format!("{k} ({n})")))
+                .collect();
+            let bus = if on_bus.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    " On the whole bus at the last probe: [{}].",
+                    on_bus.join(", ")
+                )
+            };
             let when = match last_event {
                 Some(t) => format!("for {:.0} s", (now - t).as_secs_f64()),
                 None => "since start".to_owned(),
@@ -223,7 +266,7 @@ impl EventPlane {
                 name: "no_events",
                 subject: "all".into(),
                 message: format!(
-                    "no KV events {when} while hints are being served: routing is load-only. Subscribed: [{}]. Messages seen: [{}]. Check the engines publish KV events, the NATS subjects (component names change with disaggregated prefill/decode) or ZMQ endpoints; `kvroute-sidecar tap --nats URL` lists every subject and component on the bus.",
+                    "no KV events {when} while hints are being served: routing is load-only. Subscribed: [{}]. Messages seen: [{}].{bus} Check the engines publish KV events, the NATS subjects (component names change with disaggregated prefill/decode) or ZMQ endpoints; `kvroute-sidecar tap --nats URL` lists every subject and component on the bus.",
                     subscribed.join(", "),
                     if seen.is_empty() { "none".to_owned() } else { seen.join(", ") },
                 ),

@@ -155,7 +155,6 @@ pub struct TapTargets {
 /// NATS messages on subjects that are not KV events (metrics, discovery) are counted only.
 pub async fn tap(targets: TapTargets) -> anyhow::Result<()> {
     use futures::StreamExt;
-    use kvroute_protocol::dynamo::parse_subject;
     use std::collections::BTreeMap;
     use zeromq::{Socket, SocketRecv};
 
@@ -234,13 +233,7 @@ pub async fn tap(targets: TapTargets) -> anyhow::Result<()> {
             _ = tick.tick() => {
                 let mut components: BTreeMap<String, u64> = BTreeMap::new();
                 for (subject, n) in &per_subject {
-                    let component = parse_subject(subject)
-                        .map(|s| s.component)
-                        .or_else(|| {
-                            // Non-KV Dynamo subjects: namespace.N.component.C.…
-                            let parts: Vec<&str> = subject.split('.').collect();
-                            (parts.get(2) == Some(&"component")).then(|| parts.get(3).map(|c| c.to_string())).flatten()
-                        })
+                    let component = kvroute_protocol::dynamo::subject_component(subject)
                         .unwrap_or_else(|| "-".into());
                     *components.entry(component).or_default() += n;
                 }

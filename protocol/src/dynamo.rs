@@ -273,6 +273,18 @@ pub fn parse_subject(subject: &str) -> Option<SubjectInfo> {
     }
 }
 
+/// The Dynamo component any subject of the form `namespace.N.component.C.…` belongs to, as
+/// `N/C` (percent-decoded).
+pub fn subject_component(subject: &str) -> Option<String> {
+    let mut parts = subject.split('.');
+    match (parts.next(), parts.next(), parts.next(), parts.next()) {
+        (Some("namespace"), Some(ns), Some("component"), Some(comp)) => {
+            Some(format!("{}/{}", percent_decode(ns), percent_decode(comp)))
+        }
+        _ => None,
+    }
+}
+
 /// The 1.2.x subject a worker publishes KV events on (no endpoint segment).
 pub fn subject_v12(namespace: &str, component: &str) -> String {
     format!(
@@ -329,6 +341,20 @@ fn percent_decode(segment: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn components_of_any_dynamo_subject() {
+        assert_eq!(
+            subject_component("namespace.dynamo.component.prefill.endpoint.generate.kv-events")
+                .as_deref(),
+            Some("dynamo/prefill")
+        );
+        assert_eq!(
+            subject_component("namespace.dynamo.component.backend.forward-pass-metrics").as_deref(),
+            Some("dynamo/backend")
+        );
+        assert_eq!(subject_component("_INBOX.abc"), None);
+    }
     use std::path::PathBuf;
 
     fn dynamo(name: &str) -> PathBuf {

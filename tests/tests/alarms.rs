@@ -51,11 +51,29 @@ async fn wrong_subject_raises_no_events_and_silent_workers() {
         line.contains("nats:namespace.*.component.prefill.endpoint.*.kv-events"),
         "{line}"
     );
+    // A look at the whole bus while traffic goes on says where the events actually are.
+    let published = "namespace.dynamo.component.backend.endpoint.generate.kv-events";
+    let log_path = stack.dir.join("sidecar.log");
+    let (stack_ref, log_ref) = (&stack, &log_path);
+    let mut seed = 1310;
+    wait_for("the bus probe's verdict", Duration::from_secs(15), || {
+        seed += 10;
+        async move {
+            traffic(stack_ref, seed).await;
+            let log = std::fs::read_to_string(log_ref).ok()?;
+            log.lines()
+                .any(|l| l.contains("KV events are published on [") && l.contains(published))
+                .then_some(())
+        }
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}: {}", std::fs::read_to_string(&log_path).unwrap()));
     // Still routed, by load: nothing failed above.
     let sources = sidecar_json(&stack, "/debug/sources").await;
     assert_eq!(sources[0]["kind"], "nats");
     assert_eq!(sources[0]["events"], 0, "{sources}");
     assert_eq!(sources[0]["state"], "subscribed", "{sources}");
+    assert!(sources[0]["bus"][published].as_u64() > Some(0), "{sources}");
 }
 
 /// A correctly subscribed fleet under the same traffic raises nothing.

@@ -66,7 +66,7 @@ async fn tap_shows_dynamo_and_vllm_events() {
         }
     };
     let text = tokio::select! {
-        text = log_with(&dir, "tap-nats", &["\"worker_id\":13140558925506144034", "\"backend\"", "\"prefill\"", "forward-pass-metrics"]) => text,
+        text = log_with(&dir, "tap-nats", &["\"worker_id\":13140558925506144034", "\"dynamo/backend\"", "\"dynamo/prefill\"", "forward-pass-metrics"]) => text,
         _ = publish => unreachable!(),
     };
     assert!(text.contains("per component"), "{text}");

@@ -1,11 +1,15 @@
 //! Dynamo KV events from NATS: subscribe, decode each message, apply its events; and each
 //! worker's `kv_metrics` (queued prefill, KV blocks used) for the load rule.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use futures::StreamExt;
-use kvroute_protocol::dynamo::{decode_kv_metrics, decode_message, KV_METRICS_TOPIC};
+use kvroute_protocol::dynamo::{
+    decode_kv_metrics, decode_message, parse_subject, subject_component, KV_METRICS_TOPIC,
+};
 
 use crate::config::NatsConfig;
 use crate::metrics::label;
@@ -38,11 +42,89 @@ pub async fn run(config: NatsConfig, state: Arc<AppState>) -> anyhow::Result<()>
         tracing::info!(%subject, url = %config.url, "subscribed to Dynamo KV events");
     }
     state.plane().subscribed(source);
+    tokio::spawn(probe_bus(
+        client.clone(),
+        config.subjects.clone(),
+        state.clone(),
+        source,
+    ));
     let mut messages = futures::stream::select_all(subscriptions);
     while let Some(msg) = messages.next().await {
         handle(&state, source, msg.subject.as_str(), &msg.payload);
     }
     anyhow::bail!("NATS subscription to {} ended", config.url)
+}
+
+/// How long one look at the whole bus lasts.
+const PROBE_WINDOW: Duration = Duration::from_secs(2);
+/// Distinct subjects a probe keeps (a bus with endless subjects must not grow it forever).
+const PROBE_SUBJECTS: usize = 200;
+
+/// While no KV event arrives and hints are served (the `no_events` condition), look at the whole
+/// Dynamo bus (`namespace.>`) for a moment, once per `silence_s`, and say where KV events *are*
+/// published — the classic cause is a component renamed by a move to disaggregated serving —
+/// or that none are. The result also shows in `/debug/sources` and in the alarm's line.
+async fn probe_bus(
+    client: async_nats::Client,
+    subscribed: Vec<String>,
+    state: Arc<AppState>,
+    source: usize,
+) {
+    let every = Duration::from_secs(state.alarms.silence_s.clamp(1, 300));
+    let mut last_verdict = String::new();
+    loop {
+        tokio::time::sleep(every).await;
+        if !state.plane().silent_while_hinting(&state.alarms) {
+            continue;
+        }
+        let Ok(mut sub) = client.subscribe("namespace.>").await else {
+            continue;
+        };
+        let mut seen: BTreeMap<String, u64> = BTreeMap::new();
+        let window = tokio::time::sleep(PROBE_WINDOW);
+        tokio::pin!(window);
+        loop {
+            tokio::select! {
+                msg = sub.next() => match msg {
+                    Some(m) => {
+                        let subject = m.subject.to_string();
+                        if seen.len() < PROBE_SUBJECTS || seen.contains_key(&subject) {
+                            *seen.entry(subject).or_default() += 1;
+                        }
+                    }
+                    None => break,
+                },
+                _ = &mut window => break,
+            }
+        }
+        let _ = sub.unsubscribe().await;
+        // Subjects without counts, so the line repeats only when the picture changes.
+        let kv: Vec<&str> = seen
+            .keys()
+            .filter(|subject| parse_subject(subject).is_some())
+            .map(String::as_str)
+            .collect();
+        let components: BTreeSet<String> =
+            seen.keys().filter_map(|s| subject_component(s)).collect();
+        let verdict = if kv.is_empty() {
+            format!(
+                "no KV events anywhere on the bus; components seen: [{}] — are the engines started with KV events on?",
+                components.into_iter().collect::<Vec<_>>().join(", ")
+            )
+        } else {
+            format!(
+                "KV events are published on [{}], which the subscriptions [{}] do not match: add them to [nats] subjects",
+                kv.join(", "),
+                subscribed.join(", ")
+            )
+        };
+        // Once per change, not every probe.
+        if verdict != last_verdict {
+            tracing::warn!(alarm = "no_events", "{verdict}");
+            last_verdict = verdict;
+        }
+        state.plane().record_bus(source, seen);
+    }
 }
 
 /// Decode and apply one message body. Dynamo publishes each kind on its own subject, whose last
