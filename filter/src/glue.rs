@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime};
 
 use kvroute_protocol::bundle::{bundle_path, Catalog, CATALOG_PATH};
 use kvroute_protocol::hint::{
-    encode_finished, HintResponse, Ticket, FINISHED_PATH, HINT_CONTENT_TYPE, HINT_PATH,
+    encode_finished, HintResponse, HintTarget, Ticket, FINISHED_PATH, HINT_CONTENT_TYPE, HINT_PATH,
 };
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -335,11 +335,10 @@ impl Request {
             }
             Some(hint) => {
                 let config = Rc::clone(&self.shared.borrow().config);
-                let header = match (hint.instance_id, hint.override_host_value()) {
-                    (Some(id), _) => Some((&config.instance_header, id.to_string())),
-                    (None, Some(hosts)) => Some((&config.worker_header, hosts)),
-                    (None, None) => None,
-                };
+                let header = hint.target().map(|target| match target {
+                    HintTarget::Instance(id) => (&config.instance_header, id.to_string()),
+                    HintTarget::Hosts(hosts) => (&config.worker_header, hosts),
+                });
                 match header {
                     None => {
                         self.fall_back(FallbackReason::NoWorker);

@@ -181,7 +181,25 @@ pub struct HintResponse {
     pub instance_id: Option<u64>,
 }
 
+/// Where a hint sends a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HintTarget {
+    /// Pin mode: this Dynamo instance (the value of `x-worker-instance-id`, decimal).
+    Instance(u64),
+    /// Envoy's override_host header value: addresses, best first.
+    Hosts(String),
+}
+
 impl HintResponse {
+    /// Where the hint sends the request (an instance id wins over addresses); `None`: nowhere,
+    /// use the fallback.
+    pub fn target(&self) -> Option<HintTarget> {
+        match self.instance_id {
+            Some(id) => Some(HintTarget::Instance(id)),
+            None => self.override_host_value().map(HintTarget::Hosts),
+        }
+    }
+
     /// The value for Envoy's override_host header: a comma-separated list, best first.
     pub fn override_host_value(&self) -> Option<String> {
         if self.workers.is_empty() {
@@ -274,7 +292,15 @@ mod tests {
         // Dynamo instance ids use all 64 bits.
         let pinned: HintResponse =
             serde_json::from_str(r#"{"workers":[],"instance_id":13666402953397619855}"#).unwrap();
-        assert_eq!(pinned.instance_id, Some(13666402953397619855));
+        assert_eq!(
+            pinned.target(),
+            Some(HintTarget::Instance(13666402953397619855))
+        );
+        assert_eq!(
+            resp.target(),
+            Some(HintTarget::Hosts("127.0.0.1:1,127.0.0.1:2".into()))
+        );
+        assert_eq!(HintResponse::default().target(), None);
         assert!(!serde_json::to_string(&HintResponse::default())
             .unwrap()
             .contains("ticket"));
