@@ -55,18 +55,19 @@ fn serialize(parent: &FullHash, tokens: &[u32], extra_keys: &[&str]) -> Vec<u8> 
     match extra_keys.len() {
         0 => body.push(0x4e), // NONE
         n => {
+            if n > 3 {
+                body.push(0x28); // MARK
+            }
             for key in extra_keys {
                 push_str(&mut body, key);
             }
-            // TUPLE1/2/3 for short tuples, as pickle writes them.
-            match n {
-                1 => body.push(0x85),
-                2 => body.push(0x86),
-                _ => {
-                    // Not produced by the simulator (at most LoRA + salt).
-                    body.push(0x87);
-                }
-            }
+            // TUPLE1/2/3 for short tuples, MARK … TUPLE beyond, as pickle writes them.
+            body.push(match n {
+                1 => 0x85,
+                2 => 0x86,
+                3 => 0x87,
+                _ => 0x74,
+            });
             body.push(MEMOIZE);
         }
     }
@@ -150,6 +151,10 @@ mod tests {
         assert_eq!(
             hex(&serialize(&[0; 32], &[1, 2, 3, 4, 70000, 300], &["sql-lora", "salt"])),
             "8005954d000000000000004320000000000000000000000000000000000000000000000000000000000000000094284b014b024b034b044a701101004d2c0174948c0873716c2d6c6f7261948c0473616c7494869487942e"
+        );
+        assert_eq!(
+            hex(&serialize(&[0; 32], &[1, 2, 3, 4], &["a", "b", "c", "d"])),
+            "80059544000000000000004320000000000000000000000000000000000000000000000000000000000000000094284b014b024b034b047494288c0161948c0162948c0163948c016494749487942e"
         );
     }
 }
