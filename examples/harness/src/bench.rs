@@ -242,7 +242,8 @@ async fn run_mode(mode: &str, workload: &Workload, engines: usize) -> Result<Val
         .iter()
         .map(|o| {
             json!({"status": o.status, "ttft_ms": o.ttft.as_secs_f64() * 1e3, "engine": o.engine,
-                   "prompt_tokens": o.prompt_tokens, "cached_tokens": o.cached_tokens})
+                   "prompt_tokens": o.prompt_tokens, "cached_tokens": o.cached_tokens,
+                   "slot_wait_ms": o.slot_wait_us as f64 / 1e3})
         })
         .collect();
     std::fs::write(

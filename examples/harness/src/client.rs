@@ -27,6 +27,8 @@ pub struct Outcome {
     pub cached_tokens: u64,
     /// Index of the engine that served it.
     pub engine: Option<usize>,
+    /// How long it waited at the engine for a free slot (the simulator reports it).
+    pub slot_wait_us: u64,
 }
 
 impl Outcome {
@@ -98,6 +100,7 @@ pub async fn send_streaming(http: &reqwest::Client, url: &str, body: &Value) -> 
                 .pointer("/prompt_tokens_details/cached_tokens")
                 .and_then(Value::as_u64)
                 .unwrap_or(0);
+            out.slot_wait_us = usage["sim_slot_wait_us"].as_u64().unwrap_or(0);
         }
     }
     if out.status == 200 && out.prompt_tokens == 0 {

@@ -68,6 +68,8 @@ pub struct Prefilled {
     pub prompt_tokens: usize,
     /// Prompt tokens served from the cache.
     pub cached_tokens: usize,
+    /// How long it waited for a free slot before its prefill started.
+    pub slot_wait: Duration,
 }
 
 /// A running request: holds its slot until dropped.
@@ -183,6 +185,7 @@ impl Engine {
         }
         let prefixes: Vec<PrefixHash> = blocks.iter().map(|b| b.1).collect();
         self.stats.waiting.fetch_add(1, Ordering::Relaxed);
+        let arrived = std::time::Instant::now();
         let slot = self
             .slots
             .clone()
@@ -191,12 +194,14 @@ impl Engine {
             .expect("engine semaphore is never closed");
         self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
         self.stats.running.fetch_add(1, Ordering::Relaxed);
+        let slot_wait = arrived.elapsed();
         let used = prompt_tokens.div_ceil(self.block_size().max(1)) as u64;
         self.stats.active_blocks.fetch_add(used, Ordering::Relaxed);
         let running = |cached_tokens| Running {
             prefilled: Prefilled {
                 prompt_tokens,
                 cached_tokens,
+                slot_wait,
             },
             blocks: used,
             _slot: slot,

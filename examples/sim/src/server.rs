@@ -219,6 +219,8 @@ fn usage(running: &Running, completion_tokens: u32) -> Value {
         "completion_tokens": completion_tokens,
         "total_tokens": p.prompt_tokens + completion_tokens as usize,
         "prompt_tokens_details": {"cached_tokens": p.cached_tokens},
+        // Not OpenAI's: how long the request queued for a slot (the benchmark records it).
+        "sim_slot_wait_us": p.slot_wait.as_micros() as u64,
     })
 }
 
