@@ -137,3 +137,28 @@ pub async fn hint_for_tokens(
         .unwrap();
     resp.json().await.unwrap()
 }
+
+/// Start `tests/fixtures/vllm_publisher.py` (libzmq via pyzmq, as vLLM publishes) replaying the
+/// captured frames in `raw` with `args`, and wait for its READY line; its log is `dir/publisher.log`.
+pub fn spawn_vllm_publisher(
+    dir: &std::path::Path,
+    raw: &std::path::Path,
+    args: &[&str],
+) -> kvroute_harness::process::Process {
+    use kvroute_harness::{paths, process::Process};
+    let mut publisher = std::process::Command::new(paths::venv_tool("python").unwrap());
+    publisher
+        .arg(paths::workspace().join("tests/fixtures/vllm_publisher.py"))
+        .arg("--raw")
+        .arg(raw)
+        .args(args);
+    Process::spawn_until_line(
+        "publisher",
+        publisher,
+        dir,
+        "READY",
+        Duration::from_secs(20),
+    )
+    .unwrap()
+    .0
+}

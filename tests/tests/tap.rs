@@ -1,6 +1,8 @@
 //! `kvroute-sidecar tap` shows an operator the event plane live: decoded events as JSON lines
 //! and message counts per subject and component, from NATS and from ZMQ.
 
+mod common;
+
 use std::process::Command;
 use std::time::Duration;
 
@@ -73,22 +75,19 @@ async fn tap_shows_dynamo_and_vllm_events() {
 
     // ZMQ: libzmq replaying the vLLM capture.
     let (pub_port, replay_port) = (free_port().unwrap(), free_port().unwrap());
-    let mut publisher = Command::new(paths::venv_tool("python").unwrap());
-    publisher
-        .arg(paths::workspace().join("tests/fixtures/vllm_publisher.py"))
-        .arg("--raw")
-        .arg(samples.join("vllm/run2-sha256_cbor-evict-reset/raw"))
-        .args(["--pub-port", &pub_port.to_string()])
-        .args(["--replay-port", &replay_port.to_string()])
-        .args(["--start-after", "2"]);
-    let (_publisher, _) = Process::spawn_until_line(
-        "publisher",
-        publisher,
+    let (pub_port_arg, replay_port_arg) = (pub_port.to_string(), replay_port.to_string());
+    let _publisher = common::spawn_vllm_publisher(
         &dir,
-        "READY",
-        Duration::from_secs(20),
-    )
-    .unwrap();
+        &samples.join("vllm/run2-sha256_cbor-evict-reset/raw"),
+        &[
+            "--pub-port",
+            &pub_port_arg,
+            "--replay-port",
+            &replay_port_arg,
+            "--start-after",
+            "2",
+        ],
+    );
     let endpoint = format!("tcp://127.0.0.1:{pub_port}");
     let _tap_zmq = tap(&dir, "tap-zmq", &["--zmq", &endpoint]);
     let text = log_with(

@@ -5,12 +5,11 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::Duration;
 
-use common::{hint_for_tokens, metric, spawn_sidecar};
+use common::{hint_for_tokens, metric, spawn_sidecar, spawn_vllm_publisher};
 use kvroute_harness::paths;
-use kvroute_harness::process::{free_port, wait_for, Process};
+use kvroute_harness::process::{free_port, wait_for};
 use kvroute_protocol::vllm::{decode_batch, VllmEvent};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -22,22 +21,21 @@ async fn captured_vllm_stream_through_libzmq_with_a_replayed_gap() {
         free_port().unwrap(),
         free_port().unwrap(),
     );
-    let mut publisher = Command::new(paths::venv_tool("python").unwrap());
-    publisher
-        .arg(paths::workspace().join("tests/fixtures/vllm_publisher.py"))
-        .arg("--raw")
-        .arg(&raw)
-        .args(["--pub-port", &pub_port.to_string()])
-        .args(["--replay-port", &replay_port.to_string()])
-        .args(["--skip", "1", "--start-after", "2"]);
-    let (_publisher, _) = Process::spawn_until_line(
-        "publisher",
-        publisher,
+    let (pub_port_arg, replay_port_arg) = (pub_port.to_string(), replay_port.to_string());
+    let _publisher = spawn_vllm_publisher(
         &dir,
-        "READY",
-        Duration::from_secs(20),
-    )
-    .unwrap();
+        &raw,
+        &[
+            "--pub-port",
+            &pub_port_arg,
+            "--replay-port",
+            &replay_port_arg,
+            "--skip",
+            "1",
+            "--start-after",
+            "2",
+        ],
+    );
     let config = format!(
         "listen = \"127.0.0.1:{port}\"\n[[models]]\nname = \"m\"\ndir = \"{}\"\nblock_size = 32\n[[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\n[[zmq]]\nendpoint = \"tcp://127.0.0.1:{pub_port}\"\nreplay_endpoint = \"tcp://127.0.0.1:{replay_port}\"\nworker = \"127.0.0.1:9000\"\ntopic = \"kv-events\"\n",
         paths::model_dir().display()
@@ -88,22 +86,26 @@ async fn bound_socket_learns_the_worker_from_llm_d_topics() {
         paths::model_dir().display()
     );
     let sidecar = spawn_sidecar(&dir, &config);
-    let mut publisher = Command::new(paths::venv_tool("python").unwrap());
-    publisher
-        .arg(paths::workspace().join("tests/fixtures/vllm_publisher.py"))
-        .arg("--raw")
-        .arg(&raw)
-        .args(["--pub-port", "0", "--replay-port", &replay_port.to_string()])
-        .args(["--connect", &format!("tcp://127.0.0.1:{bind_port}")])
-        .args(["--topic", "kv@127.0.0.1:9001@m", "--start-after", "2"]);
-    let (_publisher, _) = Process::spawn_until_line(
-        "publisher",
-        publisher,
+    let (replay_port_arg, connect) = (
+        replay_port.to_string(),
+        format!("tcp://127.0.0.1:{bind_port}"),
+    );
+    let _publisher = spawn_vllm_publisher(
         &dir,
-        "READY",
-        Duration::from_secs(20),
-    )
-    .unwrap();
+        &raw,
+        &[
+            "--pub-port",
+            "0",
+            "--replay-port",
+            &replay_port_arg,
+            "--connect",
+            &connect,
+            "--topic",
+            "kv@127.0.0.1:9001@m",
+            "--start-after",
+            "2",
+        ],
+    );
     let http = reqwest::Client::new();
     let metrics = format!("http://127.0.0.1:{port}/metrics");
     let (http_ref, metrics) = (&http, &metrics);
