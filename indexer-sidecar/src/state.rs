@@ -632,15 +632,7 @@ pub(crate) mod tests {
         for e in &events {
             state.apply_dynamo(0, "subject", e);
         }
-        let golden: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(samples.join("hash_golden.json")).unwrap())
-                .unwrap();
-        let tokens: Vec<u32> = golden["token_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap() as u32)
-            .collect();
+        let tokens = kvroute_protocol::golden_dynamo_prompt();
         let req = HintRequest {
             model: "m".into(),
             hashes: token_prefix_hashes(&tokens, 16, HashSeed::default()),

@@ -396,14 +396,7 @@ mod tests {
             panic!("stored expected")
         };
         assert_eq!(stored.parent_hash, None);
-        let g: serde_json::Value =
-            serde_json::from_slice(&read("hash_golden.json")).expect("golden");
-        let tokens: Vec<u32> = g["token_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap() as u32)
-            .collect();
+        let tokens = crate::golden_dynamo_prompt();
         let locals = crate::hash::local_block_hashes(&tokens, 16, crate::HashSeed::default());
         let prefixes = crate::hash::prefix_hashes(&locals);
         for (i, b) in stored.blocks.iter().enumerate() {

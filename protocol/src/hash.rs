@@ -127,7 +127,7 @@ mod tests {
     #[test]
     fn local_hashes_match_dynamo_golden() {
         let g = golden();
-        let tokens: Vec<u32> = u64s(&g["token_ids"]).iter().map(|&t| t as u32).collect();
+        let tokens = crate::golden_dynamo_prompt();
         let bs = g["block_size"].as_u64().unwrap() as usize;
         let want = u64s(
             &g["tokens_hash (LocalBlockHash) = xxh3_64(u32 LE token ids of block, seed=1337)"],
@@ -144,7 +144,7 @@ mod tests {
     #[test]
     fn prefix_hashes_match_dynamo_sequence_hashes() {
         let g = golden();
-        let tokens: Vec<u32> = u64s(&g["token_ids"]).iter().map(|&t| t as u32).collect();
+        let tokens = crate::golden_dynamo_prompt();
         let key = "block_hash (mocker sequence hash) = first: tokens_hash; next: xxh3_64(parent_u64_le || tokens_hash_u64_le, seed=1337)";
         let want = u64s(&g[key]);
         let got: Vec<u64> = token_prefix_hashes(&tokens, 16, HashSeed::default())

@@ -25,3 +25,17 @@ pub fn samples_dir() -> std::path::PathBuf {
         None => std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/samples"),
     }
 }
+
+/// The token ids of the prompt captured from Dynamo (`dynamo/hash_golden.json`, block size 16),
+/// whose block hashes the captured KV events carry. Panics if the samples are missing: it is
+/// only for golden tests.
+pub fn golden_dynamo_prompt() -> Vec<u32> {
+    let path = samples_dir().join("dynamo/hash_golden.json");
+    let golden: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    golden["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect()
+}

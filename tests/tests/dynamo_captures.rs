@@ -162,14 +162,7 @@ async fn captured_dynamo_events_through_real_nats() {
     );
 
     // The golden prompt's prefix hashes match the first worker's 4 stored blocks.
-    let golden: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(samples.join("hash_golden.json")).unwrap()).unwrap();
-    let tokens: Vec<u32> = golden["token_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_u64().unwrap() as u32)
-        .collect();
+    let tokens = kvroute_protocol::golden_dynamo_prompt();
     let resp = hint_for_tokens(&http, &base, &tokens, 16).await;
     assert_eq!(resp.workers[0], "127.0.0.1:9000");
     assert_eq!(resp.matched_blocks, 4);
