@@ -21,7 +21,7 @@ use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, Metr
 use crate::config::FilterConfig;
 use crate::metrics::{Counter, FallbackReason};
 use crate::models::ModelRegistry;
-use crate::plan::{plan, wants_body};
+use crate::plan::{plan, wants_body, warm_up};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -156,11 +156,13 @@ impl Root {
         let started = hostcalls::get_current_time().ok();
         match shared.models.install(&body) {
             Ok((model, version)) => {
+                let blocks = warm_up(&shared.models, &shared.config, &model);
                 let took = started
                     .and_then(|t| hostcalls::get_current_time().ok()?.duration_since(t).ok())
                     .unwrap_or_default();
                 log::info!(
-                    "kvroute: loaded bundle of model {model} version {version} in {} ms",
+                    "kvroute: loaded bundle of model {model} version {version} in {} ms \
+                     (warm-up request: {blocks} blocks)",
                     took.as_millis()
                 );
                 shared.bump(Counter::BundlesLoaded, 1);

@@ -1,7 +1,7 @@
 //! What the filter does with a request: pure decisions, no host calls.
 
 use kvroute_prompt::{LlmRequest, PromptError, PromptInput};
-use kvroute_protocol::hint::HintRequest;
+use kvroute_protocol::hint::{HintRequest, HintResponse};
 use serde_json::Value;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -110,6 +110,35 @@ pub fn plan(
     }
 }
 
+/// Run one synthetic chat request for `model` through the whole request path (parse, template,
+/// tokenizer, hashes, the hint request, a hint answer) and return its planned block count.
+///
+/// Measured in Envoy, the first request through a freshly loaded bundle took 1.3–1.5 ms to
+/// prepare and later ones ~0.1 ms: first-use costs that the first real requests would otherwise
+/// pay while a burst queues behind them on the worker thread (0.3 ms with this warm-up).
+pub fn warm_up(models: &ModelRegistry, cfg: &FilterConfig, model: &str) -> usize {
+    // One user turn: the one conversation shape every chat template accepts.
+    let text = "kvroute warm-up: exercise the template and the tokenizer once. ".repeat(32);
+    let body = serde_json::json!({
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+    });
+    let planned = plan(body.to_string().as_bytes(), models, cfg, None);
+    if let Some(hint) = &planned.hint {
+        let _ = hint.encode();
+    }
+    let answer = HintResponse {
+        workers: vec!["127.0.0.1:1".into()],
+        matched_blocks: 1,
+        ..HintResponse::default()
+    };
+    let _ = serde_json::to_vec(&answer)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<HintResponse>(&b).ok())
+        .and_then(|h| h.target());
+    planned.blocks
+}
+
 /// A fallback key without tokens: the messages up to the first user turn (or the prompt).
 fn text_key(req: &LlmRequest) -> String {
     let mut h = xxhash_rust::xxh3::Xxh3::new();
@@ -198,6 +227,14 @@ mod tests {
             plan(&body("other-sql", None), &reg, &cfg, None).fallback,
             Some(FallbackReason::NoBundle)
         );
+    }
+
+    #[test]
+    fn warm_up_runs_the_whole_request_path() {
+        let cfg = FilterConfig::default();
+        let blocks = warm_up(&registry(16), &cfg, "tiny");
+        assert!(blocks > 4, "{blocks}");
+        assert_eq!(warm_up(&registry(16), &cfg, "unknown"), 0);
     }
 
     #[test]

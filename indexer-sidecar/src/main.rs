@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::Context as _;
+use axum::serve::ListenerExt as _;
 use clap::{Parser, Subcommand};
 use kvroute_sidecar::config::Config;
 use kvroute_sidecar::state::AppState;
@@ -143,6 +144,12 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("binding {}", config.listen))?;
     tracing::info!(listen = %tcp.local_addr()?, "serving the hint API");
+    // Hints are small request/response exchanges on the request path: send each answer at once.
+    let tcp = tcp.tap_io(|stream| {
+        if let Err(e) = stream.set_nodelay(true) {
+            tracing::debug!(error = %e, "cannot set TCP_NODELAY on a hint connection");
+        }
+    });
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(async move {
         axum::serve(tcp, app.clone())

@@ -2,12 +2,15 @@
 //! (The index summary's smoke run is its own bench target, run by `cargo test --all-targets`.)
 
 use kvroute_harness::bench::{self, Scale};
+use kvroute_harness::client::CLIENT_START_GAP;
 use kvroute_harness::{datapath, paths};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routing_benchmark_smoke() {
     let out = paths::run_dir("bench-routing-smoke").unwrap();
-    let doc = bench::run(Scale::Smoke, 2, &out, None, None).await.unwrap();
+    let doc = bench::run(Scale::Smoke, 2, &out, None, None, CLIENT_START_GAP)
+        .await
+        .unwrap();
     for w in ["conversation_trace", "multi_turn", "hot_prefix"] {
         let modes = &doc["workloads"][w]["modes"];
         for m in ["round_robin", "ring_hash", "kvroute", "oracle"] {

@@ -40,8 +40,15 @@ async fn hot_prefix_keeps_queues_bounded_near_the_oracle_hit_rate() {
                 _ => Target::Router(stack.envoy_url.clone()),
             };
             let watch = QueueWatch::start(stack.http.clone(), addresses, Duration::from_millis(10));
-            let outcomes =
-                run_sessions(&stack.http, &target, sessions, 24, &ProgressBar::hidden()).await;
+            let outcomes = run_sessions(
+                &stack.http,
+                &target,
+                sessions,
+                24,
+                Duration::ZERO,
+                &ProgressBar::hidden(),
+            )
+            .await;
             let queues = watch.stop(MAX_WAITING);
             (ModeReport::new(name, &outcomes, engines), queues)
         }

@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::Result;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -17,7 +18,7 @@ use crate::peers::PEERS;
 use crate::report::ModeReport;
 use crate::stack::MODEL;
 use crate::traces::{self, TraceSpec};
-use crate::workload::{ChatSpec, ChatWorkload, Session};
+use crate::workload::{warm_up_sessions, ChatSpec, ChatWorkload, Session};
 use crate::{paths, Mode, SimOptions, Stack, StackOptions};
 
 /// A named workload and how many sessions run at once.
@@ -186,7 +187,12 @@ pub fn mode_names(scale: Scale) -> Vec<String> {
     modes
 }
 
-async fn run_mode(mode: &str, workload: &Workload, engines: usize) -> Result<Value> {
+async fn run_mode(
+    mode: &str,
+    workload: &Workload,
+    engines: usize,
+    start_gap: Duration,
+) -> Result<Value> {
     let stack_mode = match mode {
         "kvroute" | KVROUTE_ZMQ => Mode::Kvroute,
         "ring_hash" => Mode::RingHash,
@@ -221,6 +227,23 @@ async fn run_mode(mode: &str, workload: &Workload, engines: usize) -> Result<Val
             }
         }
     };
+    // Warm the fleet up through the same path (see `warm_up_sessions`); not measured.
+    let warm_up = warm_up_sessions(MODEL, 2 * workload.concurrency);
+    let warmed = run_sessions(
+        &stack.http,
+        &target,
+        &warm_up,
+        workload.concurrency,
+        Duration::ZERO,
+        &ProgressBar::hidden(),
+    )
+    .await;
+    if let Some(failed) = warmed.iter().find(|o| !o.ok()) {
+        eprintln!(
+            "{} / {mode}: a warm-up request failed: {failed:?}",
+            workload.name
+        );
+    }
     let total: usize = workload.sessions.iter().map(|s| s.bodies.len()).sum();
     let bar = ProgressBar::new(total as u64).with_style(
         ProgressStyle::with_template("{prefix:>44} [{bar:30}] {pos}/{len} {elapsed}")?
@@ -232,6 +255,7 @@ async fn run_mode(mode: &str, workload: &Workload, engines: usize) -> Result<Val
         &target,
         &workload.sessions,
         workload.concurrency,
+        start_gap,
         &bar,
     )
     .await;
@@ -262,13 +286,15 @@ async fn run_mode(mode: &str, workload: &Workload, engines: usize) -> Result<Val
     Ok(summary(&outcomes, engines))
 }
 
-/// Run the benchmark and write `routing.json`, `routing.md` and `routing.png` into `out`.
+/// Run the benchmark and write `routing.json`, `routing.md` and `routing.png` into `out`;
+/// concurrent clients start `start_gap` apart (see [`crate::client::CLIENT_START_GAP`]).
 pub async fn run(
     scale: Scale,
     engines: usize,
     out: &Path,
     only: Option<&[String]>,
     only_modes: Option<&[String]>,
+    start_gap: Duration,
 ) -> Result<Value> {
     let mut doc = BTreeMap::new();
     for workload in workloads(scale)? {
@@ -279,7 +305,7 @@ pub async fn run(
         // The oracle always runs: hit rates are reported against it.
         let wanted = |m: &str| m == "oracle" || only_modes.is_none_or(|o| o.iter().any(|x| x == m));
         for mode in mode_names(scale).into_iter().filter(|m| wanted(m)) {
-            let result = match run_mode(&mode, &workload, engines).await {
+            let result = match run_mode(&mode, &workload, engines, start_gap).await {
                 Ok(v) => v,
                 Err(e) => unavailable(format!("{e:#}")),
             };
@@ -295,7 +321,8 @@ pub async fn run(
         }
         doc.insert(workload.name.to_owned(), json!({"modes": modes, "sessions": workload.sessions.len(), "concurrency": workload.concurrency}));
     }
-    let doc = json!({"engines": engines, "scale": format!("{scale:?}"), "workloads": doc});
+    let doc = json!({"engines": engines, "scale": format!("{scale:?}"),
+                     "start_gap_ms": start_gap.as_secs_f64() * 1e3, "workloads": doc});
     std::fs::create_dir_all(out)?;
     std::fs::write(
         out.join("routing.json"),

@@ -109,6 +109,13 @@ pub async fn send_streaming(http: &reqwest::Client, url: &str, body: &Value) -> 
     out
 }
 
+/// How far apart the benchmark's concurrent clients start: the 16 clients of a workload open
+/// within 40 ms, as independent users would, instead of at one instant. Starting them together
+/// (a gap of zero) sends 16 cold prompts through the proxy in the same microsecond; every proxy
+/// that prepares requests then queues them behind each other on its worker threads, which is a
+/// thundering-herd measurement, not a routing one (docs/benchmarks.md measures both).
+pub const CLIENT_START_GAP: Duration = Duration::from_micros(2500);
+
 /// Where requests go.
 #[derive(Debug, Clone)]
 pub enum Target {
@@ -145,18 +152,22 @@ async fn oracle_pick(
 }
 
 /// Run `sessions` against `target`, `concurrency` sessions at a time, each session's requests in
-/// order. Outcomes come back in completion order.
+/// order; the k-th of the concurrent clients starts `start_gap` × k after the first. Outcomes
+/// come back in completion order.
 pub async fn run_sessions(
     http: &reqwest::Client,
     target: &Target,
     sessions: &[Session],
     concurrency: usize,
+    start_gap: Duration,
     progress: &ProgressBar,
 ) -> Vec<Outcome> {
     let next = Mutex::new(0usize);
     let total: usize = sessions.iter().map(|s| s.bodies.len()).sum();
     let outcomes = Mutex::new(Vec::with_capacity(total));
-    let worker = || async {
+    let (next, outcomes_ref) = (&next, &outcomes);
+    let worker = |k: u32| async move {
+        tokio::time::sleep(start_gap * k).await;
         loop {
             let index = {
                 let mut n = next.lock().unwrap_or_else(|e| e.into_inner());
@@ -176,11 +187,15 @@ pub async fn run_sessions(
                     }
                 };
                 let o = send_streaming(http, &url, body).await;
-                outcomes.lock().unwrap_or_else(|e| e.into_inner()).push(o);
+                outcomes_ref
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(o);
                 progress.inc(1);
             }
         }
     };
-    futures::future::join_all((0..concurrency.max(1)).map(|_| worker())).await;
+    let clients = u32::try_from(concurrency.max(1)).unwrap_or(u32::MAX);
+    futures::future::join_all((0..clients).map(worker)).await;
     outcomes.into_inner().unwrap_or_else(|e| e.into_inner())
 }

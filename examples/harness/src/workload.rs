@@ -24,6 +24,26 @@ pub const CHAT: &str = "/v1/chat/completions";
 /// Path of completion requests.
 pub const COMPLETIONS: &str = "/v1/completions";
 
+/// Short chat requests a fleet serves before it is measured (`n` sessions of one request).
+///
+/// Every mode then starts warm — client, proxy and engine connections open, Envoy's wasm code
+/// compiled — as a proxy in service is, and the benchmark compares routing rather than start-up
+/// costs. Each prompt is one user turn that starts with its own number, so its first block
+/// matches no other warm-up request and no workload prompt (those start with a system turn or
+/// token ids); the engines keep at most two blocks per warm-up request.
+pub fn warm_up_sessions(model: &str, n: usize) -> Vec<Session> {
+    (0..n)
+        .map(|i| Session {
+            path: CHAT,
+            bodies: vec![json!({
+                "model": model,
+                "messages": [{"role": "user", "content": format!("{i} warm-up request")}],
+                "max_tokens": 1,
+            })],
+        })
+        .collect()
+}
+
 /// A small deterministic PRNG (SplitMix64): same seed, same workload, on every machine.
 #[derive(Debug, Clone)]
 pub struct Rng(u64);
@@ -341,6 +361,16 @@ impl ChatWorkload {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn warm_up_requests_are_distinct_chats() {
+        let sessions = warm_up_sessions("m", 3);
+        let bodies: Vec<&Value> = sessions.iter().map(|s| &s.bodies[0]).collect();
+        assert_eq!(bodies.len(), 3);
+        assert_ne!(bodies[0]["messages"], bodies[1]["messages"]);
+        assert!(sessions.iter().all(|s| s.path == CHAT));
+        assert_eq!(bodies[2]["model"], "m");
+    }
 
     #[test]
     fn deterministic_and_growing() {

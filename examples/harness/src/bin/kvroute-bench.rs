@@ -1,10 +1,12 @@
 //! `kvroute-bench routing|datapath`: the benchmark harness (see docs/benchmarks.md).
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use kvroute_harness::bench::Scale;
+use kvroute_harness::client::CLIENT_START_GAP;
 use kvroute_harness::{bench, datapath, paths};
 
 #[derive(Parser)]
@@ -33,6 +35,9 @@ enum Command {
         /// Only these modes (comma-separated; the oracle always runs).
         #[arg(long, value_delimiter = ',')]
         modes: Option<Vec<String>>,
+        /// Milliseconds between the starts of concurrent clients (0: all at once).
+        #[arg(long, default_value_t = CLIENT_START_GAP.as_secs_f64() * 1e3)]
+        start_gap_ms: f64,
     },
     /// Plain Envoy vs Envoy + kvroute on an instant upstream.
     Datapath,
@@ -50,9 +55,19 @@ async fn main() -> Result<()> {
             engines,
             workloads,
             modes,
+            start_gap_ms,
         } => {
-            let doc =
-                bench::run(scale, engines, &out, workloads.as_deref(), modes.as_deref()).await?;
+            let gap = Duration::try_from_secs_f64(start_gap_ms / 1e3)
+                .map_err(|e| anyhow::anyhow!("--start-gap-ms {start_gap_ms}: {e}"))?;
+            let doc = bench::run(
+                scale,
+                engines,
+                &out,
+                workloads.as_deref(),
+                modes.as_deref(),
+                gap,
+            )
+            .await?;
             println!("\n{}", bench::markdown(&doc));
             println!("written to {}", out.join("routing.{json,md,png}").display());
         }

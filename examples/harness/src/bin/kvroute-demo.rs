@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
-use kvroute_harness::client::{run_sessions, Target};
+use kvroute_harness::client::{run_sessions, Target, CLIENT_START_GAP};
 use kvroute_harness::report::{self, ModeReport};
 use kvroute_harness::stack::MODEL;
 use kvroute_harness::workload::{ChatSpec, ChatWorkload};
@@ -65,7 +65,15 @@ async fn main() -> Result<()> {
         );
         bar.set_prefix(mode.name());
         let target = Target::Router(stack.envoy_url.clone());
-        let outcomes = run_sessions(&stack.http, &target, &sessions, args.concurrency, &bar).await;
+        let outcomes = run_sessions(
+            &stack.http,
+            &target,
+            &sessions,
+            args.concurrency,
+            CLIENT_START_GAP,
+            &bar,
+        )
+        .await;
         bar.finish();
         stack.check_alive()?;
         reports.push(ModeReport::new(mode.name(), &outcomes, args.engines));
