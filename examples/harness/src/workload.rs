@@ -26,8 +26,8 @@ pub const COMPLETIONS: &str = "/v1/completions";
 
 /// Short chat requests a fleet serves before it is measured (`n` sessions of one request).
 ///
-/// Every mode then starts warm — client, proxy and engine connections open, Envoy's wasm code
-/// compiled — as a proxy in service is, and the benchmark compares routing rather than start-up
+/// Every mode then starts warm — client, proxy and engine connections open, every code path
+/// run once — as a proxy in service is, and the benchmark compares routing rather than start-up
 /// costs. Each prompt is one user turn that starts with its own number, so its first block
 /// matches no other warm-up request and no workload prompt (those start with a system turn or
 /// token ids); the engines keep at most two blocks per warm-up request.
