@@ -144,9 +144,8 @@ impl VllmPublisher {
                 salt_of_first,
             } => {
                 let size = self.block_size as usize;
-                let mut chain = parent
-                    .and_then(|p| self.full_hashes.get(&p).copied())
-                    .unwrap_or_else(vllm_hash::none_hash);
+                let parent_full = parent.and_then(|p| self.full_hashes.get(&p).copied());
+                let mut chain = parent_full.unwrap_or_else(vllm_hash::none_hash);
                 let mut block_hashes = Vec::with_capacity(blocks.len());
                 let mut has_extra_keys = Vec::with_capacity(blocks.len());
                 for (i, &(own, _)) in blocks.iter().enumerate() {
@@ -159,12 +158,9 @@ impl VllmPublisher {
                     block_hashes.push(EngineBlockHash(vllm_hash::event_value(&chain)));
                     has_extra_keys.push(salt.is_some());
                 }
-                let parent = parent
-                    .and_then(|p| self.full_hashes.get(&p))
-                    .map(|full| EngineBlockHash(vllm_hash::event_value(full)));
                 VllmEvent::BlockStored {
                     block_hashes,
-                    parent,
+                    parent: parent_full.map(|full| EngineBlockHash(vllm_hash::event_value(&full))),
                     token_ids: tokens,
                     block_size: self.block_size,
                     lora_name: lora,
