@@ -208,12 +208,16 @@ impl EventPlane {
         let now = Instant::now();
         let silence = Duration::from_secs(config.silence_s);
         let last_event = self.sources.iter().filter_map(|s| s.last_event).max();
-        let quiet = now.saturating_duration_since(last_event.unwrap_or(self.started)) >= silence;
         // "While hints are served": one in the silence window (at least the last 10 s).
         let hints_recently = self.last_hint.is_some_and(|t| {
             now.saturating_duration_since(t) < silence.max(Duration::from_secs(10))
         });
-        quiet && hints_recently
+        self.quiet_since(last_event, now, silence) && hints_recently
+    }
+
+    /// Whether nothing happened for `silence` since `t` (`None`: since start).
+    fn quiet_since(&self, t: Option<Instant>, now: Instant, silence: Duration) -> bool {
+        now.saturating_duration_since(t.unwrap_or(self.started)) >= silence
     }
 
     /// The alarms that are on now; `worker_name` turns a worker index into its address.
@@ -224,9 +228,6 @@ impl EventPlane {
     ) -> Vec<Alarm> {
         let now = Instant::now();
         let silence = Duration::from_secs(config.silence_s);
-        let quiet_since = |t: Option<Instant>| {
-            now.saturating_duration_since(t.unwrap_or(self.started)) >= silence
-        };
         let mut out = Vec::new();
         let last_event = self.sources.iter().filter_map(|s| s.last_event).max();
         if self.silent_while_hinting(config) {
@@ -247,7 +248,6 @@ impl EventPlane {
             let on_bus: Vec<String> = self
                 .sources
                 .iter()
-                .filter(|s| s.bus_probed.is_some())
                 .flat_map(|s| s.bus.iter().map(|(k, n)| format!("{k} ({n})")))
                 .collect();
             let bus = if on_bus.is_empty() {
@@ -274,7 +274,8 @@ impl EventPlane {
         }
         // Only "never": a worker serving prompts it fully holds rightly publishes nothing.
         for (i, (&hints, &event)) in self.worker_hints.iter().zip(&self.worker_event).enumerate() {
-            if hints >= config.min_hints && event.is_none() && quiet_since(None) {
+            if hints >= config.min_hints && event.is_none() && self.quiet_since(None, now, silence)
+            {
                 out.push(Alarm {
                     name: "silent_worker",
                     subject: worker_name(i),
