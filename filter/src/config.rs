@@ -21,6 +21,9 @@ pub struct FilterConfig {
     pub key_header: String,
     /// Header naming the Dynamo instance in pin mode (a Dynamo frontend serves it there).
     pub instance_header: String,
+    /// Header naming the prefill instance in pin mode with disaggregated prefill/decode (the
+    /// frontend prefills there and picks the decode worker itself).
+    pub prefill_instance_header: String,
     /// Bodies larger than this are not buffered or parsed; they go on unhinted.
     pub max_body_bytes: usize,
     /// The fallback key is the prefix hash of this many leading blocks (or fewer, if shorter)…
@@ -42,6 +45,7 @@ impl Default for FilterConfig {
             worker_header: "x-kvroute-worker".into(),
             key_header: "x-kvroute-key".into(),
             instance_header: "x-worker-instance-id".into(),
+            prefill_instance_header: "x-prefill-instance-id".into(),
             max_body_bytes: 4 << 20,
             fallback_key_blocks: 8,
             session_header: "x-session-id".into(),

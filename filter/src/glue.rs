@@ -339,6 +339,9 @@ impl Request {
                 let config = Rc::clone(&self.shared.borrow().config);
                 let header = hint.target().map(|target| match target {
                     HintTarget::Instance(id) => (&config.instance_header, id.to_string()),
+                    HintTarget::PrefillInstance(id) => {
+                        (&config.prefill_instance_header, id.to_string())
+                    }
                     HintTarget::Hosts(hosts) => (&config.worker_header, hosts),
                 });
                 match header {
@@ -386,6 +389,7 @@ impl HttpContext for Request {
         self.set_header(&config.worker_header, None);
         self.set_header(&config.key_header, None);
         self.set_header(&config.instance_header, None);
+        self.set_header(&config.prefill_instance_header, None);
         if !config.session_header.is_empty() {
             self.session = self.header(&config.session_header);
         }

@@ -6,6 +6,7 @@
 //! - `GET /metrics` — Prometheus text; `GET /healthz` — `ok`.
 //! - `GET /debug/explain` — the last 100 decisions: candidates, matched blocks, load, rule.
 //! - `GET /debug/sources` — every event source: state, counters, subjects, last event age.
+//! - `GET /debug/discovery` — every `[[dynamo_discovery]]` entry: what its last scan found.
 
 use std::sync::Arc;
 
@@ -31,6 +32,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/healthz", get(|| async { "ok" }))
         .route("/debug/explain", get(explain))
         .route("/debug/sources", get(sources))
+        .route("/debug/discovery", get(discovery))
         .with_state(state)
 }
 
@@ -106,4 +108,9 @@ async fn explain(State(state): State<Arc<AppState>>) -> Response {
 async fn sources(State(state): State<Arc<AppState>>) -> Response {
     let sources = state.plane().sources();
     Json(sources).into_response()
+}
+
+async fn discovery(State(state): State<Arc<AppState>>) -> Response {
+    let entries = state.plane().discovery();
+    Json(entries).into_response()
 }

@@ -27,11 +27,11 @@
 //! dynamo_worker_id = 1001           # the worker_id in its KV events
 //!
 //! [[dynamo_discovery]]              # Dynamo workers behind a Dynamo frontend (pin mode)
-//! dir = "/var/lib/dynamo/discovery" # file discovery root (holds v1/instances/…)
+//! dir = "/var/lib/dynamo/discovery" # the workers' DYN_FILE_KV (holds v1/instances, v1/mdc)
 //! model = "tiny-llama"
-//! namespace = "dynamo"              # defaults: dynamo / backend / generate
-//! component = "backend"
+//! namespace = "dynamo"              # defaults: dynamo / any component / generate
 //! endpoint = "generate"
+//! probe_interval_ms = 250           # TCP-connect each instance; 2 failures: not pinned
 //!
 //! [envoy]                          # optional: Envoy's view of the workers cluster
 //! admin_url = "http://127.0.0.1:9901" # unhealthy or absent workers are never hinted
@@ -96,8 +96,9 @@ pub struct Config {
 }
 
 /// Dynamo workers behind a Dynamo frontend, found in Dynamo's file discovery directory. They are
-/// hinted by instance id: the filter sends `x-worker-instance-id` and the frontend (router mode
-/// `direct` or `kv`) serves the request on that instance.
+/// hinted by instance id: the filter sends `x-worker-instance-id` (aggregated workers) or
+/// `x-prefill-instance-id` (prefill workers of a disaggregated fleet) and the frontend serves
+/// the request there (see docs/operations.md, "Dynamo fleets: pin mode").
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DiscoveryConfig {
@@ -109,23 +110,52 @@ pub struct DiscoveryConfig {
     /// Dynamo namespace.
     #[serde(default = "default_dynamo_namespace")]
     pub namespace: String,
-    /// The component serving requests (with disaggregation: the decode component).
-    #[serde(default = "default_dynamo_component")]
-    pub component: String,
+    /// Only this component's instances (default: every component; roles come from the model
+    /// cards or the component names, see [`crate::sources::discovery::scan`]).
+    #[serde(default)]
+    pub component: Option<String>,
     /// Its endpoint.
     #[serde(default = "default_dynamo_endpoint")]
     pub endpoint: String,
     /// How often the directory is read.
     #[serde(default = "default_discovery_poll_ms")]
     pub poll_interval_ms: u64,
+    /// How often each pinned instance's request plane is probed with a TCP connect (0: never).
+    /// Two failed probes in a row make it unusable: a killed worker's record stays for about
+    /// 8 s, and the frontend fails every request pinned to it meanwhile.
+    #[serde(default = "default_probe_interval_ms")]
+    pub probe_interval_ms: u64,
+    /// How long a probe's connect may take before it counts as failed.
+    #[serde(default = "default_probe_timeout_ms")]
+    pub probe_timeout_ms: u64,
+}
+
+impl DiscoveryConfig {
+    /// `model`'s instances under discovery root `dir`, every other field at its default.
+    pub fn new(dir: impl Into<PathBuf>, model: &str) -> Self {
+        DiscoveryConfig {
+            dir: dir.into(),
+            model: model.to_owned(),
+            namespace: default_dynamo_namespace(),
+            component: None,
+            endpoint: default_dynamo_endpoint(),
+            poll_interval_ms: default_discovery_poll_ms(),
+            probe_interval_ms: default_probe_interval_ms(),
+            probe_timeout_ms: default_probe_timeout_ms(),
+        }
+    }
+}
+
+fn default_probe_interval_ms() -> u64 {
+    250
+}
+
+fn default_probe_timeout_ms() -> u64 {
+    250
 }
 
 fn default_dynamo_namespace() -> String {
     "dynamo".into()
-}
-
-fn default_dynamo_component() -> String {
-    "backend".into()
 }
 
 fn default_dynamo_endpoint() -> String {

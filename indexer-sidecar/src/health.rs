@@ -7,7 +7,9 @@
 //!   the line names what is subscribed and what else was seen on the bus;
 //! - `silent_worker`: a worker was hinted `min_hints` times and has never published an event
 //!   (`silence_s` after start): events disabled on that engine, or a wrong `dynamo_worker_id` /
-//!   `[[zmq]]` entry.
+//!   `[[zmq]]` entry;
+//! - `no_instances`: a `[[dynamo_discovery]]` entry finds no instance to pin requests to while
+//!   hint requests arrive: every request is left to the frontend's own routing.
 //!
 //! Orphan stores, sequence gaps, restarts and block-size mismatches have their own counters
 //! and log lines where they happen.
@@ -78,6 +80,24 @@ pub struct EventPlane {
     /// Per worker: hints while it has published no event.
     worker_hints: Vec<u64>,
     last_hint: Option<Instant>,
+    /// When the last hint request arrived, hinted or not.
+    last_request: Option<Instant>,
+    /// Per `[[dynamo_discovery]]` entry: its model, the instances it can pin to and the line
+    /// that says what its last scan found.
+    discovery: Vec<DiscoveryStatus>,
+}
+
+/// What one `[[dynamo_discovery]]` entry found, for `/debug/sources` and `no_instances`.
+#[derive(Debug, Clone, Serialize)]
+pub struct DiscoveryStatus {
+    /// The discovery root.
+    pub dir: String,
+    /// The model.
+    pub model: String,
+    /// Instances requests can be pinned to (`None`: not scanned yet).
+    pub hintable: Option<usize>,
+    /// What the last scan found.
+    pub summary: String,
 }
 
 /// An alarm that is on, and what its log line says.
@@ -100,6 +120,8 @@ impl EventPlane {
             worker_event: vec![None; workers],
             worker_hints: vec![0; workers],
             last_hint: None,
+            last_request: None,
+            discovery: Vec::new(),
         }
     }
 
@@ -171,6 +193,35 @@ impl EventPlane {
         if let Some(h) = self.worker_hints.get_mut(worker) {
             *h = 0;
         }
+    }
+
+    /// A hint request arrived (whether or not a worker is hinted).
+    pub fn requested(&mut self) {
+        self.last_request = Some(Instant::now());
+    }
+
+    /// Register a `[[dynamo_discovery]]` entry; the returned index names it in later calls.
+    pub fn register_discovery(&mut self, config: &crate::config::DiscoveryConfig) -> usize {
+        self.discovery.push(DiscoveryStatus {
+            dir: config.dir.display().to_string(),
+            model: config.model.clone(),
+            hintable: None,
+            summary: "not scanned yet".into(),
+        });
+        self.discovery.len() - 1
+    }
+
+    /// What a scan of discovery entry `entry` found.
+    pub fn discovered(&mut self, entry: usize, hintable: usize, summary: String) {
+        if let Some(d) = self.discovery.get_mut(entry) {
+            d.hintable = Some(hintable);
+            d.summary = summary;
+        }
+    }
+
+    /// Every discovery entry's status.
+    pub fn discovery(&self) -> Vec<DiscoveryStatus> {
+        self.discovery.clone()
     }
 
     /// A hint named `worker` (index) first.
@@ -271,6 +322,18 @@ impl EventPlane {
                     if seen.is_empty() { "none".to_owned() } else { seen.join(", ") },
                 ),
             });
+        }
+        let requests_recently = self.last_request.is_some_and(|t| {
+            now.saturating_duration_since(t) < silence.max(Duration::from_secs(10))
+        });
+        for d in &self.discovery {
+            if d.hintable == Some(0) && requests_recently {
+                out.push(Alarm {
+                    name: "no_instances",
+                    subject: d.model.clone(),
+                    message: d.summary.clone(),
+                });
+            }
         }
         // Only "never": a worker serving prompts it fully holds rightly publishes nothing.
         for (i, (&hints, &event)) in self.worker_hints.iter().zip(&self.worker_event).enumerate() {
@@ -402,5 +465,28 @@ mod tests {
         plane.event(src, 1);
         let alarms = plane.alarms(&config(), |i| format!("w{i}"));
         assert!(alarms.iter().all(|a| a.subject != "w1"), "{alarms:?}");
+    }
+
+    #[test]
+    fn discovery_without_instances_alarms_while_requests_arrive() {
+        let mut plane = EventPlane::new(0);
+        let config = crate::config::DiscoveryConfig::new("/d", "m");
+        let entry = plane.register_discovery(&config);
+        plane.discovered(entry, 0, "found nothing under /d".into());
+        let on = |plane: &EventPlane| {
+            plane
+                .alarms(&AlarmConfig::default(), |i| i.to_string())
+                .into_iter()
+                .filter(|a| a.name == "no_instances")
+                .collect::<Vec<_>>()
+        };
+        assert!(on(&plane).is_empty(), "no requests, no alarm");
+        plane.requested();
+        let alarms = on(&plane);
+        assert_eq!(alarms.len(), 1);
+        assert_eq!(alarms[0].subject, "m");
+        assert_eq!(alarms[0].message, "found nothing under /d");
+        plane.discovered(entry, 2, "two".into());
+        assert!(on(&plane).is_empty());
     }
 }

@@ -15,7 +15,7 @@ pub enum Format {
     /// A Dynamo NATS message body (msgpack envelope, or JetStream JSON).
     DynamoNats,
     /// A vLLM ZMQ payload frame; `NAME.seq` / `NAME.topic` beside `NAME.payload.msgpack` are
-    /// read too when present (the layout of the captures in `shared/data/samples/vllm`).
+    /// read too when present (the layout of the captures in `testdata/samples/vllm`).
     VllmZmq,
 }
 

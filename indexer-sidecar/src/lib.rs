@@ -13,9 +13,11 @@
 //! - [`api`]: the HTTP API (`/v1/hint`, bundles, `/metrics`, `/healthz`).
 //! - [`state`]: everything above, shared by the API and the sources.
 //! - [`inspect`]: the `decode` command (captured payloads as JSON lines).
+//! - [`envoy_config`]: the shipped Envoy configurations and the `envoy-config` command.
 
 pub mod api;
 pub mod config;
+pub mod envoy_config;
 pub mod event;
 pub mod health;
 pub mod index;

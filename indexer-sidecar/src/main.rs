@@ -8,7 +8,7 @@ use axum::serve::ListenerExt as _;
 use clap::{Parser, Subcommand};
 use kvroute_sidecar::config::Config;
 use kvroute_sidecar::state::AppState;
-use kvroute_sidecar::{api, inspect, sources};
+use kvroute_sidecar::{api, envoy_config, inspect, sources};
 
 #[derive(Parser)]
 #[command(
@@ -59,6 +59,33 @@ enum Command {
         /// KV block size of the engines.
         #[arg(long, default_value_t = 16)]
         block_size: u32,
+    },
+    /// Print a ready-to-run Envoy configuration (a shipped template, filled) to stdout.
+    EnvoyConfig {
+        /// Which shipped configuration.
+        #[arg(long, value_enum, default_value = "kvroute")]
+        template: envoy_config::Template,
+        /// The `workers` cluster: engines (or, in pin mode, Dynamo frontends), `ip:port,…`.
+        #[arg(long)]
+        workers: String,
+        /// Envoy's listener port (on 127.0.0.1, as shipped; edit the address to expose it).
+        #[arg(long, default_value_t = 10000)]
+        listen_port: u16,
+        /// Envoy's admin port (127.0.0.1).
+        #[arg(long, default_value_t = 9901)]
+        admin_port: u16,
+        /// The sidecar's `listen` address.
+        #[arg(long, default_value = "127.0.0.1:9100")]
+        sidecar: std::net::SocketAddr,
+        /// Reach the sidecar on this Unix socket (its `unix_socket`) instead.
+        #[arg(long)]
+        sidecar_socket: Option<PathBuf>,
+        /// The filter module (target/wasm32-wasip1/release/kvroute_filter.wasm after `make build`).
+        #[arg(long, default_value = "kvroute_filter.wasm")]
+        wasm: PathBuf,
+        /// The filter's configuration, a JSON object (docs/operations.md; `{}`: defaults).
+        #[arg(long, default_value = "{}")]
+        filter_config: String,
     },
     /// Print captured KV-event payloads as JSON lines (hashes as u64), one per event.
     Decode {
@@ -119,6 +146,31 @@ async fn main() -> anyhow::Result<()> {
             let mut body = Vec::new();
             std::io::Read::read_to_end(&mut std::io::stdin(), &mut body)?;
             println!("{}", inspect::tokenize(&model_dir, block_size, &body)?);
+            Ok(())
+        }
+        Command::EnvoyConfig {
+            template,
+            workers,
+            listen_port,
+            admin_port,
+            sidecar,
+            sidecar_socket,
+            wasm,
+            filter_config,
+        } => {
+            let params = envoy_config::EnvoyParams {
+                listen_port,
+                admin_port,
+                workers: envoy_config::parse_workers(&workers)?,
+                sidecar: match sidecar_socket {
+                    Some(path) => envoy_config::SidecarAddress::Unix(path),
+                    None => envoy_config::SidecarAddress::Tcp(sidecar),
+                },
+                filter_config: serde_json::from_str(&filter_config)
+                    .context("--filter-config is not JSON")?,
+                wasm: std::path::absolute(&wasm).unwrap_or(wasm),
+            };
+            print!("{}", envoy_config::render(template.text(), &params)?);
             Ok(())
         }
         Command::Decode { format, files } => {

@@ -50,7 +50,8 @@ pub struct Metrics {
     /// Tickets closed, by how: finished (reported), unknown (reported but not open),
     /// reclaimed (a scrape showed fewer requests), expired.
     pub tickets: Family<Labels, Counter>,
-    /// Dynamo instances with a discovery record, by model.
+    /// Dynamo instances with a discovery record, by model and role (`aggregated`, `prefill`,
+    /// `decode`).
     pub discovered_instances: Family<Labels, Gauge>,
 }
 

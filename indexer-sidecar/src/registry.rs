@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 
 use crate::config::WorkerConfig;
+use crate::sources::discovery::Role;
 
 /// Dense index of a worker in the [`WorkerRegistry`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -22,9 +23,12 @@ pub struct Worker {
     pub model: String,
     /// Its Dynamo instance id, if it publishes Dynamo events.
     pub dynamo_worker_id: Option<u64>,
-    /// Hinted by its Dynamo instance id (`x-worker-instance-id` to a Dynamo frontend) rather
-    /// than by address: a worker found through Dynamo discovery.
+    /// Hinted by its Dynamo instance id (a header to a Dynamo frontend) rather than by address:
+    /// a worker found through Dynamo discovery.
     pub pinned: bool,
+    /// Aggregated, or the prefill worker of a disaggregated fleet (pinned with the frontend's
+    /// prefill header). Decode workers are never registered: the frontend picks them.
+    pub role: Role,
 }
 
 /// All known workers.
@@ -49,13 +53,20 @@ impl WorkerRegistry {
                 model: c.model.clone(),
                 dynamo_worker_id: c.dynamo_worker_id,
                 pinned: false,
+                role: Role::Aggregated,
             });
         }
         reg
     }
 
     /// Append a Dynamo instance found through discovery (hinted by instance id); its new id.
-    pub fn add_pinned(&mut self, instance_id: u64, address: String, model: String) -> WorkerId {
+    pub fn add_pinned(
+        &mut self,
+        instance_id: u64,
+        address: String,
+        model: String,
+        role: Role,
+    ) -> WorkerId {
         let id = WorkerId(self.workers.len() as u32);
         self.by_dynamo_id.insert(instance_id, id);
         self.workers.push(Worker {
@@ -64,6 +75,7 @@ impl WorkerRegistry {
             model,
             dynamo_worker_id: Some(instance_id),
             pinned: true,
+            role,
         });
         id
     }

@@ -1,7 +1,7 @@
 //! [`AppState`]: the registry, the per-model indexes, the bundles and the metrics, shared by the
 //! HTTP API and the event sources.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -11,7 +11,7 @@ use kvroute_protocol::dynamo::{KvMetrics, RouterEvent};
 use kvroute_protocol::hint::{HintRequest, HintResponse, Ticket};
 use kvroute_protocol::vllm::EventBatch;
 
-use crate::config::{Config, RoutingConfig};
+use crate::config::{Config, DiscoveryConfig, RoutingConfig};
 use crate::event::{KvEvent, VllmEventProblem};
 use crate::health::{AlarmConfig, EventPlane};
 use crate::index::RadixIndex;
@@ -20,6 +20,7 @@ use crate::metrics::{label, Metrics};
 use crate::registry::{Worker, WorkerId, WorkerRegistry};
 use crate::router::{self, Decision, Rule};
 use crate::sequence::{check_seq, SeqCheck};
+use crate::sources::discovery::{Role, Scan};
 use crate::sources::envoy_admin::HostView;
 
 /// How many recent decisions `/debug/explain` keeps.
@@ -224,6 +225,7 @@ impl AppState {
 
     /// Answer a hint request.
     pub fn hint(&self, req: &HintRequest) -> Option<HintResponse> {
+        self.plane().requested();
         if !req.finished.is_empty() {
             self.finished(&req.finished);
         }
@@ -261,7 +263,12 @@ impl AppState {
                     self.plane().hinted(w.id.0 as usize);
                     if w.pinned {
                         // Behind a Dynamo frontend: one instance id, no addresses for Envoy.
-                        decision.hint.instance_id = w.dynamo_worker_id;
+                        match w.role {
+                            Role::Prefill => decision.hint.prefill_instance_id = w.dynamo_worker_id,
+                            Role::Aggregated | Role::Decode => {
+                                decision.hint.instance_id = w.dynamo_worker_id
+                            }
+                        }
                         decision.hint.workers.clear();
                     }
                 }
@@ -270,7 +277,7 @@ impl AppState {
         };
         let resp = decision.hint.clone();
         let result = match decision.rule {
-            _ if resp.workers.is_empty() && resp.instance_id.is_none() => "no_worker",
+            _ if resp.target().is_none() => "no_worker",
             Rule::NoMatch => "no_match",
             Rule::LongestMatch | Rule::LeastLoaded => {
                 self.metrics
@@ -327,16 +334,32 @@ impl AppState {
         self.set_usable(&seen);
     }
 
-    /// Apply one scan of Dynamo's discovery directory for `model`'s instances (instance id →
-    /// request-plane address): new instances are added as pinned workers; instances whose
-    /// record is gone are no longer hinted and, after the grace period, lose their entries.
-    pub fn record_discovery(&self, model: &str, instances: &BTreeMap<u64, String>) {
-        let added: Vec<(u64, String)> = {
+    /// Apply one scan of a `[[dynamo_discovery]]` entry: new aggregated and prefill instances are
+    /// added as pinned workers (decode workers are the frontend's choice, never hinted);
+    /// instances whose record is gone, or whose request plane does not accept connections
+    /// (`unreachable`), are no longer hinted and, after the grace period, lose their entries.
+    pub fn record_discovery(
+        &self,
+        config: &DiscoveryConfig,
+        scan: &Scan,
+        unreachable: &BTreeSet<u64>,
+    ) {
+        let model = config.model.as_str();
+        for role in [Role::Aggregated, Role::Prefill, Role::Decode] {
+            self.metrics
+                .discovered_instances
+                .get_or_create(&vec![
+                    ("model", model.to_owned()),
+                    ("role", role.label().to_owned()),
+                ])
+                .set(scan.count(role) as i64);
+        }
+        let added: Vec<(u64, String, Role)> = {
             let registry = self.registry();
-            instances
+            scan.instances
                 .iter()
-                .filter(|(id, _)| registry.by_dynamo_id(**id).is_none())
-                .map(|(id, at)| (*id, format!("{at}/{id:x}")))
+                .filter(|(id, i)| i.role != Role::Decode && registry.by_dynamo_id(**id).is_none())
+                .map(|(id, i)| (*id, format!("{}/{id:x}", i.address), i.role))
                 .collect()
         };
         if !added.is_empty() {
@@ -345,9 +368,9 @@ impl AppState {
             // only held to swap (hint() holds the load lock while it reads the registry).
             let _adding = self.adding.lock().unwrap_or_else(|e| e.into_inner());
             let mut registry = WorkerRegistry::clone(&self.registry());
-            for (id, address) in added {
-                registry.add_pinned(id, address.clone(), model.to_owned());
-                tracing::info!(instance_id = id, worker = %address, model, "Dynamo instance discovered: hinted by instance id");
+            for (id, address, role) in added {
+                registry.add_pinned(id, address.clone(), model.to_owned(), role);
+                tracing::info!(instance_id = id, worker = %address, model, role = role.label(), "Dynamo instance discovered: hinted by instance id");
                 self.metrics
                     .index_blocks
                     .get_or_create(&label("worker", address))
@@ -372,10 +395,16 @@ impl AppState {
             .iter()
             .filter(|w| w.pinned && w.model == model)
             .map(|w| {
-                let present = w
-                    .dynamo_worker_id
-                    .is_some_and(|id| instances.contains_key(&id));
-                (w, present, "its Dynamo discovery record is gone")
+                let id = w.dynamo_worker_id.unwrap_or_default();
+                match (scan.instances.contains_key(&id), unreachable.contains(&id)) {
+                    (false, _) => (w, false, "its Dynamo discovery record is gone"),
+                    (true, true) => (
+                        w,
+                        false,
+                        "its request plane refuses connections (probe): the worker is down",
+                    ),
+                    (true, false) => (w, true, ""),
+                }
             })
             .collect();
         self.set_usable(&seen);
@@ -605,10 +634,38 @@ pub(crate) mod tests {
         AppState::from_config(&config).unwrap()
     }
 
-    /// Instances found through discovery are hinted by instance id, and not once their record
-    /// is gone; the captured Dynamo prompt steers to the instance that stored it.
-    #[test]
-    fn discovered_instances_are_pinned_until_their_record_goes() {
+    /// A discovery scan of these instances (instance id, port, role).
+    fn scan(instances: &[(u64, u16, Role)]) -> Scan {
+        Scan {
+            instances: instances
+                .iter()
+                .map(|&(id, port, role)| {
+                    let instance = crate::sources::discovery::Instance {
+                        address: format!("127.0.0.1:{port}"),
+                        component: if role == Role::Prefill {
+                            "prefill"
+                        } else {
+                            "backend"
+                        }
+                        .into(),
+                        role,
+                        total_kv_blocks: None,
+                        block_size: None,
+                    };
+                    (id, instance)
+                })
+                .collect(),
+            ..Scan::default()
+        }
+    }
+
+    fn discovery_config() -> DiscoveryConfig {
+        DiscoveryConfig::new("/d", "m")
+    }
+
+    /// A state with model `m` and no configured worker, the captured Dynamo events (of one
+    /// publisher) and a hint request for the captured prompt.
+    fn pin_fixture() -> (AppState, Vec<RouterEvent>, HintRequest) {
         use kvroute_protocol::hash::token_prefix_hashes;
         use kvroute_protocol::HashSeed;
         let model = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/models/tiny-llama");
@@ -619,32 +676,43 @@ pub(crate) mod tests {
         let events = kvroute_protocol::dynamo::decode_message(&body)
             .unwrap()
             .events;
-        let publisher = events[0].worker_id;
-        let other = 77;
-        let instances: BTreeMap<u64, String> = [
-            (publisher, "127.0.0.1:40051".to_owned()),
-            (other, "127.0.0.1:40052".to_owned()),
-        ]
-        .into();
-        state.record_discovery("m", &instances);
-        state.record_discovery("m", &instances);
-        assert_eq!(state.registry().len(), 2, "each instance is added once");
-        for e in &events {
-            state.apply_dynamo(0, "subject", e);
-        }
         let tokens = kvroute_protocol::golden_dynamo_prompt();
         let req = HintRequest {
             model: "m".into(),
             hashes: token_prefix_hashes(&tokens, 16, HashSeed::default()),
             finished: Vec::new(),
         };
+        (state, events, req)
+    }
+
+    /// Instances found through discovery are hinted by instance id, and not once their record
+    /// is gone; the captured Dynamo prompt steers to the instance that stored it.
+    #[test]
+    fn discovered_instances_are_pinned_until_their_record_goes() {
+        let (state, events, req) = pin_fixture();
+        let publisher = events[0].worker_id;
+        let other = 77;
+        let both = scan(&[
+            (publisher, 40051, Role::Aggregated),
+            (other, 40052, Role::Aggregated),
+        ]);
+        state.record_discovery(&discovery_config(), &both, &BTreeSet::new());
+        state.record_discovery(&discovery_config(), &both, &BTreeSet::new());
+        assert_eq!(state.registry().len(), 2, "each instance is added once");
+        for e in &events {
+            state.apply_dynamo(0, "subject", e);
+        }
         let hint = state.hint(&req).unwrap();
         assert_eq!(hint.instance_id, Some(publisher));
         assert!(hint.workers.is_empty(), "no address for Envoy: {hint:?}");
         assert_eq!(hint.matched_blocks, 4);
         assert!(hint.ticket.is_some());
 
-        state.record_discovery("m", &[(other, "127.0.0.1:40052".to_owned())].into());
+        state.record_discovery(
+            &discovery_config(),
+            &scan(&[(other, 40052, Role::Aggregated)]),
+            &BTreeSet::new(),
+        );
         for _ in 0..5 {
             let hint = state.hint(&req).unwrap();
             assert_eq!(
@@ -652,6 +720,48 @@ pub(crate) mod tests {
                 Some(other),
                 "the departed instance is not hinted"
             );
+        }
+    }
+
+    /// Disaggregated: the prefill worker holding the prefix is pinned with the prefill header;
+    /// decode workers, which publish no KV events, are never hinted, warm prompt or cold.
+    #[test]
+    fn disaggregated_fleets_pin_the_prefill_worker() {
+        let (state, events, mut req) = pin_fixture();
+        let prefill = events[0].worker_id;
+        let (cold_prefill, decode) = (78, 79);
+        let fleet = scan(&[
+            (prefill, 40051, Role::Prefill),
+            (cold_prefill, 40052, Role::Prefill),
+            (decode, 40053, Role::Decode),
+        ]);
+        state.record_discovery(&discovery_config(), &fleet, &BTreeSet::new());
+        assert_eq!(
+            state.registry().len(),
+            2,
+            "decode workers are not registered"
+        );
+        let text = state.metrics.render();
+        assert!(
+            text.contains("kvroute_discovered_instances{model=\"m\",role=\"decode\"} 1"),
+            "{text}"
+        );
+        for e in &events {
+            state.apply_dynamo(0, "subject", e);
+        }
+        let hint = state.hint(&req).unwrap();
+        assert_eq!(hint.prefill_instance_id, Some(prefill), "{hint:?}");
+        assert_eq!(hint.instance_id, None, "{hint:?}");
+        req.hashes.truncate(0);
+        req.hashes.push(kvroute_protocol::PrefixHash(12345));
+        for _ in 0..4 {
+            let cold = state.hint(&req).unwrap();
+            let target = cold.prefill_instance_id;
+            assert!(
+                target == Some(prefill) || target == Some(cold_prefill),
+                "cold prompts go to a prefill worker: {cold:?}"
+            );
+            assert_eq!(cold.instance_id, None);
         }
     }
 

@@ -362,7 +362,7 @@ mod tests {
     }
 
     fn read(name: &str) -> Vec<u8> {
-        std::fs::read(dynamo(name)).expect("shared samples are laid beside the repository")
+        std::fs::read(dynamo(name)).expect("testdata/samples is in the workspace")
     }
 
     #[test]

@@ -112,7 +112,7 @@ mod tests {
     /// The golden file from a real Dynamo 1.6.1 run: token ids and both hash chains.
     fn golden() -> serde_json::Value {
         let text = std::fs::read_to_string(crate::samples_dir().join("dynamo/hash_golden.json"))
-            .expect("shared samples are laid beside the repository");
+            .expect("testdata/samples is in the workspace");
         serde_json::from_str(&text).expect("golden json")
     }
 

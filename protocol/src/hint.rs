@@ -18,6 +18,8 @@
 //!   {"workers": ["ip:port", …], "matched_blocks": n, "ticket": t}
 //!   or, for a worker behind a Dynamo frontend (pin mode):
 //!   {"workers": [], "instance_id": id, "matched_blocks": n, "ticket": t}
+//!   or, for the prefill worker of a disaggregated Dynamo fleet:
+//!   {"workers": [], "prefill_instance_id": id, "matched_blocks": n, "ticket": t}
 //! finished report (POST /v1/finished, same content type; sent when no hint request carries them)
 //!   "KVF1" u32 LE count, [u64 LE] tickets
 //! ```
@@ -179,6 +181,10 @@ pub struct HintResponse {
     /// `x-worker-instance-id` to a Dynamo frontend (which then serves the request there).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub instance_id: Option<u64>,
+    /// Pin mode, disaggregated: the Dynamo instance id of the prefill worker holding the prefix,
+    /// for the filter to send as `x-prefill-instance-id` (the frontend picks the decode worker).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_instance_id: Option<u64>,
 }
 
 /// Where a hint sends a request.
@@ -186,6 +192,8 @@ pub struct HintResponse {
 pub enum HintTarget {
     /// Pin mode: this Dynamo instance (the value of `x-worker-instance-id`, decimal).
     Instance(u64),
+    /// Pin mode, disaggregated: this prefill instance (`x-prefill-instance-id`, decimal).
+    PrefillInstance(u64),
     /// Envoy's override_host header value: addresses, best first.
     Hosts(String),
 }
@@ -194,9 +202,10 @@ impl HintResponse {
     /// Where the hint sends the request (an instance id wins over addresses); `None`: nowhere,
     /// use the fallback.
     pub fn target(&self) -> Option<HintTarget> {
-        match self.instance_id {
-            Some(id) => Some(HintTarget::Instance(id)),
-            None => self.override_host_value().map(HintTarget::Hosts),
+        match (self.instance_id, self.prefill_instance_id) {
+            (Some(id), _) => Some(HintTarget::Instance(id)),
+            (None, Some(id)) => Some(HintTarget::PrefillInstance(id)),
+            (None, None) => self.override_host_value().map(HintTarget::Hosts),
         }
     }
 
@@ -285,6 +294,7 @@ mod tests {
             matched_blocks: 3,
             ticket: Some(Ticket(5)),
             instance_id: None,
+            prefill_instance_id: None,
         };
         let json = serde_json::to_string(&resp).unwrap();
         assert!(json.contains(r#""ticket":5"#), "{json}");
@@ -295,6 +305,13 @@ mod tests {
         assert_eq!(
             pinned.target(),
             Some(HintTarget::Instance(13666402953397619855))
+        );
+        let prefill: HintResponse =
+            serde_json::from_str(r#"{"workers":[],"prefill_instance_id":18446744073709551615}"#)
+                .unwrap();
+        assert_eq!(
+            prefill.target(),
+            Some(HintTarget::PrefillInstance(u64::MAX))
         );
         assert_eq!(
             resp.target(),

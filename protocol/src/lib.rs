@@ -17,13 +17,10 @@ pub mod vllm;
 
 pub use hash::{HashSeed, LocalBlockHash, PrefixHash};
 
-/// Where the captured samples of real engines live (`shared/data/samples`, beside the repository),
-/// overridable with `KVROUTE_SAMPLES`. Used by golden tests across the workspace.
+/// Where the captured samples of real engines live (`testdata/samples` in the workspace). Used by
+/// golden tests across the workspace.
 pub fn samples_dir() -> std::path::PathBuf {
-    match std::env::var_os("KVROUTE_SAMPLES") {
-        Some(dir) => dir.into(),
-        None => std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/samples"),
-    }
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/samples")
 }
 
 /// The token ids of the prompt captured from Dynamo (`dynamo/hash_golden.json`, block size 16),

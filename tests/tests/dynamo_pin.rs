@@ -28,7 +28,11 @@ async fn hints_pin_requests_to_discovered_dynamo_instances() {
     let stack = &Stack::start(opts).await.expect("stack starts");
     let engines = stack.engines.len();
     assert_eq!(
-        sidecar_metric(stack, "kvroute_discovered_instances{model=\"tiny-llama\"}").await,
+        sidecar_metric(
+            stack,
+            "kvroute_discovered_instances{model=\"tiny-llama\",role=\"aggregated\"}"
+        )
+        .await,
         Some(engines as f64),
         "every instance found through its discovery record"
     );
@@ -63,7 +67,7 @@ async fn hints_pin_requests_to_discovered_dynamo_instances() {
     // The instance stops: Dynamo removes its record. It is never hinted again, and the requests
     // that would have gone there are served elsewhere without an error.
     let record = stack.dir.join(format!(
-        "discovery/v1/instances/dynamo/backend/generate/{:x}",
+        "discovery/v1/instances/dynamo%2Fbackend%2Fgenerate%2F{:x}",
         stack.engines[home].dynamo_worker_id
     ));
     std::fs::remove_file(&record).expect("the simulator wrote the discovery record");

@@ -71,3 +71,43 @@ fn maglev_config_differs_only_in_the_fallback_policy() {
     assert!(maglev.contains("maglev.v3.Maglev") && ring.contains("ring_hash.v3.RingHash"));
     assert_eq!(skeleton(ring), skeleton(maglev));
 }
+
+/// `kvroute-sidecar envoy-config`, as a user runs it, prints a configuration Envoy accepts.
+#[test]
+fn the_envoy_config_command_prints_a_config_that_runs() {
+    let dir = paths::run_dir("envoy-config-command").unwrap();
+    for template in ["kvroute", "kvroute-maglev", "round-robin"] {
+        let out = Command::new(paths::binary("kvroute-sidecar").unwrap())
+            .args(["envoy-config", "--template", template])
+            .args(["--workers", "127.0.0.1:8001,127.0.0.1:8002"])
+            .arg("--wasm")
+            .arg(paths::filter_wasm().unwrap())
+            .args(["--filter-config", r#"{"hint_timeout_ms": 30}"#])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let file = dir.join(format!("{template}.yaml"));
+        std::fs::write(&file, &out.stdout).unwrap();
+        let check = Command::new(paths::venv_tool("envoy").unwrap())
+            .args(["--mode", "validate", "--disable-hot-restart", "-c"])
+            .arg(&file)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&check.stdout).to_string()
+            + &String::from_utf8_lossy(&check.stderr);
+        assert!(
+            check.status.success() && text.contains("OK"),
+            "{template}: {text}"
+        );
+    }
+    let bad = Command::new(paths::binary("kvroute-sidecar").unwrap())
+        .args(["envoy-config", "--workers", "localhost:80"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("not ip:port"));
+}

@@ -113,9 +113,7 @@ pub fn workloads(scale: Scale) -> Result<Vec<Workload>> {
 }
 
 fn kvroute_traces_dir() -> PathBuf {
-    std::env::var_os("KVROUTE_TRACES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| paths::workspace().join("../shared/data/traces"))
+    paths::workspace().join("testdata/traces")
 }
 
 /// Cache capacity per engine for the chat workloads: small enough that they evict.

@@ -29,6 +29,9 @@ pub struct Outcome {
     pub engine: Option<usize>,
     /// How long it waited at the engine for a free slot (the simulator reports it).
     pub slot_wait_us: u64,
+    /// Dynamo: the (prefill, decode) worker instance ids that served it, when the request asked
+    /// for them (`"nvext": {"extra_fields": ["worker_id"]}`).
+    pub dynamo_workers: Option<(u64, u64)>,
 }
 
 impl Outcome {
@@ -94,6 +97,14 @@ pub async fn send_streaming(http: &reqwest::Client, url: &str, body: &Value) -> 
         let Ok(v) = serde_json::from_str::<Value>(data) else {
             continue;
         };
+        if let Some(ids) = v.pointer("/nvext/worker_id") {
+            if let (Some(p), Some(d)) = (
+                ids["prefill_worker_id"].as_u64(),
+                ids["decode_worker_id"].as_u64(),
+            ) {
+                out.dynamo_workers = Some((p, d));
+            }
+        }
         if let Some(usage) = v.get("usage").filter(|u| !u.is_null()) {
             out.prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0);
             out.cached_tokens = usage

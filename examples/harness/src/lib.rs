@@ -8,6 +8,7 @@
 //! - [`paths`]: where binaries, the venv, the wasm module and run directories are.
 //! - [`process`]: child processes with logs in the run directory, killed on drop; free ports.
 //! - [`stack`]: a whole fleet for one routing [`Mode`]: NATS, engines, sidecar, Envoy.
+//! - [`dynamo`]: a real NVIDIA Dynamo fleet (mocker workers, frontend) as a stack's engines.
 //! - [`workload`]: deterministic request sessions (multi-turn chat, system prompts, agents, hot prefix).
 //! - [`traces`]: the Mooncake traces replayed as token-id completions.
 //! - [`client`]: one streaming request: TTFT, cached tokens, which engine served it.
@@ -18,6 +19,7 @@
 pub mod bench;
 pub mod client;
 pub mod datapath;
+pub mod dynamo;
 pub mod paths;
 pub mod peers;
 pub mod plot;
@@ -28,4 +30,5 @@ pub mod stack;
 pub mod traces;
 pub mod workload;
 
+pub use dynamo::DynamoOptions;
 pub use stack::{Fallback, Mode, SimOptions, Stack, StackOptions};

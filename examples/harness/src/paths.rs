@@ -35,6 +35,15 @@ pub fn venv_tool(name: &str) -> Result<PathBuf> {
     existing(venv.join("bin").join(name), "run `make venv` first")
 }
 
+/// The Python of the venv holding NVIDIA Dynamo (`make venv-dynamo`; `KVROUTE_DYNAMO_VENV`
+/// overrides `.venv-dynamo`).
+pub fn dynamo_python() -> Result<PathBuf> {
+    let venv = std::env::var_os("KVROUTE_DYNAMO_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace().join(".venv-dynamo"));
+    existing(venv.join("bin/python"), "run `make venv-dynamo` first")
+}
+
 /// The filter's wasm module.
 pub fn filter_wasm() -> Result<PathBuf> {
     existing(

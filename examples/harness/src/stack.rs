@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::{bail, Context as _, Result};
 use serde::Deserialize;
 
+use crate::dynamo::DynamoOptions;
 use crate::paths;
 use crate::process::{free_port, wait_for, Process};
 
@@ -115,6 +116,9 @@ pub struct StackOptions {
     /// Pin mode: Envoy sends to the simulator's Dynamo-frontend stand-in, the sidecar finds the
     /// engines through Dynamo discovery records and hints their instance ids.
     pub dynamo_frontend: bool,
+    /// Real NVIDIA Dynamo instead of the simulator: mocker workers behind a Dynamo frontend,
+    /// in pin mode (`sim` is not used).
+    pub dynamo: Option<DynamoOptions>,
 }
 
 impl StackOptions {
@@ -131,6 +135,7 @@ impl StackOptions {
             nats_subjects: None,
             sidecar_toml: String::new(),
             dynamo_frontend: false,
+            dynamo: None,
         }
     }
 }
@@ -174,6 +179,10 @@ pub struct Stack {
     pub admin_url: String,
     /// The sidecar's API (kvroute and ring_hash modes).
     pub sidecar_url: Option<String>,
+    /// Pin mode: the Dynamo frontend (real or the simulator's stand-in) Envoy sends to.
+    pub frontend: Option<String>,
+    /// Real Dynamo, disaggregated: the decode workers' instance ids.
+    pub decode_ids: Vec<u64>,
     /// HTTP client for the stack's endpoints.
     pub http: reqwest::Client,
     processes: Vec<Process>,
@@ -210,39 +219,21 @@ impl Stack {
         })
         .await?;
 
-        let s = &opts.sim;
-        let mut sim = Command::new(paths::binary("kvroute-sim")?);
-        sim.arg("--model-dir").arg(paths::model_dir());
-        sim.args(["--model", MODEL, "--nats", &nats_url]);
-        for (flag, value) in [
-            ("--engines", s.engines.to_string()),
-            ("--block-size", s.block_size.to_string()),
-            ("--capacity-blocks", s.capacity_blocks.to_string()),
-            ("--max-running", s.max_running.to_string()),
-            ("--base-latency-us", s.base_latency_us.to_string()),
-            ("--prefill-us-per-token", s.prefill_us_per_token.to_string()),
-            ("--decode-us-per-token", s.decode_us_per_token.to_string()),
-            ("--output-tokens", s.output_tokens.to_string()),
-            ("--event-format", s.event_formats.join(",")),
-            ("--component", s.dynamo_component.clone()),
-        ] {
-            sim.args([flag, &value]);
-        }
-        if s.instant {
-            sim.arg("--instant");
-        }
         let discovery = dir.join("discovery");
-        if opts.dynamo_frontend {
-            sim.arg("--frontend").arg("--discovery-dir").arg(&discovery);
-        }
-        let (sim, ready) =
-            Process::spawn_until_line("sim", sim, &dir, "READY", Duration::from_secs(30))?;
-        processes.push(sim);
-        let ready = serde_json::from_str::<SimReady>(&ready)
-            .context("parsing the simulator's READY line")?;
-        let engines = ready.engines;
+        let pin_mode = opts.dynamo_frontend || opts.dynamo.is_some();
+        let (engines, frontend, decode_ids) = match &opts.dynamo {
+            Some(d) => {
+                let fleet = crate::dynamo::start(d, &nats_url, &dir, &mut processes).await?;
+                (fleet.engines, Some(fleet.frontend), fleet.decode_ids)
+            }
+            None => {
+                let (engines, frontend) =
+                    start_sim(&opts, &nats_url, &dir, &discovery, &mut processes)?;
+                (engines, frontend, Vec::new())
+            }
+        };
         // What Envoy's `workers` cluster lists: the engines, or in pin mode the frontend.
-        let upstreams: Vec<String> = match (&ready.frontend, opts.dynamo_frontend) {
+        let upstreams: Vec<String> = match (&frontend, pin_mode) {
             (Some(frontend), true) => vec![frontend.clone()],
             (None, true) => bail!("the simulator did not start its frontend"),
             _ => engines.iter().map(|e| e.address.clone()).collect(),
@@ -255,11 +246,10 @@ impl Stack {
         } else {
             let config = dir.join("sidecar.toml");
             let mut text = sidecar_config(&opts, &engines, &nats_url, sidecar_port);
-            if opts.dynamo_frontend {
+            if pin_mode {
                 text.push_str(&format!(
-                    "\n[[dynamo_discovery]]\ndir = \"{}\"\nmodel = \"{MODEL}\"\ncomponent = \"{}\"\npoll_interval_ms = 100\n",
+                    "\n[[dynamo_discovery]]\ndir = \"{}\"\nmodel = \"{MODEL}\"\npoll_interval_ms = 100\n",
                     discovery.display(),
-                    opts.sim.dynamo_component
                 ));
             }
             text.push_str(&format!(
@@ -313,6 +303,8 @@ impl Stack {
             envoy_url: format!("http://127.0.0.1:{listen}"),
             admin_url,
             sidecar_url,
+            frontend,
+            decode_ids,
             http,
             processes,
         };
@@ -477,6 +469,46 @@ impl Stack {
     }
 }
 
+/// Start the simulated engines (and, in pin mode, their Dynamo-frontend stand-in).
+fn start_sim(
+    opts: &StackOptions,
+    nats_url: &str,
+    dir: &std::path::Path,
+    discovery: &std::path::Path,
+    processes: &mut Vec<Process>,
+) -> Result<(Vec<EngineInfo>, Option<String>)> {
+    let s = &opts.sim;
+    let mut sim = Command::new(paths::binary("kvroute-sim")?);
+    sim.arg("--model-dir").arg(paths::model_dir());
+    sim.args(["--model", MODEL, "--nats", nats_url]);
+    for (flag, value) in [
+        ("--engines", s.engines.to_string()),
+        ("--block-size", s.block_size.to_string()),
+        ("--capacity-blocks", s.capacity_blocks.to_string()),
+        ("--max-running", s.max_running.to_string()),
+        ("--base-latency-us", s.base_latency_us.to_string()),
+        ("--prefill-us-per-token", s.prefill_us_per_token.to_string()),
+        ("--decode-us-per-token", s.decode_us_per_token.to_string()),
+        ("--output-tokens", s.output_tokens.to_string()),
+        ("--event-format", s.event_formats.join(",")),
+        ("--component", s.dynamo_component.clone()),
+    ] {
+        sim.args([flag, &value]);
+    }
+    if s.instant {
+        sim.arg("--instant");
+    }
+    if opts.dynamo_frontend {
+        sim.arg("--frontend").arg("--discovery-dir").arg(discovery);
+    }
+    let (sim, ready) =
+        Process::spawn_until_line("sim", sim, dir, "READY", Duration::from_secs(30))?;
+    processes.push(sim);
+    let ready =
+        serde_json::from_str::<SimReady>(&ready).context("parsing the simulator's READY line")?;
+    Ok((ready.engines, ready.frontend))
+}
+
 fn sidecar_config(
     opts: &StackOptions,
     engines: &[EngineInfo],
@@ -495,7 +527,7 @@ fn sidecar_config(
     );
     for e in engines {
         // In pin mode the engines are found through Dynamo discovery instead.
-        if !opts.dynamo_frontend {
+        if !opts.dynamo_frontend && opts.dynamo.is_none() {
             out.push_str(&format!(
                 "\n[[workers]]\naddress = \"{}\"\nmodel = \"{MODEL}\"\ndynamo_worker_id = {}\n",
                 e.address, e.dynamo_worker_id
@@ -511,7 +543,8 @@ fn sidecar_config(
     out
 }
 
-/// Fill the shipped Envoy template (`envoy/kvroute.yaml` or `envoy/round-robin.yaml`).
+/// The shipped Envoy configuration for `opts` (`envoy/kvroute.yaml`, `kvroute-maglev.yaml` or
+/// `round-robin.yaml`), filled as `kvroute-sidecar envoy-config` fills it.
 pub fn render_envoy(
     opts: &StackOptions,
     upstreams: &[String],
@@ -519,43 +552,35 @@ pub fn render_envoy(
     admin: u16,
     sidecar: &SidecarAddress,
 ) -> Result<String> {
+    use kvroute_sidecar::envoy_config::{self, EnvoyParams, Template};
     let template = match (opts.mode, opts.fallback) {
-        (Mode::RoundRobin, _) => "envoy/round-robin.yaml",
-        (_, Fallback::RingHash) => "envoy/kvroute.yaml",
-        (_, Fallback::Maglev) => "envoy/kvroute-maglev.yaml",
+        (Mode::RoundRobin, _) => Template::RoundRobin,
+        (_, Fallback::RingHash) => Template::Kvroute,
+        (_, Fallback::Maglev) => Template::KvrouteMaglev,
     };
-    let text = std::fs::read_to_string(paths::workspace().join(template))?;
-    let endpoints: Vec<String> = upstreams
-        .iter()
-        .map(|address| {
-            let (ip, port) = address.rsplit_once(':').unwrap_or((address, "0"));
-            format!("        - endpoint: {{ address: {{ socket_address: {{ address: {ip}, port_value: {port} }} }} }}")
-        })
-        .collect();
-    let filter_config = serde_json::json!({
-        "hints": opts.mode == Mode::Kvroute,
-        "hint_timeout_ms": opts.hint_timeout_ms,
-    });
-    let wasm = paths::filter_wasm()?;
-    let out = text
-        .replace("${ADMIN_PORT}", &admin.to_string())
-        .replace("${LISTEN_PORT}", &listen.to_string())
-        .replace(
-            "${SIDECAR_ADDRESS}",
-            &match sidecar {
-                SidecarAddress::Tcp(port) => {
-                    format!("{{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }}")
-                }
-                SidecarAddress::Unix(path) => format!("{{ pipe: {{ path: {} }} }}", path.display()),
-            },
-        )
-        .replace("${WORKER_ENDPOINTS}", &endpoints.join("\n"))
-        .replace("${FILTER_CONFIG}", &filter_config.to_string())
-        .replace("${WASM_PATH}", &wasm.display().to_string());
-    if out.contains("${") {
-        bail!("{template} has a placeholder the harness does not fill");
-    }
-    Ok(out)
+    let params = EnvoyParams {
+        listen_port: listen,
+        admin_port: admin,
+        workers: upstreams
+            .iter()
+            .map(|a| {
+                a.parse()
+                    .with_context(|| format!("upstream {a} is not ip:port"))
+            })
+            .collect::<Result<_>>()?,
+        sidecar: match sidecar {
+            SidecarAddress::Tcp(port) => {
+                envoy_config::SidecarAddress::Tcp(([127, 0, 0, 1], *port).into())
+            }
+            SidecarAddress::Unix(path) => envoy_config::SidecarAddress::Unix(path.clone()),
+        },
+        filter_config: serde_json::json!({
+            "hints": opts.mode == Mode::Kvroute,
+            "hint_timeout_ms": opts.hint_timeout_ms,
+        }),
+        wasm: paths::filter_wasm()?,
+    };
+    envoy_config::render(template.text(), &params)
 }
 
 /// Whether every thread of process `pid` is stopped (state `T` in `/proc/PID/task/*/stat`).

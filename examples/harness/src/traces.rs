@@ -1,4 +1,4 @@
-//! Replaying the Mooncake FAST'25 traces (`shared/data/traces/`) as token-id completions.
+//! Replaying the Mooncake FAST'25 traces (`testdata/traces/`) as token-id completions.
 //!
 //! Each trace line gives `hash_ids`, one per 512-token block, where equal ids mean equal prefix
 //! blocks. Each id becomes a deterministic run of `block_tokens` token ids (scaled down from 512

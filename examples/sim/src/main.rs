@@ -210,8 +210,10 @@ async fn main() -> anyhow::Result<()> {
     }
 }
 
-/// An `Endpoint` instance record as Dynamo's file discovery writes it (the captured
-/// `discovery_instance_record.json` layout), named by the instance id in hex.
+/// The records Dynamo 1.6's file discovery writes for a worker: its `Endpoint` instance record
+/// and its model card, each under its key percent-encoded into one flat file name
+/// (`v1/instances/dynamo%2Fbackend%2Fgenerate%2F<id hex>`, `v1/mdc/…`), as in
+/// `testdata/samples/dynamo/discovery-1.6.1-disaggregated`.
 fn write_discovery_record(
     root: &std::path::Path,
     args: &Args,
@@ -219,13 +221,8 @@ fn write_discovery_record(
     address: &str,
 ) -> anyhow::Result<()> {
     let (ns, component, endpoint) = (&args.namespace, &args.component, &args.endpoint);
-    let dir = root
-        .join("v1/instances")
-        .join(ns)
-        .join(component)
-        .join(endpoint);
-    std::fs::create_dir_all(&dir)?;
-    let record = serde_json::json!({
+    let key = percent_encode(&format!("{ns}/{component}/{endpoint}/{instance_id:x}"));
+    let instance = serde_json::json!({
         "type": "Endpoint",
         "component": component,
         "endpoint": endpoint,
@@ -235,10 +232,51 @@ fn write_discovery_record(
         "device_type": "cuda",
         "request_plane_codec": "msgpack",
     });
-    // Written aside and renamed, so a reader never sees half a record.
-    let path = dir.join(format!("{instance_id:x}"));
-    let tmp = dir.join(format!(".{instance_id:x}.tmp"));
-    std::fs::write(&tmp, record.to_string())?;
-    std::fs::rename(&tmp, &path)?;
+    let card = serde_json::json!({
+        "type": "Model",
+        "namespace": ns,
+        "component": component,
+        "endpoint": endpoint,
+        "instance_id": instance_id,
+        "card_json": {
+            "display_name": args.model,
+            "kv_cache_block_size": args.block_size,
+            "worker_type": if component == "prefill" { "prefill" } else { "aggregated" },
+            "runtime_config": {"total_kv_blocks": args.capacity_blocks},
+        },
+    });
+    for (bucket, record) in [("v1/instances", instance), ("v1/mdc", card)] {
+        let dir = root.join(bucket);
+        std::fs::create_dir_all(&dir)?;
+        // Written aside and renamed, so a reader never sees half a record.
+        let tmp = dir.join(format!(".{key}.tmp"));
+        std::fs::write(&tmp, record.to_string())?;
+        std::fs::rename(&tmp, dir.join(&key))?;
+    }
     Ok(())
+}
+
+/// Dynamo's file-name encoding of a discovery key: every byte but ASCII letters and digits as
+/// `%XX`.
+fn percent_encode(key: &str) -> String {
+    key.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn keys_are_encoded_as_dynamo_names_its_files() {
+        assert_eq!(
+            super::percent_encode("dynamo/backend/worker_kv_query-1/ab"),
+            "dynamo%2Fbackend%2Fworker%5Fkv%5Fquery%2D1%2Fab"
+        );
+    }
 }

@@ -41,17 +41,19 @@ pub fn instant_router(index: usize) -> Router {
 }
 
 /// A stand-in for a Dynamo frontend in front of the engines: a request carrying
-/// `x-worker-instance-id` is served by that instance, as Dynamo's direct routing does (an unknown
-/// id is a 503, as a frontend answers for an instance that is gone); others go round robin.
+/// `x-worker-instance-id` (or `x-prefill-instance-id`) is served by that instance, as Dynamo 1.6's
+/// frontend does; an id it does
+/// not know (an instance that is gone) is a 400 `Invalid request`, as Dynamo answers; others go
+/// round robin.
 pub fn frontend_router(engines: Vec<(u64, Router)>) -> Router {
     let engines = Arc::new(engines);
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     Router::new().fallback(move |req: axum::extract::Request| {
         let (engines, next) = (engines.clone(), next.clone());
         async move {
-            let pinned = req
-                .headers()
-                .get(INSTANCE_HEADER)
+            let pinned = [INSTANCE_HEADER, PREFILL_INSTANCE_HEADER]
+                .iter()
+                .find_map(|h| req.headers().get(*h))
                 .and_then(|v| v.to_str().ok())
                 .map(|v| v.trim().parse::<u64>());
             let engine = match pinned {
@@ -64,10 +66,7 @@ pub fn frontend_router(engines: Vec<(u64, Router)>) -> Router {
                     Ok(resp) => resp,
                     Err(never) => match never {},
                 },
-                None => error(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "no such worker instance".into(),
-                ),
+                None => error(StatusCode::BAD_REQUEST, "Invalid request".into()),
             }
         }
     })
@@ -75,6 +74,9 @@ pub fn frontend_router(engines: Vec<(u64, Router)>) -> Router {
 
 /// The header a Dynamo frontend reads to serve a request on one worker instance.
 pub const INSTANCE_HEADER: &str = "x-worker-instance-id";
+/// The header a Dynamo frontend (router mode `kv`) reads to prefill a request on one prefill
+/// instance of a disaggregated fleet (the stand-in serves the whole request there).
+pub const PREFILL_INSTANCE_HEADER: &str = "x-prefill-instance-id";
 
 /// Response header naming the engine that served a request (for tests and the demo).
 pub const ENGINE_HEADER: &str = "x-sim-engine";

@@ -4,7 +4,7 @@
 //! is `NONE_HASH = sha256(pickle("vllm-none-hash"))`, and events carry the low 64 bits (bytes
 //! 24..32, big-endian). kvroute itself never recomputes this (it keys blocks by its own hash of
 //! `token_ids`); peers that route on vLLM's hashes need it. Checked against the golden vectors
-//! captured from vLLM 0.32 (`shared/data/samples/vllm/golden_block_hash_vectors.json`).
+//! captured from vLLM 0.32 (`testdata/samples/vllm/golden_block_hash_vectors.json`).
 
 use sha2::{Digest, Sha256};
 

@@ -1,7 +1,20 @@
-//! Dynamo's file discovery: the instances serving a component's endpoint, one JSON record per
-//! instance at `<dir>/v1/instances/<namespace>/<component>/<endpoint>/<instance id>`
-//! (`{"type": "Endpoint", "instance_id": …, "transport": {"tcp": "ip:port/…"}, …}`). A record
-//! appears when the instance starts and goes away when it stops.
+//! Dynamo's file discovery: which instances serve a model, where, and in which role.
+//!
+//! Dynamo 1.6 (`--discovery-backend file`, root `DYN_FILE_KV`) keeps one JSON file per key in a
+//! bucket directory, the key percent-encoded into a flat file name:
+//! - `v1/instances/dynamo%2Fbackend%2Fgenerate%2F<instance hex>`: an `Endpoint` record
+//!   (`{"type": "Endpoint", "namespace", "component", "endpoint", "instance_id",
+//!   "transport": {"tcp": "ip:port/…"}}`); aggregated and decode workers register under
+//!   `backend`, prefill workers under `prefill`; each worker also registers helper endpoints
+//!   (`worker_kv_query_source_…`), which are not request targets;
+//! - `v1/mdc/dynamo%2Fbackend%2Fgenerate%2F<instance hex>`: the model card (`card_json`:
+//!   `display_name`, `worker_type` = `aggregated` | `prefill` | `decode`, `kv_cache_block_size`,
+//!   `runtime_config.total_kv_blocks`). Absent when the worker self-hosts its card.
+//!
+//! Records are refreshed every few seconds and removed about 8 s after their worker dies
+//! (measured: SIGKILL to removal, 7.8 s). Nested directories (`v1/instances/<ns>/<component>/
+//! <endpoint>/<id>`) are read too: the key is the path either way, and the record's own fields
+//! decide.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -11,21 +24,65 @@ use std::time::Duration;
 use serde_json::Value;
 
 use crate::config::DiscoveryConfig;
-use crate::metrics::label;
 use crate::state::AppState;
 
-/// The directory holding `config`'s instance records.
-pub fn instances_dir(config: &DiscoveryConfig) -> PathBuf {
-    config
-        .dir
-        .join("v1/instances")
-        .join(&config.namespace)
-        .join(&config.component)
-        .join(&config.endpoint)
+/// What a Dynamo worker does in the serving pipeline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Prefill and decode on one worker: it holds the prompt's KV blocks and serves the request.
+    Aggregated,
+    /// Disaggregated prefill: computes (and caches) the prompt's KV blocks, publishes the KV
+    /// events; pinned with the frontend's prefill-instance header.
+    Prefill,
+    /// Disaggregated decode: receives the KV blocks from a prefill worker; publishes no KV
+    /// events by design and is chosen by the frontend, never by kvroute.
+    Decode,
 }
 
-/// An instance record: its id and the `ip:port` of its request plane, or why it is not one.
-pub fn parse_record(bytes: &[u8]) -> Result<(u64, String), String> {
+impl Role {
+    /// The label value in metrics and logs.
+    pub fn label(self) -> &'static str {
+        match self {
+            Role::Aggregated => "aggregated",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+/// One `Endpoint` record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndpointRecord {
+    /// Dynamo namespace.
+    pub namespace: String,
+    /// Component (`backend`, `prefill`, …).
+    pub component: String,
+    /// Endpoint (`generate`, or a helper endpoint).
+    pub endpoint: String,
+    /// The instance id (the `worker_id` of its KV events).
+    pub instance_id: u64,
+    /// Its request-plane `ip:port` (`dynamo` when it has no TCP transport).
+    pub address: String,
+}
+
+/// One model card (`Model` record).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelCard {
+    /// The instance it describes.
+    pub instance_id: u64,
+    /// The served model's name (`display_name`).
+    pub model: String,
+    /// `worker_type`, when it is one of the known roles.
+    pub role: Option<Role>,
+    /// The engine's KV block size.
+    pub block_size: Option<u32>,
+    /// The engine's cache capacity, in blocks.
+    pub total_kv_blocks: Option<u64>,
+}
+
+/// An instance record: the endpoint it serves, or why the file is not one.
+pub fn parse_endpoint(bytes: &[u8]) -> Result<EndpointRecord, String> {
     let v: Value = serde_json::from_slice(bytes).map_err(|e| format!("not JSON: {e}"))?;
     match v.get("type").and_then(Value::as_str) {
         None | Some("Endpoint") => {}
@@ -35,133 +92,474 @@ pub fn parse_record(bytes: &[u8]) -> Result<(u64, String), String> {
         .get("instance_id")
         .and_then(Value::as_u64)
         .ok_or("no u64 instance_id")?;
+    let field = |name: &str| v.get(name).and_then(Value::as_str).unwrap_or("").to_owned();
     // "127.0.0.1:40051/bda8d114129d4c8f/dynamo/backend/generate": the address is before the path.
     let tcp = v
         .pointer("/transport/tcp")
         .and_then(Value::as_str)
         .unwrap_or("");
-    let address = tcp.split('/').next().unwrap_or("").to_owned();
-    Ok((
-        id,
-        if address.is_empty() {
+    let address = tcp.split('/').next().unwrap_or("");
+    Ok(EndpointRecord {
+        namespace: field("namespace"),
+        component: field("component"),
+        endpoint: field("endpoint"),
+        instance_id: id,
+        address: if address.is_empty() {
             "dynamo".into()
         } else {
-            address
+            address.to_owned()
         },
-    ))
+    })
 }
 
-/// Read every record in `dir`: instance id → address. Files that are not instance records (or
-/// are being rewritten) are skipped, with a debug line.
-pub fn scan(dir: &Path) -> std::io::Result<BTreeMap<u64, String>> {
-    let mut found = BTreeMap::new();
-    let entries = match std::fs::read_dir(dir) {
-        Ok(e) => e,
-        // No instance has registered yet.
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(found),
-        Err(e) => return Err(e),
+/// A model card, or why the file is not one.
+pub fn parse_card(bytes: &[u8]) -> Result<ModelCard, String> {
+    let v: Value = serde_json::from_slice(bytes).map_err(|e| format!("not JSON: {e}"))?;
+    if v.get("type").and_then(Value::as_str) != Some("Model") {
+        return Err("not a Model record".into());
+    }
+    let id = v
+        .get("instance_id")
+        .and_then(Value::as_u64)
+        .ok_or("no u64 instance_id")?;
+    let card = v.get("card_json").ok_or("no card_json")?;
+    let model = card
+        .get("display_name")
+        .and_then(Value::as_str)
+        .ok_or("no display_name")?;
+    let role = match card.get("worker_type").and_then(Value::as_str) {
+        Some("aggregated") => Some(Role::Aggregated),
+        Some("prefill") => Some(Role::Prefill),
+        Some("decode") => Some(Role::Decode),
+        _ => None,
     };
-    for entry in entries.flatten() {
-        let path = entry.path();
-        if !path.is_file() || entry.file_name().to_string_lossy().starts_with('.') {
-            continue;
+    Ok(ModelCard {
+        instance_id: id,
+        model: model.to_owned(),
+        role,
+        block_size: card
+            .get("kv_cache_block_size")
+            .and_then(Value::as_u64)
+            .and_then(|b| u32::try_from(b).ok()),
+        total_kv_blocks: card
+            .pointer("/runtime_config/total_kv_blocks")
+            .and_then(Value::as_u64),
+    })
+}
+
+/// An instance kvroute may route to, or knows the frontend routes to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Instance {
+    /// Request-plane `ip:port`.
+    pub address: String,
+    /// Its component.
+    pub component: String,
+    /// Its role.
+    pub role: Role,
+    /// Cache capacity in blocks, from its model card.
+    pub total_kv_blocks: Option<u64>,
+    /// KV block size, from its model card.
+    pub block_size: Option<u32>,
+}
+
+/// One read of the discovery root for one `[[dynamo_discovery]]` entry.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Scan {
+    /// The entry's instances, by instance id.
+    pub instances: BTreeMap<u64, Instance>,
+    /// Every instance record read, matching or not.
+    pub records: usize,
+    /// `namespace/component/endpoint` of every record that did not match, with counts: what
+    /// the no-instances warning shows.
+    pub elsewhere: BTreeMap<String, usize>,
+}
+
+impl Scan {
+    /// Instances kvroute pins requests to (not decode workers).
+    pub fn hintable(&self) -> usize {
+        self.instances
+            .values()
+            .filter(|i| i.role != Role::Decode)
+            .count()
+    }
+
+    /// How many instances of a role.
+    pub fn count(&self, role: Role) -> usize {
+        self.instances.values().filter(|i| i.role == role).count()
+    }
+}
+
+/// How deep nested layouts go below a bucket (`<ns>/<component>/<endpoint>/<id>`).
+const MAX_DEPTH: usize = 4;
+
+/// Every record file under a bucket directory, flat or nested; a missing bucket holds none.
+fn record_files(bucket: &Path) -> std::io::Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    let mut dirs = vec![(bucket.to_path_buf(), 0)];
+    while let Some((dir, depth)) = dirs.pop() {
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) if depth == 0 => return Err(e),
+            Err(_) => continue,
+        };
+        for entry in entries.flatten() {
+            if entry.file_name().to_string_lossy().starts_with('.') {
+                continue;
+            }
+            let path = entry.path();
+            if path.is_dir() {
+                if depth < MAX_DEPTH {
+                    dirs.push((path, depth + 1));
+                }
+            } else if path.is_file() {
+                out.push(path);
+            }
         }
+    }
+    Ok(out)
+}
+
+/// Read the instance records and model cards under `root` (the discovery root, holding `v1/`)
+/// and keep `config`'s: its namespace and endpoint, any component unless one is configured, and
+/// not an instance whose model card names another model. Roles come from the model cards; without
+/// one, component `prefill` is a prefill worker and, when there are prefill workers, the others
+/// are decode workers.
+pub fn scan(root: &Path, config: &DiscoveryConfig) -> std::io::Result<Scan> {
+    let mut cards: BTreeMap<u64, ModelCard> = BTreeMap::new();
+    for path in record_files(&root.join("v1/mdc"))? {
         // A record being rewritten may be empty or cut: skip it this scan.
+        if let Ok(card) = std::fs::read(&path)
+            .map_err(|e| e.to_string())
+            .and_then(|b| parse_card(&b))
+        {
+            cards.insert(card.instance_id, card);
+        }
+    }
+    let mut scan = Scan::default();
+    let mut found = Vec::new();
+    for path in record_files(&root.join("v1/instances"))? {
         let Ok(bytes) = std::fs::read(&path) else {
             continue;
         };
-        match parse_record(&bytes) {
-            Ok((id, address)) => {
-                found.insert(id, address);
+        let record = match parse_endpoint(&bytes) {
+            Ok(r) => r,
+            Err(why) => {
+                tracing::debug!(file = %path.display(), %why, "not an instance record");
+                continue;
             }
-            Err(why) => tracing::debug!(file = %path.display(), %why, "not an instance record"),
+        };
+        scan.records += 1;
+        let card = cards.get(&record.instance_id);
+        let matches = record.namespace == config.namespace
+            && record.endpoint == config.endpoint
+            && config
+                .component
+                .as_ref()
+                .is_none_or(|c| *c == record.component)
+            && card.is_none_or(|c| c.model == config.model);
+        if matches {
+            found.push((record, card));
+        } else {
+            *scan
+                .elsewhere
+                .entry(format!(
+                    "{}/{}/{}",
+                    record.namespace, record.component, record.endpoint
+                ))
+                .or_default() += 1;
         }
     }
-    Ok(found)
+    let disaggregated = found.iter().any(|(r, card)| {
+        card.and_then(|c| c.role) == Some(Role::Prefill) || r.component == "prefill"
+    });
+    for (record, card) in found {
+        let role = card.and_then(|c| c.role).unwrap_or(match () {
+            _ if record.component == "prefill" => Role::Prefill,
+            _ if disaggregated => Role::Decode,
+            _ => Role::Aggregated,
+        });
+        scan.instances.insert(
+            record.instance_id,
+            Instance {
+                address: record.address,
+                component: record.component,
+                role,
+                total_kv_blocks: card.and_then(|c| c.total_kv_blocks),
+                block_size: card.and_then(|c| c.block_size),
+            },
+        );
+    }
+    Ok(scan)
 }
 
-/// Poll the directory forever, applying each scan to the registry.
+/// Probes in a row that must fail before an instance counts as down.
+const PROBE_FAILURES: u32 = 2;
+
+/// Poll the directory forever, applying each scan to the registry, and probe every pinned
+/// instance's request plane between scans.
 pub async fn run(config: DiscoveryConfig, state: Arc<AppState>) -> anyhow::Result<()> {
-    let dir = instances_dir(&config);
-    tracing::info!(dir = %dir.display(), model = %config.model, "reading Dynamo discovery records");
-    let mut tick = tokio::time::interval(Duration::from_millis(config.poll_interval_ms.max(50)));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let entry = state.plane().register_discovery(&config);
+    tracing::info!(dir = %config.dir.display(), model = %config.model, namespace = %config.namespace, "reading Dynamo discovery records");
+    let mut scans = tokio::time::interval(Duration::from_millis(config.poll_interval_ms.max(50)));
+    scans.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut probes = tokio::time::interval(Duration::from_millis(
+        config.probe_interval_ms.clamp(50, 3_600_000),
+    ));
+    probes.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut failing = false;
+    let mut last_summary = String::new();
+    let mut last = Scan::default();
+    // Consecutive failed probes per instance id.
+    let mut failed: BTreeMap<u64, u32> = BTreeMap::new();
     loop {
-        tick.tick().await;
+        tokio::select! {
+            _ = scans.tick() => {}
+            _ = probes.tick(), if config.probe_interval_ms > 0 => {
+                if probe_all(&config, &last, &mut failed).await {
+                    state.record_discovery(&config, &last, &down(&failed));
+                }
+                continue;
+            }
+        }
         let scanned = {
-            let dir = dir.clone();
-            tokio::task::spawn_blocking(move || scan(&dir)).await
+            let config = config.clone();
+            tokio::task::spawn_blocking(move || scan(&config.dir, &config)).await
         };
         match scanned {
-            Ok(Ok(instances)) => {
+            Ok(Ok(found)) => {
                 failing = false;
-                state
-                    .metrics
-                    .discovered_instances
-                    .get_or_create(&label("model", config.model.clone()))
-                    .set(instances.len() as i64);
-                state.record_discovery(&config.model, &instances);
+                let summary = summary(&config, &found);
+                if summary != last_summary {
+                    if found.hintable() == 0 {
+                        tracing::warn!(alarm = "no_instances", "{summary}");
+                    } else {
+                        tracing::info!("{summary}");
+                    }
+                    last_summary = summary.clone();
+                }
+                state.plane().discovered(entry, found.hintable(), summary);
+                failed.retain(|id, _| found.instances.contains_key(id));
+                state.record_discovery(&config, &found, &down(&failed));
+                last = found;
             }
             Ok(Err(e)) if !failing => {
                 failing = true;
-                tracing::error!(dir = %dir.display(), error = %e, "cannot read the Dynamo discovery directory; instances keep their last state");
+                tracing::error!(dir = %config.dir.display(), error = %e, "cannot read the Dynamo discovery directory; instances keep their last state");
             }
             _ => {}
         }
     }
 }
 
+/// The instances whose last probes all failed.
+fn down(failed: &BTreeMap<u64, u32>) -> std::collections::BTreeSet<u64> {
+    failed
+        .iter()
+        .filter(|(_, n)| **n >= PROBE_FAILURES)
+        .map(|(id, _)| *id)
+        .collect()
+}
+
+/// TCP-connect every pinned instance of `scan` at once (connect only: Dynamo's request plane
+/// logs nothing for a connection closed before its handshake); whether any instance went down
+/// or came back.
+async fn probe_all(config: &DiscoveryConfig, scan: &Scan, failed: &mut BTreeMap<u64, u32>) -> bool {
+    let timeout = Duration::from_millis(config.probe_timeout_ms.max(1));
+    let probes = scan
+        .instances
+        .iter()
+        .filter(|(_, i)| i.role != Role::Decode)
+        .filter_map(|(id, i)| Some((*id, i.address.parse::<std::net::SocketAddr>().ok()?)))
+        .map(|(id, address)| async move {
+            let up = matches!(
+                tokio::time::timeout(timeout, tokio::net::TcpStream::connect(address)).await,
+                Ok(Ok(_))
+            );
+            (id, address, up)
+        });
+    let mut changed = false;
+    for (id, address, up) in futures::future::join_all(probes).await {
+        let n = failed.entry(id).or_default();
+        let was_down = *n >= PROBE_FAILURES;
+        *n = if up { 0 } else { n.saturating_add(1) };
+        let is_down = *n >= PROBE_FAILURES;
+        if is_down != was_down {
+            changed = true;
+            if is_down {
+                tracing::warn!(instance_id = id, %address, "Dynamo instance's request plane refuses connections: not pinned until it answers again");
+            } else {
+                tracing::info!(instance_id = id, %address, "Dynamo instance answers again");
+            }
+        }
+    }
+    changed
+}
+
+/// One line saying what a scan found for `config`, and where to look when it found nothing.
+pub fn summary(config: &DiscoveryConfig, scan: &Scan) -> String {
+    let (agg, prefill, decode) = (
+        scan.count(Role::Aggregated),
+        scan.count(Role::Prefill),
+        scan.count(Role::Decode),
+    );
+    let wanted = format!(
+        "{}/{}/{}",
+        config.namespace,
+        config.component.as_deref().unwrap_or("*"),
+        config.endpoint
+    );
+    if scan.hintable() > 0 {
+        return format!(
+            "Dynamo discovery for model {}: {agg} aggregated, {prefill} prefill, {decode} decode instances ({wanted})",
+            config.model
+        );
+    }
+    let elsewhere: Vec<String> = scan
+        .elsewhere
+        .iter()
+        .map(|(k, n)| format!("{k} ({n})"))
+        .collect();
+    format!(
+        "Dynamo discovery for model {} found no instance to pin requests to under {} ({wanted}; {decode} decode instances): every request falls back to the frontend's own routing. Instance records read: {}{}. Check `dir` is the workers' DYN_FILE_KV, and the namespace and model name.",
+        config.model,
+        config.dir.join("v1/instances").display(),
+        scan.records,
+        if elsewhere.is_empty() {
+            String::new()
+        } else {
+            format!(", for other endpoints: [{}]", elsewhere.join(", "))
+        }
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn config(dir: &Path) -> DiscoveryConfig {
+        DiscoveryConfig::new(dir.to_path_buf(), "tiny-llama")
+    }
+
+    fn captured(name: &str) -> PathBuf {
+        kvroute_protocol::samples_dir().join("dynamo").join(name)
+    }
+
     #[test]
     fn reads_the_captured_records() {
-        let samples = kvroute_protocol::samples_dir().join("dynamo");
-        let instance = std::fs::read(samples.join("discovery_instance_record.json")).unwrap();
+        let instance = std::fs::read(captured("discovery_instance_record.json")).unwrap();
+        let record = parse_endpoint(&instance).unwrap();
         assert_eq!(
-            parse_record(&instance).unwrap(),
-            (13666402953397619855, "127.0.0.1:40051".into())
+            (record.instance_id, record.address.as_str()),
+            (13666402953397619855, "127.0.0.1:40051")
+        );
+        assert_eq!(
+            (record.component.as_str(), record.endpoint.as_str()),
+            ("backend", "generate")
         );
         for other in [
             "discovery_event_channel_record.json",
             "discovery_event_source_record.json",
         ] {
-            let bytes = std::fs::read(samples.join(other)).unwrap();
-            assert!(parse_record(&bytes).is_err(), "{other}");
+            let bytes = std::fs::read(captured(other)).unwrap();
+            assert!(parse_endpoint(&bytes).is_err(), "{other}");
+            assert!(parse_card(&bytes).is_err(), "{other}");
         }
-        assert!(parse_record(b"{").is_err());
-        assert!(parse_record(br#"{"type":"Endpoint","instance_id":-1}"#).is_err());
+        assert!(parse_endpoint(b"{").is_err());
+        assert!(parse_endpoint(br#"{"type":"Endpoint","instance_id":-1}"#).is_err());
     }
 
+    /// The discovery root Dynamo 1.6.1 wrote for one aggregated worker and one prefill/decode
+    /// pair (flat, percent-encoded file names; model cards beside the instances).
     #[test]
-    fn scans_one_endpoint_directory() {
-        let root = std::env::temp_dir().join(format!("kvroute-discovery-{}", std::process::id()));
-        let config = DiscoveryConfig {
-            dir: root.clone(),
-            model: "m".into(),
-            namespace: "dynamo".into(),
-            component: "backend".into(),
-            endpoint: "generate".into(),
-            poll_interval_ms: 1000,
-        };
-        let dir = instances_dir(&config);
+    fn reads_dynamo_1_6_flat_layout_with_roles() {
+        let root = captured("discovery-1.6.1-disaggregated");
+        let found = scan(&root, &config(&root)).unwrap();
+        let roles: Vec<(Role, &str)> = found
+            .instances
+            .values()
+            .map(|i| (i.role, i.component.as_str()))
+            .collect();
+        assert_eq!(found.count(Role::Prefill), 1, "{roles:?}");
+        assert_eq!(found.count(Role::Decode), 1, "{roles:?}");
+        assert_eq!(found.hintable(), 1);
+        let prefill = found
+            .instances
+            .values()
+            .find(|i| i.role == Role::Prefill)
+            .unwrap();
+        assert_eq!(prefill.component, "prefill");
+        assert_eq!(prefill.total_kv_blocks, Some(128));
+        assert_eq!(prefill.block_size, Some(16));
+        assert!(prefill.address.starts_with("127.0.0.1:"), "{prefill:?}");
         assert!(
-            scan(&dir).unwrap().is_empty(),
-            "no directory yet: no instances"
+            found
+                .elsewhere
+                .keys()
+                .any(|k| k.contains("worker_kv_query_source")),
+            "helper endpoints are read and left out: {:?}",
+            found.elsewhere
         );
+
+        let mut other_model = config(&root);
+        other_model.model = "another".into();
+        let none = scan(&root, &other_model).unwrap();
+        assert_eq!(none.hintable(), 0, "the model cards name tiny-llama");
+        let line = summary(&other_model, &none);
+        assert!(line.contains("found no instance"), "{line}");
+        assert!(line.contains("dynamo/prefill/generate (1)"), "{line}");
+    }
+
+    /// Without model cards (workers that self-host them) the component decides: `prefill` is a
+    /// prefill worker and, beside prefill workers, `backend` instances decode.
+    #[test]
+    fn roles_without_model_cards() {
+        let dir = tempfile::tempdir().unwrap();
+        let instances = dir.path().join("v1/instances");
+        std::fs::create_dir_all(&instances).unwrap();
+        let record = |component: &str, id: u64, port: u16| {
+            let body = serde_json::json!({"type": "Endpoint", "namespace": "dynamo", "component": component,
+                "endpoint": "generate", "instance_id": id, "transport": {"tcp": format!("127.0.0.1:{port}/{id:x}")}});
+            std::fs::write(
+                instances.join(format!("dynamo%2F{component}%2Fgenerate%2F{id:x}")),
+                body.to_string(),
+            )
+            .unwrap();
+        };
+        record("backend", 1, 1001);
+        let found = scan(dir.path(), &config(dir.path())).unwrap();
+        assert_eq!(found.instances[&1].role, Role::Aggregated);
+        record("prefill", 2, 1002);
+        std::fs::write(instances.join("partial"), b"{\"type\":").unwrap();
+        let found = scan(dir.path(), &config(dir.path())).unwrap();
+        assert_eq!(found.instances[&1].role, Role::Decode);
+        assert_eq!(found.instances[&2].role, Role::Prefill);
+        assert_eq!(found.records, 2, "a cut record is skipped");
+    }
+
+    /// Nested directories (`<ns>/<component>/<endpoint>/<id>`) hold the same records.
+    #[test]
+    fn reads_nested_directories() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("v1/instances/dynamo/backend/generate");
+        assert!(scan(root.path(), &config(root.path()))
+            .unwrap()
+            .instances
+            .is_empty());
         std::fs::create_dir_all(&dir).unwrap();
-        let samples = kvroute_protocol::samples_dir().join("dynamo");
         std::fs::copy(
-            samples.join("discovery_instance_record.json"),
+            captured("discovery_instance_record.json"),
             dir.join("bda8d114129d4c8f"),
         )
         .unwrap();
-        std::fs::write(dir.join("partial"), b"{\"type\":").unwrap();
-        let found = scan(&dir).unwrap();
-        assert_eq!(found.len(), 1);
-        assert_eq!(found[&13666402953397619855], "127.0.0.1:40051");
-        std::fs::remove_dir_all(&root).unwrap();
+        let found = scan(root.path(), &config(root.path())).unwrap();
+        assert_eq!(
+            found.instances[&13666402953397619855].address,
+            "127.0.0.1:40051"
+        );
+        assert_eq!(
+            found.instances[&13666402953397619855].role,
+            Role::Aggregated
+        );
     }
 }

@@ -1,0 +1,210 @@
+//! A real NVIDIA Dynamo 1.6.1 fleet on loopback: mocker workers (Dynamo's own engine simulator,
+//! publishing real KV events on NATS and real file-discovery records) behind a real Dynamo
+//! frontend, from the project's `.venv-dynamo` (`make venv-dynamo`).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{Context as _, Result};
+
+use crate::paths;
+use crate::process::{free_port, wait_for, Process};
+use crate::stack::{EngineInfo, MODEL};
+use kvroute_sidecar::sources::discovery::{self, Role};
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct DynamoOptions {
+    /// Aggregated workers (prefill and decode on one worker).
+    pub aggregated: usize,
+    /// Disaggregated prefill workers.
+    pub prefill: usize,
+    /// Disaggregated decode workers.
+    pub decode: usize,
+    /// KV block size.
+    pub block_size: u32,
+    /// Cache capacity per worker, in blocks (`--num-gpu-blocks-override`).
+    pub capacity_blocks: usize,
+    /// How much faster than the modelled GPU the mocker runs (`--speedup-ratio`).
+    pub speedup_ratio: f64,
+    /// The frontend's `--router-mode` (`kv`, `round-robin`, `direct`).
+    pub router_mode: String,
+}
+
+impl Default for DynamoOptions {
+    fn default() -> Self {
+        DynamoOptions {
+            aggregated: 2,
+            prefill: 0,
+            decode: 0,
+            block_size: 16,
+            capacity_blocks: 1024,
+            speedup_ratio: 10.0,
+            router_mode: "kv".into(),
+        }
+    }
+}
+
+/// The running fleet's facts.
+pub struct DynamoFleet {
+    /// The frontend's `127.0.0.1:port`.
+    pub frontend: String,
+    /// The workers kvroute pins to (aggregated or prefill), as their discovery records say;
+    /// `index` is the `dynamo-worker-<index>` process.
+    pub engines: Vec<EngineInfo>,
+    /// The decode workers' instance ids.
+    pub decode_ids: Vec<u64>,
+    /// The discovery root (`DYN_FILE_KV`).
+    pub discovery: PathBuf,
+}
+
+/// The environment every Dynamo process gets: the stack's NATS, file discovery under `dir`,
+/// every listener on loopback.
+fn dynamo_env(cmd: &mut Command, nats_url: &str, discovery: &Path) {
+    cmd.env("NATS_SERVER", nats_url)
+        .env("DYN_DISCOVERY_BACKEND", "file")
+        .env("DYN_FILE_KV", discovery)
+        .env("DYN_REQUEST_PLANE", "tcp")
+        .env("DYN_EVENT_PLANE", "nats")
+        .env("DYN_TCP_RPC_HOST", "127.0.0.1")
+        .env("DYN_TCP_RESPONSE_STREAM_HOST", "127.0.0.1")
+        .env("DYN_EVENT_PLANE_HOST", "127.0.0.1")
+        .env("DYN_SYSTEM_HOST", "127.0.0.1")
+        .env("DYN_LOG", "info")
+        .env("HF_HUB_OFFLINE", "1");
+}
+
+/// A mocker worker in `role` (`agg`, `prefill`, `decode`) whose request plane listens on
+/// `127.0.0.1:port`.
+pub fn worker_command(
+    opts: &DynamoOptions,
+    role: &str,
+    port: u16,
+    nats_url: &str,
+    discovery: &Path,
+) -> Result<Command> {
+    let mut cmd = Command::new(paths::dynamo_python()?);
+    cmd.args(["-m", "dynamo.mocker", "--model-path"])
+        .arg(paths::model_dir())
+        .args(["--model-name", MODEL])
+        .args([
+            "--discovery-backend",
+            "file",
+            "--event-plane",
+            "nats",
+            "--request-plane",
+            "tcp",
+        ])
+        .args(["--block-size", &opts.block_size.to_string()])
+        .args([
+            "--num-gpu-blocks-override",
+            &opts.capacity_blocks.to_string(),
+        ])
+        .args(["--speedup-ratio", &opts.speedup_ratio.to_string()])
+        .args(["--disaggregation-mode", role]);
+    dynamo_env(&mut cmd, nats_url, discovery);
+    cmd.env("DYN_TCP_RPC_PORT", port.to_string());
+    Ok(cmd)
+}
+
+/// Start the workers, wait until each has registered, then the frontend, and wait until it
+/// serves the model.
+pub async fn start(
+    opts: &DynamoOptions,
+    nats_url: &str,
+    dir: &Path,
+    processes: &mut Vec<Process>,
+) -> Result<DynamoFleet> {
+    let discovery = dir.join("discovery");
+    std::fs::create_dir_all(&discovery)?;
+    let roles = std::iter::repeat_n("agg", opts.aggregated)
+        .chain(std::iter::repeat_n("prefill", opts.prefill))
+        .chain(std::iter::repeat_n("decode", opts.decode));
+    // Worker i listens on ports[i]: its discovery record's address says which process it is.
+    let mut ports = Vec::new();
+    for (i, role) in roles.enumerate() {
+        let port = free_port()?;
+        let cmd = worker_command(opts, role, port, nats_url, &discovery)?;
+        processes.push(Process::spawn(&format!("dynamo-worker-{i}"), cmd, dir)?);
+        ports.push(format!("127.0.0.1:{port}"));
+    }
+    let config = kvroute_sidecar::config::DiscoveryConfig::new(&discovery, MODEL);
+    let wanted = opts.aggregated + opts.prefill + opts.decode;
+    let (config_ref, discovery_ref) = (&config, &discovery);
+    let scan = wait_for(
+        "every Dynamo worker's discovery record",
+        Duration::from_secs(120),
+        || async move {
+            let scan = discovery::scan(discovery_ref, config_ref).ok()?;
+            (scan.instances.len() >= wanted).then_some(scan)
+        },
+    )
+    .await
+    .with_context(|| tail_of(processes, "dynamo-worker-0"))?;
+
+    let port = free_port()?;
+    let mut cmd = Command::new(paths::dynamo_python()?);
+    cmd.args(["-m", "dynamo.frontend", "--http-host", "127.0.0.1"])
+        .args(["--http-port", &port.to_string()])
+        .args(["--router-mode", &opts.router_mode])
+        .args([
+            "--discovery-backend",
+            "file",
+            "--request-plane",
+            "tcp",
+            "--event-plane",
+            "nats",
+        ])
+        .args(["--kv-cache-block-size", &opts.block_size.to_string()]);
+    dynamo_env(&mut cmd, nats_url, &discovery);
+    processes.push(Process::spawn("dynamo-frontend", cmd, dir)?);
+    let frontend = format!("127.0.0.1:{port}");
+    let http = reqwest::Client::new();
+    let (models, http) = (&format!("http://{frontend}/v1/models"), &http);
+    wait_for(
+        "the Dynamo frontend to serve the model",
+        Duration::from_secs(120),
+        || async move {
+            let text = http.get(models).send().await.ok()?.text().await.ok()?;
+            text.contains(MODEL).then_some(())
+        },
+    )
+    .await
+    .with_context(|| tail_of(processes, "dynamo-frontend"))?;
+
+    let mut engines = Vec::new();
+    let mut decode_ids = Vec::new();
+    for (i, address) in ports.iter().enumerate() {
+        let (&id, instance) = scan
+            .instances
+            .iter()
+            .find(|(_, instance)| &instance.address == address)
+            .with_context(|| format!("no discovery record for dynamo-worker-{i} at {address}"))?;
+        if instance.role == Role::Decode {
+            decode_ids.push(id);
+        } else {
+            engines.push(EngineInfo {
+                index: i,
+                address: address.clone(),
+                dynamo_worker_id: id,
+                zmq_endpoint: None,
+                replay_endpoint: None,
+            });
+        }
+    }
+    Ok(DynamoFleet {
+        frontend,
+        engines,
+        decode_ids,
+        discovery,
+    })
+}
+
+fn tail_of(processes: &[Process], name: &str) -> String {
+    processes
+        .iter()
+        .find(|p| p.name() == name)
+        .map(Process::log_tail)
+        .unwrap_or_default()
+}

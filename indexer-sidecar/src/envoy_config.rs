@@ -1,0 +1,174 @@
+//! The shipped Envoy configurations (`envoy/*.yaml`, built into the binary) and the one function
+//! that fills their placeholders: `kvroute-sidecar envoy-config` prints a configuration that runs
+//! as it is, and the test harness renders its fleets' configurations with the same code.
+//!
+//! Placeholders (`${NAME}` in the templates):
+//! - `LISTEN_PORT`, `ADMIN_PORT`: Envoy's listener and admin ports on 127.0.0.1;
+//! - `WORKER_ENDPOINTS`: the `workers` cluster's endpoints (engines, or Dynamo frontends in pin
+//!   mode), one `- endpoint:` line each;
+//! - `SIDECAR_ADDRESS`: the sidecar's address (`socket_address` or `pipe`);
+//! - `FILTER_CONFIG`: the filter's JSON configuration (`filter/src/config.rs`);
+//! - `WASM_PATH`: the filter module (`kvroute_filter.wasm`).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context as _};
+
+/// A shipped template.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Template {
+    /// `envoy/kvroute.yaml`: hints, ring-hash fallback.
+    Kvroute,
+    /// `envoy/kvroute-maglev.yaml`: hints, maglev fallback.
+    KvrouteMaglev,
+    /// `envoy/round-robin.yaml`: the baseline without kvroute.
+    RoundRobin,
+}
+
+impl Template {
+    /// The template text.
+    pub fn text(self) -> &'static str {
+        match self {
+            Template::Kvroute => include_str!("../../envoy/kvroute.yaml"),
+            Template::KvrouteMaglev => include_str!("../../envoy/kvroute-maglev.yaml"),
+            Template::RoundRobin => include_str!("../../envoy/round-robin.yaml"),
+        }
+    }
+}
+
+/// How Envoy reaches the sidecar.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SidecarAddress {
+    /// TCP.
+    Tcp(SocketAddr),
+    /// A Unix socket (the sidecar's `unix_socket`).
+    Unix(PathBuf),
+}
+
+/// Everything a template needs.
+#[derive(Debug, Clone)]
+pub struct EnvoyParams {
+    /// Envoy's listener port.
+    pub listen_port: u16,
+    /// Envoy's admin port.
+    pub admin_port: u16,
+    /// The `workers` cluster: `ip:port` of each engine (or Dynamo frontend).
+    pub workers: Vec<SocketAddr>,
+    /// The sidecar.
+    pub sidecar: SidecarAddress,
+    /// The filter's configuration (JSON object).
+    pub filter_config: serde_json::Value,
+    /// The filter's wasm module.
+    pub wasm: PathBuf,
+}
+
+/// Fill `template`'s placeholders; fails if one is left.
+pub fn render(template: &str, p: &EnvoyParams) -> anyhow::Result<String> {
+    if p.workers.is_empty() {
+        bail!("the workers cluster needs at least one endpoint");
+    }
+    if !p.filter_config.is_object() {
+        bail!("the filter configuration must be a JSON object");
+    }
+    let endpoints: Vec<String> = p
+        .workers
+        .iter()
+        .map(|a| {
+            format!(
+                "        - endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }}",
+                a.ip(),
+                a.port()
+            )
+        })
+        .collect();
+    let sidecar = match &p.sidecar {
+        SidecarAddress::Tcp(a) => format!(
+            "{{ socket_address: {{ address: {}, port_value: {} }} }}",
+            a.ip(),
+            a.port()
+        ),
+        SidecarAddress::Unix(path) => format!("{{ pipe: {{ path: {} }} }}", path.display()),
+    };
+    // The filter configuration sits in single quotes in YAML: a quote inside is doubled.
+    let filter_config = p.filter_config.to_string().replace('\'', "''");
+    let out = template
+        .replace("${ADMIN_PORT}", &p.admin_port.to_string())
+        .replace("${LISTEN_PORT}", &p.listen_port.to_string())
+        .replace("${SIDECAR_ADDRESS}", &sidecar)
+        .replace("${WORKER_ENDPOINTS}", &endpoints.join("\n"))
+        .replace("${FILTER_CONFIG}", &filter_config)
+        .replace("${WASM_PATH}", &p.wasm.display().to_string());
+    if let Some(at) = out.find("${") {
+        let name: String = out[at..].chars().take_while(|c| *c != '}').collect();
+        bail!("the template has a placeholder this version does not fill: {name}}}");
+    }
+    Ok(out)
+}
+
+/// Parse `ip:port,ip:port,…`.
+pub fn parse_workers(list: &str) -> anyhow::Result<Vec<SocketAddr>> {
+    list.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            s.parse()
+                .with_context(|| format!("worker {s:?} is not ip:port"))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params() -> EnvoyParams {
+        EnvoyParams {
+            listen_port: 10000,
+            admin_port: 9901,
+            workers: parse_workers("127.0.0.1:8001, 10.0.0.7:8000").unwrap(),
+            sidecar: SidecarAddress::Tcp("127.0.0.1:9100".parse().unwrap()),
+            filter_config: serde_json::json!({"hint_timeout_ms": 50, "x": "it's"}),
+            wasm: "/opt/kvroute/kvroute_filter.wasm".into(),
+        }
+    }
+
+    #[test]
+    fn every_shipped_template_renders_completely() {
+        for t in [
+            Template::Kvroute,
+            Template::KvrouteMaglev,
+            Template::RoundRobin,
+        ] {
+            let yaml = render(t.text(), &params()).unwrap();
+            assert!(!yaml.contains("${"), "{t:?}");
+            assert!(yaml.contains("port_value: 10000"), "{t:?}");
+            assert!(
+                yaml.contains("address: 10.0.0.7, port_value: 8000"),
+                "{t:?}"
+            );
+            if t != Template::RoundRobin {
+                assert!(yaml.contains("/opt/kvroute/kvroute_filter.wasm"), "{t:?}");
+                assert!(
+                    yaml.contains(r#"'{"hint_timeout_ms":50,"x":"it''s"}'"#),
+                    "{t:?}"
+                );
+            }
+        }
+        let mut uds = params();
+        uds.sidecar = SidecarAddress::Unix("/run/kvroute.sock".into());
+        assert!(render(Template::Kvroute.text(), &uds)
+            .unwrap()
+            .contains("{ pipe: { path: /run/kvroute.sock } }"));
+    }
+
+    #[test]
+    fn refuses_what_cannot_run() {
+        let mut none = params();
+        none.workers.clear();
+        assert!(render(Template::Kvroute.text(), &none).is_err());
+        let err = render("a: ${NEW_THING}", &params()).unwrap_err();
+        assert!(err.to_string().contains("${NEW_THING}"), "{err}");
+        assert!(parse_workers("localhost:80").is_err());
+    }
+}

@@ -1,0 +1,265 @@
+//! kvroute in front of real NVIDIA Dynamo 1.6.1: mocker workers publishing real KV events on
+//! NATS and real file-discovery records, behind a real Dynamo frontend (`.venv-dynamo`).
+//! Each test is a failure the simulator did not show (issue "Against the real engines").
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use kvroute_harness::client::{send_streaming, Outcome};
+use kvroute_harness::process::wait_for;
+use kvroute_harness::stack::MODEL;
+use kvroute_harness::{DynamoOptions, Mode, Stack, StackOptions};
+use serde_json::{json, Value};
+
+/// A chat body that asks Dynamo which workers served it.
+fn dynamo_chat(system: &str, user: &str) -> Value {
+    let mut body = chat(system, user);
+    body["nvext"] = json!({"extra_fields": ["worker_id"]});
+    body
+}
+
+/// Send straight to the Dynamo frontend (not through Envoy) with extra headers.
+async fn to_frontend(stack: &Stack, body: &Value, headers: &[(&str, String)]) -> Outcome {
+    let url = format!(
+        "http://{}/v1/chat/completions",
+        stack.frontend.as_ref().expect("a Dynamo frontend")
+    );
+    let headers: reqwest::header::HeaderMap = headers
+        .iter()
+        .map(|(k, v)| {
+            (
+                reqwest::header::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                reqwest::header::HeaderValue::from_str(v).unwrap(),
+            )
+        })
+        .collect();
+    let client = reqwest::Client::builder()
+        .default_headers(headers)
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    send_streaming(&client, &url, body).await
+}
+
+/// The (prefill, decode) instances that served a successful request.
+fn workers_of(o: &Outcome) -> (u64, u64) {
+    assert!(o.ok(), "request failed: {o:?}");
+    o.dynamo_workers.expect("nvext.worker_id in the response")
+}
+
+/// The sidecar's name for a discovered instance.
+fn label(stack: &Stack, engine: usize) -> String {
+    let e = &stack.engines[engine];
+    format!("{}/{:x}", e.address, e.dynamo_worker_id)
+}
+
+async fn sidecar_metric(stack: &Stack, series: &str) -> Option<f64> {
+    metric(&stack.sidecar_metrics().await.ok()?, series)
+}
+
+async fn wait_pinned_indexed(stack: &Stack, engine: usize, blocks: f64) {
+    let series = format!(
+        "kvroute_index_blocks{{worker=\"{}\"}}",
+        label(stack, engine)
+    );
+    let series = &series;
+    wait_for(
+        "the warmed blocks indexed",
+        Duration::from_secs(20),
+        || async move { (sidecar_metric(stack, series).await? >= blocks).then_some(()) },
+    )
+    .await
+    .expect("real Dynamo KV events of a discovered instance reach the index");
+}
+
+fn dynamo_stack(name: &str, dynamo: DynamoOptions, sidecar_toml: &str) -> StackOptions {
+    let mut opts = StackOptions::new(name, Mode::Kvroute);
+    opts.dynamo = Some(dynamo);
+    opts.sidecar_toml = sidecar_toml.to_owned();
+    opts
+}
+
+/// Dynamo 1.6.1 writes flat, percent-encoded discovery records: the sidecar finds both workers
+/// there, and the pin steers every turn to the worker holding the prefix. The frontend routes
+/// round robin, so landing on the same worker each time is the pin's doing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pins_aggregated_dynamo_workers_found_in_real_discovery_records() {
+    let dynamo = DynamoOptions {
+        router_mode: "round-robin".into(),
+        ..DynamoOptions::default()
+    };
+    let stack = &Stack::start(dynamo_stack("dynamo-real-agg", dynamo, ""))
+        .await
+        .expect("stack starts");
+    assert_eq!(
+        sidecar_metric(
+            stack,
+            &format!("kvroute_discovered_instances{{model=\"{MODEL}\",role=\"aggregated\"}}")
+        )
+        .await,
+        Some(2.0)
+    );
+    let home = 1;
+    let id = stack.engines[home].dynamo_worker_id;
+    let system = text(3100, 200);
+    let warmed = to_frontend(
+        stack,
+        &dynamo_chat(&system, &text(3101, 20)),
+        &[("x-worker-instance-id", id.to_string())],
+    )
+    .await;
+    assert_eq!(workers_of(&warmed).0, id, "the frontend honours the pin");
+    wait_pinned_indexed(stack, home, (warmed.prompt_tokens / 16) as f64).await;
+    for i in 0..6 {
+        let o = via_envoy(stack, &dynamo_chat(&system, &text(3110 + i, 10))).await;
+        assert_eq!(workers_of(&o).0, id, "turn {i}");
+        assert!(o.cached_tokens >= 16 * 8, "turn {i} hit the cache: {o:?}");
+    }
+    let hinted = stack
+        .envoy_stat("wasmcustom.kvroute.hinted")
+        .await
+        .unwrap_or(0);
+    assert!(hinted >= 6, "hinted {hinted}");
+}
+
+/// Disaggregated prefill/decode: prefill workers register as `dynamo/prefill/generate` and are
+/// the only ones publishing KV events. kvroute pins the prefill worker holding the prefix with
+/// `x-prefill-instance-id` (never a decode id, which Dynamo rejects), without configuration, and
+/// the alarms stay quiet: events do arrive, and decode workers rightly publish none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_dynamo_pins_the_prefill_worker_and_alarms_stay_quiet() {
+    let dynamo = DynamoOptions {
+        aggregated: 0,
+        prefill: 2,
+        decode: 1,
+        router_mode: "round-robin".into(),
+        ..DynamoOptions::default()
+    };
+    let stack = &Stack::start(dynamo_stack(
+        "dynamo-real-disagg",
+        dynamo,
+        "[alarms]\nsilence_s = 2\nmin_hints = 3\n",
+    ))
+    .await
+    .expect("stack starts");
+    assert_eq!(stack.engines.len(), 2, "two prefill workers to pin");
+    assert_eq!(stack.decode_ids.len(), 1);
+    let decode = stack.decode_ids[0];
+    let home = 1;
+    let id = stack.engines[home].dynamo_worker_id;
+    let system = text(3200, 200);
+    let warmed = to_frontend(
+        stack,
+        &dynamo_chat(&system, &text(3201, 20)),
+        &[("x-prefill-instance-id", id.to_string())],
+    )
+    .await;
+    assert_eq!(workers_of(&warmed), (id, decode));
+    wait_pinned_indexed(stack, home, (warmed.prompt_tokens / 16) as f64).await;
+    for i in 0..8 {
+        let o = via_envoy(stack, &dynamo_chat(&system, &text(3210 + i, 10))).await;
+        assert_eq!(workers_of(&o), (id, decode), "turn {i}");
+    }
+    // Cold prompts (which store new blocks: events keep coming) are pinned to prefill workers
+    // too, never to the decode worker; the alarms, checked every second at silence_s = 2, get
+    // three seconds of this traffic.
+    let start = std::time::Instant::now();
+    let mut cold = 0;
+    while start.elapsed() < Duration::from_secs(3) {
+        let o = via_envoy(stack, &dynamo_chat(&text(3300 + cold, 120), "hi")).await;
+        assert_ne!(workers_of(&o).0, decode, "cold prompt {cold}");
+        cold += 1;
+    }
+    let text = stack.sidecar_metrics().await.unwrap();
+    let on: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("kvroute_alarm{") && l.ends_with(" 1"))
+        .collect();
+    assert!(on.is_empty(), "alarms on: {on:?}");
+}
+
+/// A sidecar outage behind a `kv`-mode frontend fails no request: unpinned requests are the
+/// frontend's to route (pin mode's documented requirement; a `direct` frontend rejects them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sidecar_killed_mid_run_fails_no_request() {
+    let mut stack = Stack::start(dynamo_stack(
+        "dynamo-real-outage",
+        DynamoOptions::default(),
+        "",
+    ))
+    .await
+    .expect("stack starts");
+    let system = text(3400, 120);
+    let mut failed = Vec::new();
+    let mut hinted_before = 0;
+    for i in 0..40u64 {
+        if i == 15 {
+            hinted_before = stack
+                .envoy_stat("wasmcustom.kvroute.hinted")
+                .await
+                .unwrap_or(0);
+            stack.kill("sidecar");
+        }
+        let o = via_envoy(&stack, &dynamo_chat(&system, &text(3410 + i, 10))).await;
+        if !o.ok() {
+            failed.push((i, o));
+        }
+    }
+    assert!(failed.is_empty(), "failed requests: {failed:?}");
+    assert!(
+        hinted_before >= 10,
+        "hinted before the outage: {hinted_before}"
+    );
+    let fallbacks = stack
+        .envoy_stat("wasmcustom.kvroute.fallback.sidecar")
+        .await
+        .unwrap_or(0);
+    assert!(
+        fallbacks >= 20,
+        "requests during the outage fell back: {fallbacks}"
+    );
+}
+
+/// A SIGKILLed worker stops publishing `forward-pass-metrics` (about once a second); the sidecar
+/// stops pinning to it within its heartbeat timeout instead of until its discovery record goes
+/// (about 8 s later).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_worker_is_not_pinned_for_long() {
+    let mut stack = Stack::start(dynamo_stack(
+        "dynamo-real-kill",
+        DynamoOptions::default(),
+        "",
+    ))
+    .await
+    .expect("stack starts");
+    let home = 1;
+    let id = stack.engines[home].dynamo_worker_id;
+    let system = text(3500, 200);
+    let warmed = to_frontend(
+        &stack,
+        &dynamo_chat(&system, &text(3501, 20)),
+        &[("x-worker-instance-id", id.to_string())],
+    )
+    .await;
+    wait_pinned_indexed(&stack, home, (warmed.prompt_tokens / 16) as f64).await;
+    stack.kill(&format!("dynamo-worker-{home}"));
+    let killed = std::time::Instant::now();
+    let mut failures = Vec::new();
+    let mut i = 0;
+    while killed.elapsed() < Duration::from_secs(12) {
+        let o = via_envoy(&stack, &dynamo_chat(&system, &text(3510 + i, 10))).await;
+        if !o.ok() {
+            failures.push((killed.elapsed(), o.status, o.error.clone()));
+        }
+        i += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!("{i} requests, {} failed: {failures:?}", failures.len());
+    let last = failures.last().map(|f| f.0);
+    assert!(
+        last.is_none_or(|t| t < Duration::from_millis(1500)),
+        "still failing {last:?} after the kill"
+    );
+}
