@@ -85,6 +85,9 @@ pub struct EventPlane {
     /// Per `[[dynamo_discovery]]` entry: its model, the instances it can pin to and the line
     /// that says what its last scan found.
     discovery: Vec<DiscoveryStatus>,
+    /// Dynamo worker ids whose KV events arrived but name no known worker (bounded), with
+    /// counts: events that do arrive, so `no_events` must say so rather than "none".
+    unknown_workers: BTreeMap<u64, u64>,
 }
 
 /// What one `[[dynamo_discovery]]` entry found, for `/debug/sources` and `no_instances`.
@@ -122,6 +125,7 @@ impl EventPlane {
             last_hint: None,
             last_request: None,
             discovery: Vec::new(),
+            unknown_workers: BTreeMap::new(),
         }
     }
 
@@ -192,6 +196,13 @@ impl EventPlane {
         }
         if let Some(h) = self.worker_hints.get_mut(worker) {
             *h = 0;
+        }
+    }
+
+    /// A KV event arrived from a Dynamo worker id no configured or discovered worker has.
+    pub fn unknown_worker(&mut self, worker_id: u64) {
+        if self.unknown_workers.len() < 64 || self.unknown_workers.contains_key(&worker_id) {
+            *self.unknown_workers.entry(worker_id).or_default() += 1;
         }
     }
 
@@ -313,11 +324,24 @@ impl EventPlane {
                 Some(t) => format!("for {:.0} s", (now - t).as_secs_f64()),
                 None => "since start".to_owned(),
             };
+            let unknown = if self.unknown_workers.is_empty() {
+                String::new()
+            } else {
+                let ids: Vec<String> = self
+                    .unknown_workers
+                    .iter()
+                    .map(|(id, n)| format!("{id} ({n})"))
+                    .collect();
+                format!(
+                    " KV events did arrive, from Dynamo workers kvroute does not know: [{}] — add them to [[workers]] (dynamo_worker_id) or find them with [[dynamo_discovery]].",
+                    ids.join(", ")
+                )
+            };
             out.push(Alarm {
                 name: "no_events",
                 subject: "all".into(),
                 message: format!(
-                    "no KV events {when} while hints are being served: routing is load-only. Subscribed: [{}]. Messages seen: [{}].{bus} Check the engines publish KV events, the NATS subjects (component names change with disaggregated prefill/decode) or ZMQ endpoints; `kvroute-sidecar tap --nats URL` lists every subject and component on the bus.",
+                    "no KV events {when} while hints are being served: routing is load-only. Subscribed: [{}]. Messages seen: [{}].{unknown}{bus} Check the engines publish KV events, the NATS subjects (component names change with disaggregated prefill/decode) or ZMQ endpoints; `kvroute-sidecar tap --nats URL` lists every subject and component on the bus.",
                     subscribed.join(", "),
                     if seen.is_empty() { "none".to_owned() } else { seen.join(", ") },
                 ),
@@ -429,6 +453,13 @@ mod tests {
             silence_s: 3600,
             ..config()
         };
+        plane.unknown_worker(77);
+        let alarms = plane.alarms(&config(), |i| i.to_string());
+        assert!(
+            alarms[0].message.contains("does not know: [77 (1)]"),
+            "events from unknown workers are named: {}",
+            alarms[0].message
+        );
         plane.event(src, 0);
         assert!(plane.alarms(&quiet, |i| i.to_string()).is_empty());
         assert_eq!(plane.sources()[0].state, "receiving");

@@ -141,6 +141,7 @@ impl AppState {
                 tracing::warn!(worker_id = event.worker_id, %subject, "KV events from a Dynamo worker that is neither in [[workers]] nor discovered (yet), or of another model/component: ignored");
             }
             counter.inc();
+            self.plane().unknown_worker(event.worker_id);
             return;
         };
         let (id, model) = (worker.id, worker.model.clone());

@@ -68,6 +68,34 @@ pub async fn wait_indexed(stack: &Stack, engine: usize, blocks: f64) {
     .expect("events reach the index");
 }
 
+/// The sidecar's name for a worker found through Dynamo discovery (pin mode): its request-plane
+/// address and instance id.
+pub fn pinned_label(stack: &Stack, engine: usize) -> String {
+    let e = &stack.engines[engine];
+    format!("{}/{:x}", e.address, e.dynamo_worker_id)
+}
+
+/// A sample's value from the sidecar's `/metrics`.
+pub async fn sidecar_metric(stack: &Stack, series: &str) -> Option<f64> {
+    metric(&stack.sidecar_metrics().await.ok()?, series)
+}
+
+/// Wait until the sidecar's index holds at least `blocks` blocks of pinned engine `engine`.
+pub async fn wait_pinned_indexed(stack: &Stack, engine: usize, blocks: f64) {
+    let series = format!(
+        "kvroute_index_blocks{{worker=\"{}\"}}",
+        pinned_label(stack, engine)
+    );
+    let series = &series;
+    wait_for(
+        "the warmed blocks indexed",
+        Duration::from_secs(20),
+        || async move { (sidecar_metric(stack, series).await? >= blocks).then_some(()) },
+    )
+    .await
+    .expect("KV events of a discovered instance reach the index");
+}
+
 /// Assert a request succeeded and return the engine that served it.
 pub fn served_by(o: &Outcome) -> usize {
     assert!(o.ok(), "request failed: {o:?}");

@@ -11,16 +11,6 @@ use common::*;
 use kvroute_harness::process::wait_for;
 use kvroute_harness::{Mode, Stack, StackOptions};
 
-/// The sidecar's name for a discovered engine: its request-plane address and instance id.
-fn pinned_label(stack: &Stack, engine: usize) -> String {
-    let e = &stack.engines[engine];
-    format!("{}/{:x}", e.address, e.dynamo_worker_id)
-}
-
-async fn sidecar_metric(stack: &Stack, series: &str) -> Option<f64> {
-    metric(&stack.sidecar_metrics().await.ok()?, series)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hints_pin_requests_to_discovered_dynamo_instances() {
     let mut opts = StackOptions::new("dynamo-pin", Mode::Kvroute);
@@ -41,19 +31,7 @@ async fn hints_pin_requests_to_discovered_dynamo_instances() {
     // round-robins what is not pinned, so landing on engine 2 every time is the pin's doing.
     let (home, system) = (2, text(2100, 200));
     let warmed = direct(stack, home, &chat(&system, &text(2101, 30))).await;
-    let series = format!(
-        "kvroute_index_blocks{{worker=\"{}\"}}",
-        pinned_label(stack, home)
-    );
-    let blocks = (warmed.prompt_tokens / 16) as f64;
-    let series_ref = &series;
-    wait_for(
-        "engine 2's blocks indexed",
-        Duration::from_secs(10),
-        || async move { (sidecar_metric(stack, series_ref).await? >= blocks).then_some(()) },
-    )
-    .await
-    .expect("KV events of a discovered instance reach the index");
+    wait_pinned_indexed(stack, home, (warmed.prompt_tokens / 16) as f64).await;
     for i in 0..6 {
         let o = via_envoy(stack, &chat(&system, &text(2110 + i, 10))).await;
         assert_eq!(served_by(&o), home, "request {i}");

@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use common::*;
 use kvroute_harness::client::{send_streaming, Outcome};
-use kvroute_harness::process::wait_for;
 use kvroute_harness::stack::MODEL;
 use kvroute_harness::{DynamoOptions, Mode, Stack, StackOptions};
 use serde_json::{json, Value};
@@ -47,31 +46,6 @@ async fn to_frontend(stack: &Stack, body: &Value, headers: &[(&str, String)]) ->
 fn workers_of(o: &Outcome) -> (u64, u64) {
     assert!(o.ok(), "request failed: {o:?}");
     o.dynamo_workers.expect("nvext.worker_id in the response")
-}
-
-/// The sidecar's name for a discovered instance.
-fn label(stack: &Stack, engine: usize) -> String {
-    let e = &stack.engines[engine];
-    format!("{}/{:x}", e.address, e.dynamo_worker_id)
-}
-
-async fn sidecar_metric(stack: &Stack, series: &str) -> Option<f64> {
-    metric(&stack.sidecar_metrics().await.ok()?, series)
-}
-
-async fn wait_pinned_indexed(stack: &Stack, engine: usize, blocks: f64) {
-    let series = format!(
-        "kvroute_index_blocks{{worker=\"{}\"}}",
-        label(stack, engine)
-    );
-    let series = &series;
-    wait_for(
-        "the warmed blocks indexed",
-        Duration::from_secs(20),
-        || async move { (sidecar_metric(stack, series).await? >= blocks).then_some(()) },
-    )
-    .await
-    .expect("real Dynamo KV events of a discovered instance reach the index");
 }
 
 fn dynamo_stack(name: &str, dynamo: DynamoOptions, sidecar_toml: &str) -> StackOptions {

@@ -5,6 +5,18 @@ use std::process::Command;
 use kvroute_harness::stack::{render_envoy, SidecarAddress};
 use kvroute_harness::{paths, Fallback, Mode, StackOptions};
 
+/// `envoy --mode validate` on a configuration file: whether it passed, and what Envoy said.
+fn validate(file: &std::path::Path) -> (bool, String) {
+    let out = Command::new(paths::venv_tool("envoy").unwrap())
+        .args(["--mode", "validate", "--disable-hot-restart", "-c"])
+        .arg(file)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success() && text.contains("OK"), text)
+}
+
 #[test]
 fn shipped_envoy_configs_validate() {
     let engines: Vec<String> = (0..3).map(|i| format!("127.0.0.1:{}", 8100 + i)).collect();
@@ -25,18 +37,8 @@ fn shipped_envoy_configs_validate() {
             format!("{}-{fallback:?}-{sidecar:?}.yaml", mode.name()).replace(['/', '"', ' '], "_"),
         );
         std::fs::write(&file, yaml).unwrap();
-        let out = Command::new(paths::venv_tool("envoy").unwrap())
-            .args(["--mode", "validate", "--disable-hot-restart", "-c"])
-            .arg(&file)
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).to_string()
-            + &String::from_utf8_lossy(&out.stderr);
-        assert!(
-            out.status.success() && text.contains("OK"),
-            "{}: {text}",
-            mode.name()
-        );
+        let (ok, text) = validate(&file);
+        assert!(ok, "{}: {text}", mode.name());
         assert!(!text.contains("deprecated"), "{}: {text}", mode.name());
     }
 }
@@ -92,17 +94,8 @@ fn the_envoy_config_command_prints_a_config_that_runs() {
         );
         let file = dir.join(format!("{template}.yaml"));
         std::fs::write(&file, &out.stdout).unwrap();
-        let check = Command::new(paths::venv_tool("envoy").unwrap())
-            .args(["--mode", "validate", "--disable-hot-restart", "-c"])
-            .arg(&file)
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&check.stdout).to_string()
-            + &String::from_utf8_lossy(&check.stderr);
-        assert!(
-            check.status.success() && text.contains("OK"),
-            "{template}: {text}"
-        );
+        let (ok, text) = validate(&file);
+        assert!(ok, "{template}: {text}");
     }
     let bad = Command::new(paths::binary("kvroute-sidecar").unwrap())
         .args(["envoy-config", "--workers", "localhost:80"])

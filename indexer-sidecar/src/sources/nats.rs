@@ -108,7 +108,8 @@ async fn probe_bus(
             seen.keys().filter_map(|s| subject_component(s)).collect();
         let verdict = if kv.is_empty() {
             format!(
-                "no KV events anywhere on the bus; components seen: [{}] — are the engines started with KV events on?",
+                "no KV events on the whole bus during a {} s look; components seen: [{}] — are the engines started with KV events on?",
+                PROBE_WINDOW.as_secs(),
                 components.into_iter().collect::<Vec<_>>().join(", ")
             )
         } else {
