@@ -7,7 +7,7 @@ VENV   := .venv
 WASM   := target/wasm32-wasip1/release/kvroute_filter.wasm
 
 .PHONY: all build venv venv-peers venv-dynamo toolchain test lint demo clean \
-	bench-routing bench-routing-quick bench-datapath bench-index bench-prepare fuzz \
+	bench-routing bench-routing-quick bench-datapath bench-dynamo bench-index bench-prepare fuzz \
 	precision-fixtures
 
 all: build
@@ -73,6 +73,12 @@ bench-routing: venv venv-peers build
 
 bench-routing-quick: venv build
 	target/release/kvroute-bench routing --quick
+
+# kvroute vs Dynamo's own KV router on real Dynamo mocker workers (aggregated, then
+# disaggregated prefill/decode); docs/benchmarks.md, "Against Dynamo's KV router".
+bench-dynamo: venv venv-dynamo build
+	target/release/kvroute-bench dynamo --out target/bench/dynamo-agg
+	target/release/kvroute-bench dynamo --workers 0 --prefill 3 --decode 1 --out target/bench/dynamo-disagg
 
 bench-datapath: venv build
 	target/release/kvroute-bench datapath

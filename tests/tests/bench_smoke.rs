@@ -48,3 +48,25 @@ async fn datapath_benchmark_smoke() {
     }
     assert!(out.join("datapath.json").exists());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamo_benchmark_smoke() {
+    use kvroute_harness::bench_dynamo::{self, DynamoBench};
+    let out = paths::run_dir("bench-dynamo-smoke").unwrap();
+    let bench = DynamoBench {
+        fleet: kvroute_harness::DynamoOptions::default(),
+        conversations: 2,
+        concurrency: 2,
+    };
+    let md = bench_dynamo::run(&bench, &out).await.unwrap();
+    for mode in ["dynamo_kv", "dynamo_round_robin", "kvroute"] {
+        assert!(md.contains(&format!("| {mode} |")), "{md}");
+    }
+    let doc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("dynamo.json")).unwrap()).unwrap();
+    for r in doc["modes"].as_array().unwrap() {
+        assert_eq!(r["errors"], 0, "{r}");
+        assert_eq!(r["requests"], 8, "{r}");
+    }
+    assert!(out.join("dynamo.md").exists());
+}

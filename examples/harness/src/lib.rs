@@ -15,8 +15,10 @@
 //! - [`queue`]: the engines' waiting queues sampled during a run.
 //! - [`report`]: per-mode hit rate, TTFT percentiles, requests per engine; markdown and JSON.
 //! - [`bench`], [`datapath`], [`peers`], [`plot`]: the routing and data-path benchmarks.
+//! - [`bench_dynamo`]: kvroute against Dynamo's own KV router on a real Dynamo fleet.
 
 pub mod bench;
+pub mod bench_dynamo;
 pub mod client;
 pub mod datapath;
 pub mod dynamo;

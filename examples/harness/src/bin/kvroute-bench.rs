@@ -41,6 +41,27 @@ enum Command {
     },
     /// Plain Envoy vs Envoy + kvroute on an instant upstream.
     Datapath,
+    /// kvroute (pin mode) vs Dynamo's KV router and round robin on real Dynamo mocker workers.
+    Dynamo {
+        /// Aggregated workers (0 with --prefill/--decode: disaggregated).
+        #[arg(long, default_value_t = 4)]
+        workers: usize,
+        /// Disaggregated prefill workers.
+        #[arg(long, default_value_t = 0)]
+        prefill: usize,
+        /// Disaggregated decode workers.
+        #[arg(long, default_value_t = 0)]
+        decode: usize,
+        /// KV cache per worker, in blocks.
+        #[arg(long, default_value_t = 128)]
+        capacity_blocks: usize,
+        /// Conversations of the multi-turn chat.
+        #[arg(long, default_value_t = 48)]
+        conversations: usize,
+        /// Conversations in flight.
+        #[arg(long, default_value_t = 8)]
+        concurrency: usize,
+    },
 }
 
 #[tokio::main]
@@ -70,6 +91,35 @@ async fn main() -> Result<()> {
             .await?;
             println!("\n{}", bench::markdown(&doc));
             println!("written to {}", out.join("routing.{json,md,png}").display());
+        }
+        Command::Dynamo {
+            workers,
+            prefill,
+            decode,
+            capacity_blocks,
+            conversations,
+            concurrency,
+        } => {
+            let bench = kvroute_harness::bench_dynamo::DynamoBench {
+                fleet: kvroute_harness::DynamoOptions {
+                    aggregated: workers,
+                    prefill,
+                    decode,
+                    capacity_blocks,
+                    ..Default::default()
+                },
+                conversations: if cli.quick {
+                    conversations / 4
+                } else {
+                    conversations
+                },
+                concurrency,
+            };
+            println!(
+                "\n{}",
+                kvroute_harness::bench_dynamo::run(&bench, &out).await?
+            );
+            println!("written to {}", out.join("dynamo.{json,md}").display());
         }
         Command::Datapath => {
             datapath::run(scale, &out).await?;
