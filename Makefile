@@ -52,7 +52,7 @@ lint: toolchain
 # tests themselves share one build. The last line sums up every runner's results.
 test: venv venv-dynamo build lint
 	@mkdir -p target
-	set -o pipefail; cargo test --release --workspace --all-targets 2>&1 | tee target/test.log
+	set -o pipefail; cargo test --release --workspace --all-targets --no-fail-fast 2>&1 | tee target/test.log
 	@awk '/^test result:/ { p += $$4; f += $$6 } END { printf "all tests: %d passed, %d failed\n", p, f }' target/test.log
 
 demo: venv build
