@@ -686,8 +686,9 @@ pub(crate) mod tests {
         (state, events, req)
     }
 
-    /// Instances found through discovery are hinted by instance id, and not once their record
-    /// is gone; the captured Dynamo prompt steers to the instance that stored it.
+    /// Instances found through discovery are hinted by instance id, not while their probe fails
+    /// and not once their record is gone; the captured Dynamo prompt steers to the instance that
+    /// stored it.
     #[test]
     fn discovered_instances_are_pinned_until_their_record_goes() {
         let (state, events, req) = pin_fixture();
@@ -708,6 +709,13 @@ pub(crate) mod tests {
         assert!(hint.workers.is_empty(), "no address for Envoy: {hint:?}");
         assert_eq!(hint.matched_blocks, 4);
         assert!(hint.ticket.is_some());
+
+        // Its request plane refuses connections: not pinned until it answers again.
+        let down: BTreeSet<u64> = [publisher].into();
+        state.record_discovery(&discovery_config(), &both, &down);
+        assert_eq!(state.hint(&req).unwrap().instance_id, Some(other));
+        state.record_discovery(&discovery_config(), &both, &BTreeSet::new());
+        assert_eq!(state.hint(&req).unwrap().instance_id, Some(publisher));
 
         state.record_discovery(
             &discovery_config(),
