@@ -206,7 +206,7 @@ impl EventPlane {
         }
     }
 
-    /// A hint request arrived (whether or not a worker is hinted).
+    /// A hint request arrived that names no worker ([`EventPlane::hinted`] records the others).
     pub fn requested(&mut self) {
         self.last_request = Some(Instant::now());
     }
@@ -237,7 +237,9 @@ impl EventPlane {
 
     /// A hint named `worker` (index) first.
     pub fn hinted(&mut self, worker: usize) {
-        self.last_hint = Some(Instant::now());
+        let now = Instant::now();
+        self.last_hint = Some(now);
+        self.last_request = Some(now);
         if let Some(h) = self.worker_hints.get_mut(worker) {
             *h += 1;
         }

@@ -226,7 +226,6 @@ impl AppState {
 
     /// Answer a hint request.
     pub fn hint(&self, req: &HintRequest) -> Option<HintResponse> {
-        self.plane().requested();
         if !req.finished.is_empty() {
             self.finished(&req.finished);
         }
@@ -277,8 +276,13 @@ impl AppState {
             decision
         };
         let resp = decision.hint.clone();
+        let no_target = !resp.has_target();
+        if no_target {
+            // A hinted request is recorded with its worker (`hinted`); this one is not.
+            self.plane().requested();
+        }
         let result = match decision.rule {
-            _ if resp.target().is_none() => "no_worker",
+            _ if no_target => "no_worker",
             Rule::NoMatch => "no_match",
             Rule::LongestMatch | Rule::LeastLoaded => {
                 self.metrics

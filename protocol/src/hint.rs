@@ -209,6 +209,11 @@ impl HintResponse {
         }
     }
 
+    /// Whether [`HintResponse::target`] is `Some`, without building the header value.
+    pub fn has_target(&self) -> bool {
+        self.instance_id.is_some() || self.prefill_instance_id.is_some() || !self.workers.is_empty()
+    }
+
     /// The value for Envoy's override_host header: a comma-separated list, best first.
     pub fn override_host_value(&self) -> Option<String> {
         if self.workers.is_empty() {
@@ -318,6 +323,9 @@ mod tests {
             Some(HintTarget::Hosts("127.0.0.1:1,127.0.0.1:2".into()))
         );
         assert_eq!(HintResponse::default().target(), None);
+        for r in [&resp, &pinned, &prefill, &HintResponse::default()] {
+            assert_eq!(r.has_target(), r.target().is_some(), "{r:?}");
+        }
         assert!(!serde_json::to_string(&HintResponse::default())
             .unwrap()
             .contains("ticket"));
