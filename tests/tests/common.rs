@@ -51,18 +51,19 @@ pub fn metric(text: &str, series: &str) -> Option<f64> {
 
 /// Wait until the sidecar's index holds at least `blocks` blocks of engine `engine`.
 pub async fn wait_indexed(stack: &Stack, engine: usize, blocks: f64) {
-    let series = format!(
-        "kvroute_index_blocks{{worker=\"{}\"}}",
-        stack.engines[engine].address
-    );
+    let worker = &stack.engines[engine].address;
+    wait_worker_indexed(stack, worker, blocks, Duration::from_secs(10)).await;
+}
+
+/// Wait until the sidecar's index holds at least `blocks` blocks of the worker it names
+/// `worker` in its metrics.
+async fn wait_worker_indexed(stack: &Stack, worker: &str, blocks: f64, timeout: Duration) {
+    let series = format!("kvroute_index_blocks{{worker=\"{worker}\"}}");
     let series = &series;
     wait_for(
         "the sidecar to index the warmed blocks",
-        Duration::from_secs(10),
-        || async move {
-            let text = stack.sidecar_metrics().await.ok()?;
-            (metric(&text, series)? >= blocks).then_some(())
-        },
+        timeout,
+        || async move { (sidecar_metric(stack, series).await? >= blocks).then_some(()) },
     )
     .await
     .expect("events reach the index");
@@ -80,20 +81,11 @@ pub async fn sidecar_metric(stack: &Stack, series: &str) -> Option<f64> {
     metric(&stack.sidecar_metrics().await.ok()?, series)
 }
 
-/// Wait until the sidecar's index holds at least `blocks` blocks of pinned engine `engine`.
+/// Wait until the sidecar's index holds at least `blocks` blocks of pinned engine `engine`
+/// (a real Dynamo worker's events may take longer than the simulator's).
 pub async fn wait_pinned_indexed(stack: &Stack, engine: usize, blocks: f64) {
-    let series = format!(
-        "kvroute_index_blocks{{worker=\"{}\"}}",
-        pinned_label(stack, engine)
-    );
-    let series = &series;
-    wait_for(
-        "the warmed blocks indexed",
-        Duration::from_secs(20),
-        || async move { (sidecar_metric(stack, series).await? >= blocks).then_some(()) },
-    )
-    .await
-    .expect("KV events of a discovered instance reach the index");
+    let worker = pinned_label(stack, engine);
+    wait_worker_indexed(stack, &worker, blocks, Duration::from_secs(20)).await;
 }
 
 /// Assert a request succeeded and return the engine that served it.

@@ -48,6 +48,18 @@ fn workers_of(o: &Outcome) -> (u64, u64) {
     o.dynamo_workers.expect("nvext.worker_id in the response")
 }
 
+/// Cache a 200-word system prompt (from `seed`) on engine `home` by sending one chat straight to
+/// the frontend pinned there with `header`, and wait until the sidecar indexed it. Returns the
+/// instance id, the system prompt and the warming request's outcome.
+async fn warm(stack: &Stack, home: usize, header: &str, seed: u64) -> (u64, String, Outcome) {
+    let id = stack.engines[home].dynamo_worker_id;
+    let system = text(seed, 200);
+    let body = dynamo_chat(&system, &text(seed + 1, 20));
+    let warmed = to_frontend(stack, &body, &[(header, id.to_string())]).await;
+    wait_pinned_indexed(stack, home, (warmed.prompt_tokens / 16) as f64).await;
+    (id, system, warmed)
+}
+
 fn dynamo_stack(name: &str, dynamo: DynamoOptions, sidecar_toml: &str) -> StackOptions {
     let mut opts = StackOptions::new(name, Mode::Kvroute);
     opts.dynamo = Some(dynamo);
@@ -75,17 +87,8 @@ async fn pins_aggregated_dynamo_workers_found_in_real_discovery_records() {
         .await,
         Some(2.0)
     );
-    let home = 1;
-    let id = stack.engines[home].dynamo_worker_id;
-    let system = text(3100, 200);
-    let warmed = to_frontend(
-        stack,
-        &dynamo_chat(&system, &text(3101, 20)),
-        &[("x-worker-instance-id", id.to_string())],
-    )
-    .await;
+    let (id, system, warmed) = warm(stack, 1, "x-worker-instance-id", 3100).await;
     assert_eq!(workers_of(&warmed).0, id, "the frontend honours the pin");
-    wait_pinned_indexed(stack, home, (warmed.prompt_tokens / 16) as f64).await;
     for i in 0..6 {
         let o = via_envoy(stack, &dynamo_chat(&system, &text(3110 + i, 10))).await;
         assert_eq!(workers_of(&o).0, id, "turn {i}");
@@ -121,17 +124,8 @@ async fn disaggregated_dynamo_pins_the_prefill_worker_and_alarms_stay_quiet() {
     assert_eq!(stack.engines.len(), 2, "two prefill workers to pin");
     assert_eq!(stack.decode_ids.len(), 1);
     let decode = stack.decode_ids[0];
-    let home = 1;
-    let id = stack.engines[home].dynamo_worker_id;
-    let system = text(3200, 200);
-    let warmed = to_frontend(
-        stack,
-        &dynamo_chat(&system, &text(3201, 20)),
-        &[("x-prefill-instance-id", id.to_string())],
-    )
-    .await;
+    let (id, system, warmed) = warm(stack, 1, "x-prefill-instance-id", 3200).await;
     assert_eq!(workers_of(&warmed), (id, decode));
-    wait_pinned_indexed(stack, home, (warmed.prompt_tokens / 16) as f64).await;
     for i in 0..8 {
         let o = via_envoy(stack, &dynamo_chat(&system, &text(3210 + i, 10))).await;
         assert_eq!(workers_of(&o), (id, decode), "turn {i}");
@@ -209,15 +203,7 @@ async fn a_killed_worker_is_not_pinned_for_long() {
     .await
     .expect("stack starts");
     let home = 1;
-    let id = stack.engines[home].dynamo_worker_id;
-    let system = text(3500, 200);
-    let warmed = to_frontend(
-        &stack,
-        &dynamo_chat(&system, &text(3501, 20)),
-        &[("x-worker-instance-id", id.to_string())],
-    )
-    .await;
-    wait_pinned_indexed(&stack, home, (warmed.prompt_tokens / 16) as f64).await;
+    let (_, system, _) = warm(&stack, home, "x-worker-instance-id", 3500).await;
     stack.kill(&format!("dynamo-worker-{home}"));
     let killed = std::time::Instant::now();
     let mut failures = Vec::new();

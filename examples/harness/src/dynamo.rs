@@ -2,7 +2,7 @@
 //! publishing real KV events on NATS and real file-discovery records) behind a real Dynamo
 //! frontend, from the project's `.venv-dynamo` (`make venv-dynamo`).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
@@ -55,8 +55,6 @@ pub struct DynamoFleet {
     pub engines: Vec<EngineInfo>,
     /// The decode workers' instance ids.
     pub decode_ids: Vec<u64>,
-    /// The discovery root (`DYN_FILE_KV`).
-    pub discovery: PathBuf,
 }
 
 /// The environment every Dynamo process gets: the stack's NATS, file discovery under `dir`,
@@ -108,16 +106,16 @@ pub fn worker_command(
     Ok(cmd)
 }
 
-/// Start the workers, wait until each has registered, then the frontend, and wait until it
-/// serves the model.
+/// Start the workers (logs in `dir`, file discovery under `discovery`), wait until each has
+/// registered, then the frontend, and wait until it serves the model.
 pub async fn start(
     opts: &DynamoOptions,
     nats_url: &str,
     dir: &Path,
+    discovery: &Path,
     processes: &mut Vec<Process>,
 ) -> Result<DynamoFleet> {
-    let discovery = dir.join("discovery");
-    std::fs::create_dir_all(&discovery)?;
+    std::fs::create_dir_all(discovery)?;
     let roles = std::iter::repeat_n("agg", opts.aggregated)
         .chain(std::iter::repeat_n("prefill", opts.prefill))
         .chain(std::iter::repeat_n("decode", opts.decode));
@@ -125,18 +123,18 @@ pub async fn start(
     let mut ports = Vec::new();
     for (i, role) in roles.enumerate() {
         let port = free_port()?;
-        let cmd = worker_command(opts, role, port, nats_url, &discovery)?;
+        let cmd = worker_command(opts, role, port, nats_url, discovery)?;
         processes.push(Process::spawn(&format!("dynamo-worker-{i}"), cmd, dir)?);
         ports.push(format!("127.0.0.1:{port}"));
     }
-    let config = kvroute_sidecar::config::DiscoveryConfig::new(&discovery, MODEL);
+    let config = kvroute_sidecar::config::DiscoveryConfig::new(discovery, MODEL);
     let wanted = opts.aggregated + opts.prefill + opts.decode;
-    let (config_ref, discovery_ref) = (&config, &discovery);
+    let config_ref = &config;
     let scan = wait_for(
         "every Dynamo worker's discovery record",
         Duration::from_secs(120),
         || async move {
-            let scan = discovery::scan(discovery_ref, config_ref).ok()?;
+            let scan = discovery::scan(&config_ref.dir, config_ref).ok()?;
             (scan.instances.len() >= wanted).then_some(scan)
         },
     )
@@ -157,7 +155,7 @@ pub async fn start(
             "nats",
         ])
         .args(["--kv-cache-block-size", &opts.block_size.to_string()]);
-    dynamo_env(&mut cmd, nats_url, &discovery);
+    dynamo_env(&mut cmd, nats_url, discovery);
     processes.push(Process::spawn("dynamo-frontend", cmd, dir)?);
     let frontend = format!("127.0.0.1:{port}");
     let http = reqwest::Client::new();
@@ -197,7 +195,6 @@ pub async fn start(
         frontend,
         engines,
         decode_ids,
-        discovery,
     })
 }
 

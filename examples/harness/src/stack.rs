@@ -138,6 +138,12 @@ impl StackOptions {
             dynamo: None,
         }
     }
+
+    /// Whether the sidecar finds the engines through Dynamo discovery (a real Dynamo fleet, or
+    /// the simulator's frontend stand-in) instead of `[[workers]]`.
+    pub fn pin_mode(&self) -> bool {
+        self.dynamo_frontend || self.dynamo.is_some()
+    }
 }
 
 /// One simulated engine as the fleet reported it.
@@ -220,10 +226,11 @@ impl Stack {
         .await?;
 
         let discovery = dir.join("discovery");
-        let pin_mode = opts.dynamo_frontend || opts.dynamo.is_some();
+        let pin_mode = opts.pin_mode();
         let (engines, frontend, decode_ids) = match &opts.dynamo {
             Some(d) => {
-                let fleet = crate::dynamo::start(d, &nats_url, &dir, &mut processes).await?;
+                let fleet =
+                    crate::dynamo::start(d, &nats_url, &dir, &discovery, &mut processes).await?;
                 (fleet.engines, Some(fleet.frontend), fleet.decode_ids)
             }
             None => {
@@ -527,7 +534,7 @@ fn sidecar_config(
     );
     for e in engines {
         // In pin mode the engines are found through Dynamo discovery instead.
-        if !opts.dynamo_frontend && opts.dynamo.is_none() {
+        if !opts.pin_mode() {
             out.push_str(&format!(
                 "\n[[workers]]\naddress = \"{}\"\nmodel = \"{MODEL}\"\ndynamo_worker_id = {}\n",
                 e.address, e.dynamo_worker_id
