@@ -250,7 +250,7 @@ async fn ejected_worker_is_never_hinted() {
     let (system, user) = &prompts[0];
     let o = via_envoy(&stack, &chat(system, &format!("{user} more"))).await;
     assert_eq!(served_by(&o), 1);
-    // Engine 1 starts failing; Envoy retries each of its 503s and ejects it after three.
+    // Engine 1 shuts down (500s, as vLLM's); Envoy retries each and ejects it after three.
     let addr = stack.engines[1].address.clone();
     let down = stack
         .http
@@ -268,8 +268,8 @@ async fn ejected_worker_is_never_hinted() {
             break;
         }
     }
-    // Envoy retries each 503 on the next hinted worker, so clients see none of them.
-    assert_eq!(failed, 0, "a 503 reached the client");
+    // Envoy retries each 500 on the next hinted worker, so clients see none of them.
+    assert_eq!(failed, 0, "a shutdown 500 reached the client");
     assert!(
         engine_metric(&stack, 1, "kvroute_sim:requests_failed_total").await >= 3.0,
         "Envoy ejects after 3 consecutive 5xx"

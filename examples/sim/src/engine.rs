@@ -57,7 +57,7 @@ pub struct EngineStats {
     pub drop_events: std::sync::Arc<AtomicU64>,
     /// Completions still to fail with 503 before serving again (one bad request, not a dead engine).
     pub fail_next: AtomicU64,
-    /// Completions answered with 503.
+    /// Completions answered with an error (503 for `fail_next`, 500 while down).
     pub failed: AtomicU64,
 }
 

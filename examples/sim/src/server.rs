@@ -136,11 +136,16 @@ async fn generate(engine: Arc<Engine>, body: Bytes, api: Api) -> Response {
         .fail_next
         .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
         .is_ok();
-    if fail_one || stats.unhealthy.load(Ordering::Relaxed) {
+    if fail_one {
+        stats.failed.fetch_add(1, Ordering::Relaxed);
+        return error(StatusCode::SERVICE_UNAVAILABLE, "engine overloaded".into());
+    }
+    if stats.unhealthy.load(Ordering::Relaxed) {
+        // What vLLM 0.32 answers to requests that arrive while it shuts down.
         stats.failed.fetch_add(1, Ordering::Relaxed);
         return error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "engine is shutting down".into(),
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "cannot schedule new futures after shutdown".into(),
         );
     }
     let req = match LlmRequest::parse(&body) {
@@ -287,8 +292,8 @@ async fn health(State(engine): State<Arc<Engine>>) -> StatusCode {
     }
 }
 
-/// `POST /admin/health` with `up` or `down`: the test hook that makes `/health` and every
-/// completion fail with 503, as an engine on its way down would.
+/// `POST /admin/health` with `up` or `down`: the test hook that makes `/health` fail with 503
+/// and every completion with 500, as vLLM does while it shuts down.
 async fn set_health(State(engine): State<Arc<Engine>>, body: String) -> StatusCode {
     let down = match body.trim() {
         "down" => true,
