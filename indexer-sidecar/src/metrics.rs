@@ -37,7 +37,7 @@ pub struct Metrics {
     /// Stored events whose block size differs from the model's, by worker.
     pub block_size_mismatches: Family<Labels, Counter>,
     /// Sequence trouble on an event stream, by worker and kind (`gap`, `replayed`, `resync`,
-    /// `restart`).
+    /// `restart`, `disconnect`, `warm_start`).
     pub sequence: Family<Labels, Counter>,
     /// 1 while an event-plane alarm is on (`alarm`: `no_events`, `silent_worker`).
     pub alarm: Family<Labels, Gauge>,
@@ -145,7 +145,7 @@ impl Default for Metrics {
         );
         m.registry.register(
             "sequence",
-            "Event stream sequence trouble: gap, replayed, resync, restart",
+            "Event stream sequence trouble: gap, replayed, resync, restart, disconnect, warm_start",
             m.sequence.clone(),
         );
         m.registry.register(

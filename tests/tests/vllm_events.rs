@@ -1,6 +1,6 @@
-//! vLLM's native KV events over real ZMQ (the pure-Rust `zeromq` implementation of ZMTP on both
-//! ends, libzmq's wire protocol) drive routing through Envoy; gaps are replayed, restarts
-//! clear the worker.
+//! vLLM's native KV events over real ZMQ (libzmq on both ends, as vLLM publishes) drive routing
+//! through Envoy; gaps are replayed, restarts clear the worker, a restarted sidecar warms up
+//! from the replay buffer.
 
 mod common;
 
@@ -87,7 +87,8 @@ async fn a_gap_is_filled_by_replay() {
     );
 }
 
-/// An engine that restarts comes back empty: its old entries are dropped, not hinted.
+/// An engine that restarts comes back empty: its connection closes, its old entries are
+/// dropped at once (no traffic needed) and what the new process stores is indexed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_restart_clears_its_worker() {
     let stack = stack("vllm-restart", &["vllm-array"]).await;
@@ -99,25 +100,56 @@ async fn an_engine_restart_clears_its_worker() {
         direct(&stack, 0, &chat(&text(1101, 50), "x")).await;
     }
     admin(&stack, 0, "restart", "").await;
-    let fresh = direct(&stack, 0, &chat(&text(1102, 40), "after")).await;
-    let fresh_blocks = (fresh.prompt_tokens / 16) as f64;
     let series = format!("kvroute_index_blocks{{worker=\"{address}\"}}");
-    let text = kvroute_harness::process::wait_for(
-        "the restart to clear the worker",
-        std::time::Duration::from_secs(10),
+    let cleared = kvroute_harness::process::wait_for(
+        "the closed connection to clear the worker",
+        std::time::Duration::from_secs(2),
         || async {
             let m = stack.sidecar_metrics().await.ok()?;
-            (metric(&m, &series)? == fresh_blocks).then_some(m)
+            (metric(&m, &series)? == 0.0).then_some(m)
         },
     )
     .await
     .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(sequence(&text, &address, "restart"), 1.0, "{text}");
+    assert_eq!(sequence(&cleared, &address, "disconnect"), 1.0, "{cleared}");
+    let fresh = direct(&stack, 0, &chat(&text(1102, 40), "after")).await;
+    wait_indexed(&stack, 0, (fresh.prompt_tokens / 16) as f64).await;
     // The old prompt is not matched on engine 0 any more: nothing holds it.
     let o = via_envoy(&stack, &chat(&system, "before")).await;
     assert!(o.ok());
     let decision = latest_decision(&stack).await;
     assert_eq!(decision["hint"]["matched_blocks"], 0, "{decision}");
+}
+
+/// A sidecar started after its engines reads each engine's replay buffer as it connects: the
+/// prefixes cached before it started are routed to at once, with no new event needed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_sidecar_warms_up_from_the_replay_buffer() {
+    let mut stack = stack("vllm-warm", &["vllm-map"]).await;
+    let address = stack.engines[3].address.clone();
+    let system = text(1200, 200);
+    let warmed = direct(&stack, 3, &chat(&system, "first")).await;
+    let blocks = (warmed.prompt_tokens / 16) as f64;
+    wait_indexed(&stack, 3, blocks).await;
+    stack.restart_sidecar().await.expect("sidecar restarts");
+    let series = format!("kvroute_index_blocks{{worker=\"{address}\"}}");
+    let warm = kvroute_harness::process::wait_for(
+        "the new sidecar to read the replay buffer",
+        std::time::Duration::from_secs(5),
+        || async {
+            let m = stack.sidecar_metrics().await.ok()?;
+            (metric(&m, &series)? >= blocks).then_some(m)
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(sequence(&warm, &address, "warm_start"), 1.0, "{warm}");
+    let o = via_envoy(&stack, &chat(&system, "second")).await;
+    assert_eq!(served_by(&o), 3, "{o:?}");
+    assert!(
+        o.cached_tokens >= warmed.prompt_tokens / 16 * 16 - 16,
+        "{o:?}"
+    );
 }
 
 /// The sidecar's latest hint decision (`/debug/explain`).

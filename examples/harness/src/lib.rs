@@ -9,6 +9,7 @@
 //! - [`process`]: child processes with logs in the run directory, killed on drop; free ports.
 //! - [`stack`]: a whole fleet for one routing [`Mode`]: NATS, engines, sidecar, Envoy.
 //! - [`dynamo`]: a real NVIDIA Dynamo fleet (mocker workers, frontend) as a stack's engines.
+//! - [`vllm`]: real vLLM engines on CPU (`make test-live`) as a stack's engines.
 //! - [`workload`]: deterministic request sessions (multi-turn chat, system prompts, agents, hot prefix).
 //! - [`traces`]: the Mooncake traces replayed as token-id completions.
 //! - [`client`]: one streaming request: TTFT, cached tokens, which engine served it.
@@ -30,6 +31,7 @@ pub mod queue;
 pub mod report;
 pub mod stack;
 pub mod traces;
+pub mod vllm;
 pub mod workload;
 
 pub use dynamo::DynamoOptions;

@@ -44,6 +44,15 @@ pub fn dynamo_python() -> Result<PathBuf> {
     existing(venv.join("bin/python"), "run `make venv-dynamo` first")
 }
 
+/// The Python of the venv holding vLLM for CPUs (`make venv-vllm`; `KVROUTE_VLLM_VENV`
+/// overrides `.venv-vllm`).
+pub fn vllm_python() -> Result<PathBuf> {
+    let venv = std::env::var_os("KVROUTE_VLLM_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace().join(".venv-vllm"));
+    existing(venv.join("bin/python"), "run `make venv-vllm` first")
+}
+
 /// The filter's wasm module.
 pub fn filter_wasm() -> Result<PathBuf> {
     existing(

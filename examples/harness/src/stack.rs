@@ -1,6 +1,6 @@
 //! A whole fleet for one routing mode: NATS, simulated engines, the sidecar and Envoy.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
@@ -10,6 +10,7 @@ use serde::Deserialize;
 use crate::dynamo::DynamoOptions;
 use crate::paths;
 use crate::process::{free_port, wait_for, Process};
+use crate::vllm::VllmOptions;
 
 /// The model name the demo fleet serves.
 pub const MODEL: &str = "tiny-llama";
@@ -119,6 +120,8 @@ pub struct StackOptions {
     /// Real NVIDIA Dynamo instead of the simulator: mocker workers behind a Dynamo frontend,
     /// in pin mode (`sim` is not used).
     pub dynamo: Option<DynamoOptions>,
+    /// Real vLLM engines instead of the simulator (`sim` is not used).
+    pub vllm: Option<VllmOptions>,
 }
 
 impl StackOptions {
@@ -136,6 +139,16 @@ impl StackOptions {
             sidecar_toml: String::new(),
             dynamo_frontend: false,
             dynamo: None,
+            vllm: None,
+        }
+    }
+
+    /// The engines' KV block size.
+    pub fn block_size(&self) -> u32 {
+        match (&self.dynamo, &self.vllm) {
+            (Some(d), _) => d.block_size,
+            (None, Some(_)) => crate::vllm::BLOCK_SIZE,
+            (None, None) => self.sim.block_size,
         }
     }
 
@@ -191,6 +204,8 @@ pub struct Stack {
     pub decode_ids: Vec<u64>,
     /// HTTP client for the stack's endpoints.
     pub http: reqwest::Client,
+    /// Real vLLM engines: how they were started (to start one again).
+    vllm: Option<VllmOptions>,
     processes: Vec<Process>,
 }
 
@@ -227,13 +242,17 @@ impl Stack {
 
         let discovery = dir.join("discovery");
         let pin_mode = opts.pin_mode();
-        let (engines, frontend, decode_ids) = match &opts.dynamo {
-            Some(d) => {
+        let (engines, frontend, decode_ids) = match (&opts.dynamo, &opts.vllm) {
+            (Some(d), _) => {
                 let fleet =
                     crate::dynamo::start(d, &nats_url, &dir, &discovery, &mut processes).await?;
                 (fleet.engines, Some(fleet.frontend), fleet.decode_ids)
             }
-            None => {
+            (None, Some(v)) => {
+                let engines = crate::vllm::start(v, &dir, &mut processes).await?;
+                (engines, None, Vec::new())
+            }
+            (None, None) => {
                 let (engines, frontend) =
                     start_sim(&opts, &nats_url, &dir, &discovery, &mut processes)?;
                 (engines, frontend, Vec::new())
@@ -269,19 +288,8 @@ impl Stack {
                 text = format!("unix_socket = \"{}\"\n{text}", socket.display());
             }
             std::fs::write(&config, text)?;
-            let mut cmd = Command::new(paths::binary("kvroute-sidecar")?);
-            cmd.arg("serve").arg("--config").arg(&config);
-            processes.push(Process::spawn("sidecar", cmd, &dir)?);
             let url = format!("http://127.0.0.1:{sidecar_port}");
-            let (probe, http) = (&format!("{url}/healthz"), &http);
-            wait_for("sidecar /healthz", Duration::from_secs(30), || async move {
-                http.get(probe)
-                    .send()
-                    .await
-                    .ok()
-                    .filter(|r| r.status().is_success())
-            })
-            .await?;
+            processes.push(start_sidecar(&dir, &url, &http).await?);
             Some(url)
         };
 
@@ -313,6 +321,7 @@ impl Stack {
             frontend,
             decode_ids,
             http,
+            vllm: opts.vllm.clone(),
             processes,
         };
         let (ready, http) = (&format!("{}/ready", stack.admin_url), &stack.http);
@@ -404,6 +413,31 @@ impl Stack {
                 true
             }
         });
+    }
+
+    /// Kill the sidecar and start a new one with the same configuration, as a crashed or
+    /// upgraded sidecar comes back: its index starts empty.
+    pub async fn restart_sidecar(&mut self) -> Result<()> {
+        let url = self
+            .sidecar_url
+            .clone()
+            .context("no sidecar in this stack")?;
+        self.kill("sidecar");
+        let sidecar = start_sidecar(&self.dir, &url, &self.http).await?;
+        self.processes.push(sidecar);
+        Ok(())
+    }
+
+    /// Real vLLM: start engine `index` again on its ports (after [`Stack::kill`] or
+    /// [`Stack::signal`] stopped it) and wait until it serves.
+    pub async fn start_vllm_engine(&mut self, index: usize) -> Result<()> {
+        let opts = self.vllm.clone().context("no vLLM engines in this stack")?;
+        let engine = self.engines.get(index).context("no such engine")?.clone();
+        let name = crate::vllm::process_name(index);
+        self.kill(&name);
+        self.processes
+            .push(crate::vllm::spawn(&opts, &engine, &self.dir)?);
+        crate::vllm::wait_ready(&engine, &self.http).await
     }
 
     /// Send a signal (`STOP`, `CONT`, …) to one process, e.g. to make it hang without dying;
@@ -530,7 +564,7 @@ fn sidecar_config(
     let mut out = format!(
         "listen = \"127.0.0.1:{port}\"\n\n[nats]\nurl = \"{nats_url}\"\n{subjects}\n[[models]]\nname = \"{MODEL}\"\ndir = \"{}\"\nblock_size = {}\n",
         paths::model_dir().display(),
-        opts.sim.block_size
+        opts.block_size()
     );
     for e in engines {
         // In pin mode the engines are found through Dynamo discovery instead.
@@ -548,6 +582,25 @@ fn sidecar_config(
         }
     }
     out
+}
+
+/// Start the sidecar on `dir/sidecar.toml` and wait until `url` answers `/healthz`.
+async fn start_sidecar(dir: &Path, url: &str, http: &reqwest::Client) -> Result<Process> {
+    let mut cmd = Command::new(paths::binary("kvroute-sidecar")?);
+    cmd.arg("serve")
+        .arg("--config")
+        .arg(dir.join("sidecar.toml"));
+    let process = Process::spawn("sidecar", cmd, dir)?;
+    let probe = &format!("{url}/healthz");
+    wait_for("sidecar /healthz", Duration::from_secs(30), || async move {
+        http.get(probe)
+            .send()
+            .await
+            .ok()
+            .filter(|r| r.status().is_success())
+    })
+    .await?;
+    Ok(process)
 }
 
 /// The shipped Envoy configuration for `opts` (`envoy/kvroute.yaml`, `kvroute-maglev.yaml` or

@@ -167,8 +167,7 @@ async fn main() -> anyhow::Result<()> {
                     encoding,
                     args.block_size,
                     engine.stats.drop_events.clone(),
-                )
-                .await?;
+                )?;
                 info["zmq_endpoint"] = endpoints.events.into();
                 info["replay_endpoint"] = endpoints.replay.into();
                 tokio::spawn(publisher.run(rx));

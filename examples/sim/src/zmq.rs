@@ -1,12 +1,13 @@
 //! Publishing cache events the way vLLM's ZMQ publisher does: a PUB socket sending
 //! `[topic, seq u64 BE, msgpack batch]`, and a ROUTER replay socket answering `["", start seq]`
 //! with every buffered message from there, then the end marker. Block hashes are vLLM's own
-//! ([`crate::vllm_hash`]).
+//! ([`crate::vllm_hash`]). libzmq, as vLLM (pyzmq) uses; a restart closes the PUB socket and
+//! binds a new one on the same port, so subscribers see the connection of a new process.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context as _;
 use bytes::Bytes;
@@ -14,7 +15,6 @@ use kvroute_protocol::vllm::{
     encode_batch, EngineBlockHash, EventBatch, EventEncoding, VllmEvent, REPLAY_END,
 };
 use tokio::sync::mpsc;
-use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::publish::CacheChange;
 use crate::vllm_hash::{self, FullHash};
@@ -24,7 +24,10 @@ const REPLAY_BUFFER: usize = 10_000;
 
 /// One engine's vLLM-style publisher.
 pub struct VllmPublisher {
-    socket: PubSocket,
+    context: zmq::Context,
+    socket: zmq::Socket,
+    /// Where `socket` is bound (`tcp://127.0.0.1:<port>`), for the rebind at a restart.
+    endpoint: String,
     topic: String,
     encoding: EventEncoding,
     block_size: u32,
@@ -46,26 +49,32 @@ pub struct Endpoints {
 impl VllmPublisher {
     /// Bind a PUB and a replay socket on loopback, on free ports. While `drop_next` is above
     /// zero, messages are buffered for replay but not sent live (a test hook: a gap).
-    pub async fn bind(
+    pub fn bind(
         topic: &str,
         encoding: EventEncoding,
         block_size: u32,
         drop_next: Arc<AtomicU64>,
     ) -> anyhow::Result<(Self, Endpoints)> {
-        let mut socket = PubSocket::new();
-        let events = socket
+        let context = zmq::Context::new();
+        let socket = context.socket(zmq::PUB)?;
+        socket
             .bind("tcp://127.0.0.1:0")
-            .await
             .context("binding the PUB socket")?;
-        let mut router = RouterSocket::new();
-        let replay = router
+        let events = bound(&socket)?;
+        let router = context.socket(zmq::ROUTER)?;
+        router
             .bind("tcp://127.0.0.1:0")
-            .await
             .context("binding the replay socket")?;
+        let replay = bound(&router)?;
         let buffer = Arc::new(Mutex::new(VecDeque::new()));
-        tokio::spawn(serve_replay(router, topic.to_owned(), buffer.clone()));
+        let (topic_name, replay_buffer) = (topic.to_owned(), buffer.clone());
+        std::thread::Builder::new()
+            .name("sim-replay".into())
+            .spawn(move || serve_replay(router, topic_name, replay_buffer))?;
         let publisher = VllmPublisher {
+            context,
             socket,
+            endpoint: events.clone(),
             topic: topic.to_owned(),
             encoding,
             block_size,
@@ -73,11 +82,30 @@ impl VllmPublisher {
             drop_next,
             full_hashes: HashMap::new(),
         };
-        let endpoints = Endpoints {
-            events: events.to_string(),
-            replay: replay.to_string(),
-        };
-        Ok((publisher, endpoints))
+        Ok((publisher, Endpoints { events, replay }))
+    }
+
+    /// A new process's PUB socket: the old one closes (subscribers see it go), a new one binds
+    /// the same port (the kernel may hold it for a moment after the close).
+    fn rebind(&mut self) {
+        let _ = self.socket.unbind(&self.endpoint);
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            match self.context.socket(zmq::PUB).and_then(|s| {
+                s.bind(&self.endpoint)?;
+                Ok(s)
+            }) {
+                Ok(socket) => {
+                    self.socket = socket;
+                    return;
+                }
+                Err(e) if Instant::now() > deadline => {
+                    tracing::warn!(endpoint = %self.endpoint, error = %e, "PUB socket not rebound after a restart");
+                    return;
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
     }
 
     /// Publish every batch from `rx`, one message per batch, numbered from 0; a restart numbers
@@ -87,6 +115,7 @@ impl VllmPublisher {
         while let Some(changes) = rx.recv().await {
             if changes.iter().any(|c| matches!(c, CacheChange::Restarted)) {
                 seq = 0;
+                self.rebind();
                 self.full_hashes.clear();
                 self.buffer
                     .lock()
@@ -120,12 +149,9 @@ impl VllmPublisher {
                 .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
                 .is_ok();
             if !dropped {
-                let msg = message(&[
-                    Bytes::from(self.topic.clone()),
-                    Bytes::copy_from_slice(&seq.to_be_bytes()),
-                    payload,
-                ]);
-                if let Err(e) = self.socket.send(msg).await {
+                let frames = [self.topic.as_bytes(), &seq.to_be_bytes(), &payload];
+                // PUB never blocks: with no subscriber, or one too slow, messages are dropped.
+                if let Err(e) = self.socket.send_multipart(frames, zmq::DONTWAIT) {
                     tracing::warn!(error = %e, "vLLM event publish failed");
                 }
             }
@@ -182,27 +208,21 @@ impl VllmPublisher {
     }
 }
 
-fn message(frames: &[Bytes]) -> ZmqMessage {
-    let mut msg = ZmqMessage::from(frames[0].clone());
-    for f in &frames[1..] {
-        msg.push_back(f.clone());
-    }
-    msg
+/// The endpoint a socket bound to port 0 got.
+fn bound(socket: &zmq::Socket) -> anyhow::Result<String> {
+    socket
+        .get_last_endpoint()?
+        .map_err(|_| anyhow::anyhow!("bound endpoint is not UTF-8"))
 }
 
 /// Answer replay requests: `[identity, "", seq]` → every buffered message from `seq` as
 /// `[identity, "", topic, seq, payload]`, then `[identity, "", "", u64::MAX, ""]`.
-async fn serve_replay(
-    mut router: RouterSocket,
-    topic: String,
-    buffer: Arc<Mutex<VecDeque<(u64, Bytes)>>>,
-) {
-    while let Ok(request) = router.recv().await {
-        let frames = request.into_vec();
+fn serve_replay(router: zmq::Socket, topic: String, buffer: Arc<Mutex<VecDeque<(u64, Bytes)>>>) {
+    while let Ok(frames) = router.recv_multipart(0) {
         let (Some(identity), Some(start)) = (frames.first(), frames.last()) else {
             continue;
         };
-        let Ok(start) = <[u8; 8]>::try_from(start.as_ref()).map(u64::from_be_bytes) else {
+        let Ok(start) = <[u8; 8]>::try_from(start.as_slice()).map(u64::from_be_bytes) else {
             continue;
         };
         let wanted: Vec<(u64, Bytes)> = buffer
@@ -212,26 +232,19 @@ async fn serve_replay(
             .filter(|(seq, _)| *seq >= start)
             .cloned()
             .collect();
-        let empty = Bytes::new();
         for (seq, payload) in wanted {
-            let reply = message(&[
-                identity.clone(),
-                empty.clone(),
-                Bytes::from(topic.clone()),
-                Bytes::copy_from_slice(&seq.to_be_bytes()),
-                payload,
-            ]);
-            if router.send(reply).await.is_err() {
+            let reply: [&[u8]; 5] = [
+                identity,
+                b"",
+                topic.as_bytes(),
+                &seq.to_be_bytes(),
+                &payload,
+            ];
+            if router.send_multipart(reply, 0).is_err() {
                 break;
             }
         }
-        let end = message(&[
-            identity.clone(),
-            empty.clone(),
-            empty.clone(),
-            Bytes::copy_from_slice(&REPLAY_END.to_be_bytes()),
-            empty,
-        ]);
-        let _ = router.send(end).await;
+        let end: [&[u8]; 5] = [identity, b"", b"", &REPLAY_END.to_be_bytes(), b""];
+        let _ = router.send_multipart(end, 0);
     }
 }

