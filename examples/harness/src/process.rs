@@ -2,6 +2,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
+use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -32,13 +33,14 @@ pub struct Process {
 }
 
 impl Process {
-    /// Start `cmd` with its output in `<dir>/<name>.log`.
+    /// Start `cmd` in a process group of its own, with its output in `<dir>/<name>.log`.
     pub fn spawn(name: &str, mut cmd: Command, dir: &Path) -> Result<Process> {
         let log = dir.join(format!("{name}.log"));
         let out = std::fs::File::create(&log)?;
         cmd.stdout(out.try_clone()?)
             .stderr(out)
-            .stdin(Stdio::null());
+            .stdin(Stdio::null())
+            .process_group(0);
         let child = cmd
             .spawn()
             .with_context(|| format!("starting {name}: {cmd:?}"))?;
@@ -61,7 +63,8 @@ impl Process {
         let log = dir.join(format!("{name}.log"));
         cmd.stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log)?)
-            .stdin(Stdio::null());
+            .stdin(Stdio::null())
+            .process_group(0);
         let mut child = cmd
             .spawn()
             .with_context(|| format!("starting {name}: {cmd:?}"))?;
@@ -113,9 +116,17 @@ impl Process {
         matches!(self.child.try_wait(), Ok(None))
     }
 
-    /// Kill it now and reap it.
+    /// Kill it and every process it started (its process group: vLLM's engine core and workers
+    /// are children of its API server, as in a container) now, and reap it.
     pub fn kill(&mut self) {
-        let _ = self.child.kill();
+        let group = format!("-{}", self.child.id());
+        let killed = Command::new("kill")
+            .args(["-KILL", "--", &group])
+            .stderr(Stdio::null())
+            .status();
+        if !killed.is_ok_and(|s| s.success()) {
+            let _ = self.child.kill();
+        }
         let _ = self.child.wait();
     }
 }

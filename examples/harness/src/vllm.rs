@@ -93,6 +93,9 @@ pub fn spawn(opts: &VllmOptions, engine: &EngineInfo, dir: &Path) -> Result<Proc
         .args(["--max-num-seqs", &opts.max_num_seqs.to_string()])
         .args(["--max-model-len", "2048", "--enforce-eager"])
         .arg("--enable-prompt-tokens-details")
+        // SIGTERM lets running requests finish (the default, 0, aborts their streams mid-way,
+        // which no proxy can retry once a token reached the client).
+        .args(["--shutdown-timeout", "30"])
         .args(["--kv-events-config", &kv_events.to_string()])
         .env("HF_HUB_OFFLINE", "1")
         .env("VLLM_NO_USAGE_STATS", "1")
