@@ -7,7 +7,7 @@ VENV   := .venv
 WASM   := target/wasm32-wasip1/release/kvroute_filter.wasm
 
 .PHONY: all build venv venv-peers venv-dynamo venv-vllm toolchain test test-live lint demo clean \
-	bench-routing bench-routing-quick bench-datapath bench-dynamo bench-index bench-prepare fuzz \
+	bench-routing bench-routing-quick bench-datapath bench-dynamo bench-vllm bench-index bench-prepare fuzz \
 	precision-fixtures
 
 all: build
@@ -95,6 +95,11 @@ bench-routing-quick: venv build
 
 # kvroute vs Dynamo's own KV router on real Dynamo mocker workers (aggregated, then
 # disaggregated prefill/decode); docs/benchmarks.md, "Against Dynamo's KV router".
+# kvroute vs Envoy's ring hash alone and round robin on 2 real vLLM engines (CPU), multi-turn
+# chat; docs/benchmarks.md, "Against real vLLM".
+bench-vllm: venv venv-vllm build
+	target/release/kvroute-bench vllm --out target/bench/vllm
+
 bench-dynamo: venv venv-dynamo build
 	target/release/kvroute-bench dynamo --out target/bench/dynamo-agg
 	target/release/kvroute-bench dynamo --workers 0 --prefill 3 --decode 1 --out target/bench/dynamo-disagg

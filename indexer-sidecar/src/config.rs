@@ -51,6 +51,7 @@
 //! max_in_flight = 16                #   requests (running + queued, or hinted and unfinished)
 //! load_penalty_blocks = 8           # one request on a worker costs as much as 8 uncached blocks
 //! scrape_interval_ms = 250          # engines' /metrics (vLLM names) are read this often
+//! home_key_blocks = 8               # cold prompts go to the home of their first 8 blocks
 //! ```
 
 use std::net::SocketAddr;
@@ -289,6 +290,12 @@ pub struct RoutingConfig {
     pub load_penalty_blocks: f64,
     /// How often engines' `/metrics` are scraped.
     pub scrape_interval_ms: u64,
+    /// A prompt no worker holds goes to the home of its first this many blocks (the filter's
+    /// `fallback_key_blocks`); 0: to the least loaded worker.
+    pub home_key_blocks: usize,
+    /// A cold prompt's home is passed over when it has this many requests more than the least
+    /// loaded worker.
+    pub home_slack: f64,
 }
 
 impl Default for RoutingConfig {
@@ -301,6 +308,8 @@ impl Default for RoutingConfig {
             max_in_flight: 16.0,
             load_penalty_blocks: 8.0,
             scrape_interval_ms: 250,
+            home_key_blocks: 8,
+            home_slack: 4.0,
         }
     }
 }

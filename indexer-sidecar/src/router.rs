@@ -9,14 +9,18 @@
 //! traffic to a busy worker while another idles, and a burst spreads out at once. A worker is
 //! saturated when its queue, its KV usage or its requests reach the configured thresholds;
 //! saturated workers are used only when every worker is. When no worker holds a useful match,
-//! the same rule reduces to "least loaded": the sidecar sees every hinted request, while the ring
-//! hash would send a burst of new prompts with one fallback key to one engine (measured:
-//! hot-prefix TTFT p95 64 → 39 ms, multi-turn 40 → 23 ms, hit rate unchanged). Envoy's ring hash
-//! on the fallback key still decides whenever the sidecar does not answer, and keeps affinity
-//! then.
+//! the prompt goes to its **home**: of the unsaturated workers, the one with the highest
+//! rendezvous score for the prompt's first `home_key_blocks` blocks (a saturated home hands
+//! over to the next in that order, not to a random one). Cold prompts that share a
+//! beginning (one app's system prompt, a conversation's next turn whose events are late) land
+//! together and share their prefill instead of being spread by load; every sidecar replica
+//! computes the same home; saturation is the escape hatch. Measured on real vLLM (multi-turn
+//! chat, docs/benchmarks.md): least loaded for cold prompts lost to Envoy's ring hash alone.
+//! Envoy's ring hash on the fallback key still decides whenever the sidecar does not answer.
 
 use kvroute_protocol::hint::HintResponse;
 use serde::Serialize;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::config::RoutingConfig;
 use crate::load::Load;
@@ -59,7 +63,8 @@ pub enum Rule {
     LongestMatch,
     /// Load outweighed the longest match (or it was saturated): a less busy worker instead.
     LeastLoaded,
-    /// No useful match anywhere: the least loaded worker, which will prefill it all.
+    /// No useful match anywhere: the prompt's home (or, without a key, the least loaded
+    /// worker), which will prefill it all.
     NoMatch,
 }
 
@@ -81,10 +86,17 @@ pub fn saturated(load: &Load, routing: &RoutingConfig) -> bool {
         || load.busy() >= routing.max_in_flight
 }
 
-/// Decide where a request of `prompt_blocks` blocks goes. `matches` are (worker, matched
-/// blocks); `load_of` and `healthy` describe every registered worker.
+/// A cold prompt's home score on `address`: rendezvous hashing, the same on every replica.
+fn home_score(key: u64, address: &str) -> u64 {
+    xxh3_64_with_seed(address.as_bytes(), key)
+}
+
+/// Decide where a request of `prompt_blocks` blocks goes. `home_key` names the prompt's first
+/// blocks (its home when nothing matches); `matches` are (worker, matched blocks); `load_of`
+/// and `healthy` describe every registered worker.
 pub fn choose(
     prompt_blocks: u32,
+    home_key: Option<u64>,
     matches: &[(WorkerId, u32)],
     registry: &WorkerRegistry,
     routing: &RoutingConfig,
@@ -125,6 +137,22 @@ pub fn choose(
             .map(|w| w.address.clone())
             .unwrap_or_default()
     };
+    if let (Rule::NoMatch, Some(key)) = (rule, home_key) {
+        // Saturated workers sort last: when the first is saturated, all are. A home already
+        // busier than the least loaded worker by `home_slack` requests hands over too: a burst
+        // of one cold prefix spreads instead of queueing on one engine.
+        let unsaturated = candidates.iter().take_while(|c| !c.3).count();
+        let least_busy = candidates[..unsaturated]
+            .iter()
+            .map(|c| c.2.busy())
+            .fold(f64::INFINITY, f64::min);
+        let home = (0..unsaturated)
+            .filter(|&i| candidates[i].2.busy() <= least_busy + routing.home_slack)
+            .max_by_key(|&i| home_score(key, &address(candidates[i].0)));
+        if let Some(home) = home {
+            candidates[..=home].rotate_right(1);
+        }
+    }
     let hint = {
         let chosen = &candidates[..candidates.len().min(routing.max_hinted_workers.max(1))];
         HintResponse {
@@ -197,7 +225,7 @@ mod tests {
     fn longest_match_then_next_best() {
         let reg = registry(3);
         let m = [(WorkerId(0), 2), (WorkerId(1), 5), (WorkerId(2), 3)];
-        let d = choose(10, &m, &reg, &RoutingConfig::default(), idle, all);
+        let d = choose(10, None, &m, &reg, &RoutingConfig::default(), idle, all);
         assert_eq!(d.rule, Rule::LongestMatch);
         assert_eq!(d.hint.workers, vec![addr(1), addr(2), addr(0)]);
         assert_eq!(d.hint.matched_blocks, 5);
@@ -209,6 +237,7 @@ mod tests {
         let m = [(WorkerId(0), 4), (WorkerId(1), 4), (WorkerId(2), 4)];
         let d = choose(
             10,
+            None,
             &m,
             &reg,
             &RoutingConfig::default(),
@@ -228,11 +257,12 @@ mod tests {
             ..Load::default()
         };
         let tie = [(WorkerId(0), 4), (WorkerId(1), 4)];
-        let d = choose(10, &tie, &reg, &routing, hinted, all);
+        let d = choose(10, None, &tie, &reg, &routing, hinted, all);
         assert_eq!(d.hint.workers[0], addr(1));
         // Three requests (24 blocks) outweigh 20 more cached blocks, not 30.
         let d = choose(
             40,
+            None,
             &[(WorkerId(0), 24), (WorkerId(1), 4)],
             &reg,
             &routing,
@@ -242,6 +272,7 @@ mod tests {
         assert_eq!(d.hint.workers[0], addr(1));
         let d = choose(
             40,
+            None,
             &[(WorkerId(0), 34), (WorkerId(1), 4)],
             &reg,
             &routing,
@@ -255,7 +286,7 @@ mod tests {
             unhinted: if w.0 == 1 { 4.0 } else { 0.0 },
             ..Load::default()
         };
-        let d = choose(10, &tie, &reg, &routing, others, all);
+        let d = choose(10, None, &tie, &reg, &routing, others, all);
         assert_eq!(d.hint.workers[0], addr(0));
     }
 
@@ -268,7 +299,7 @@ mod tests {
         };
         // 20 cached blocks do not beat 30 blocks of other prompts' prefill queued ahead.
         let m = [(WorkerId(0), 20), (WorkerId(1), 0)];
-        let d = choose(40, &m, &reg, &RoutingConfig::default(), backlog, all);
+        let d = choose(40, None, &m, &reg, &RoutingConfig::default(), backlog, all);
         assert_eq!(d.hint.workers[0], addr(1));
         assert_eq!(d.candidates[1].cost, 50.0);
     }
@@ -280,6 +311,7 @@ mod tests {
         // Two shared blocks on a busy worker are not worth its queue.
         let d = choose(
             20,
+            None,
             &[(WorkerId(0), 2)],
             &reg,
             &routing,
@@ -291,6 +323,7 @@ mod tests {
         // Ninety cached blocks are worth waiting behind two requests.
         let d = choose(
             100,
+            None,
             &[(WorkerId(0), 90)],
             &reg,
             &routing,
@@ -311,6 +344,7 @@ mod tests {
         };
         let d = choose(
             100,
+            None,
             &[(WorkerId(0), 99), (WorkerId(2), 3)],
             &reg,
             &routing,
@@ -326,10 +360,84 @@ mod tests {
     fn unhealthy_workers_are_never_hinted() {
         let reg = registry(3);
         let m = [(WorkerId(1), 9), (WorkerId(2), 1)];
-        let d = choose(10, &m, &reg, &RoutingConfig::default(), idle, |w| w.0 != 1);
+        let d = choose(10, None, &m, &reg, &RoutingConfig::default(), idle, |w| {
+            w.0 != 1
+        });
         assert!(!d.hint.workers.contains(&addr(1)));
         assert_eq!(d.hint.workers[0], addr(2));
         assert_eq!(d.candidates.len(), 2);
+    }
+
+    #[test]
+    fn cold_prompts_go_to_their_home_unless_it_is_saturated() {
+        let reg = registry(4);
+        let routing = RoutingConfig::default();
+        let load = running(&[0.0, 3.0, 1.0, 2.0]);
+        let homes: Vec<String> = (0..64u64)
+            .map(|key| {
+                choose(10, Some(key), &[], &reg, &routing, &load, all)
+                    .hint
+                    .workers[0]
+                    .clone()
+            })
+            .collect();
+        // Load does not move a home; keys spread over every worker.
+        for (key, home) in homes.iter().enumerate() {
+            let d = choose(10, Some(key as u64), &[], &reg, &routing, idle, all);
+            assert_eq!(d.rule, Rule::NoMatch);
+            assert_eq!(&d.hint.workers[0], home);
+        }
+        for w in 0..4 {
+            assert!(homes.contains(&addr(w)), "worker {w} is no key's home");
+        }
+        // A saturated home gives way to the key's next home (what it would be without that
+        // worker), whatever the load; without a key, the least loaded worker wins.
+        let key = (0..64u64).find(|&k| homes[k as usize] == addr(1)).unwrap();
+        let full = |w: WorkerId| {
+            let n = if w.0 == 1 { 99.0 } else { f64::from(w.0) };
+            Load {
+                running: n,
+                unhinted: n,
+                ..Load::default()
+            }
+        };
+        let d = choose(10, Some(key), &[], &reg, &routing, full, all);
+        let next = choose(10, Some(key), &[], &reg, &routing, idle, |w| w.0 != 1);
+        assert_eq!(d.hint.workers[0], next.hint.workers[0]);
+        assert_ne!(d.hint.workers[0], addr(1));
+        let d = choose(10, None, &[], &reg, &routing, &load, all);
+        assert_eq!(d.hint.workers[0], addr(0));
+        // A home busier than the least loaded worker by more than `home_slack` hands over.
+        let busy = |extra: f64| {
+            move |w: WorkerId| {
+                let n = if w.0 == 1 { extra } else { 0.0 };
+                Load {
+                    running: n,
+                    unhinted: n,
+                    ..Load::default()
+                }
+            }
+        };
+        let at_slack = choose(
+            10,
+            Some(key),
+            &[],
+            &reg,
+            &routing,
+            busy(routing.home_slack),
+            all,
+        );
+        assert_eq!(at_slack.hint.workers[0], addr(1));
+        let over = choose(
+            10,
+            Some(key),
+            &[],
+            &reg,
+            &routing,
+            busy(routing.home_slack + 1.0),
+            all,
+        );
+        assert_eq!(over.hint.workers[0], next.hint.workers[0]);
     }
 
     #[test]
@@ -340,12 +448,13 @@ mod tests {
             ..RoutingConfig::default()
         };
         let load = running(&[2.0, 0.0, 1.0]);
-        let d = choose(10, &[(WorkerId(0), 1)], &reg, &strict, load, all);
+        let d = choose(10, None, &[(WorkerId(0), 1)], &reg, &strict, load, all);
         assert_eq!(d.rule, Rule::NoMatch);
         assert_eq!(d.hint.workers, vec![addr(1), addr(2), addr(0)]);
         assert_eq!(d.hint.matched_blocks, 0);
         let d = choose(
             10,
+            None,
             &[],
             &reg,
             &RoutingConfig::default(),
@@ -355,7 +464,9 @@ mod tests {
         assert_eq!(d.rule, Rule::NoMatch);
         assert_eq!(d.hint.workers[0], addr(1));
         // Nobody healthy: no hint, Envoy's fallback decides.
-        let d = choose(10, &[], &reg, &RoutingConfig::default(), idle, |_| false);
+        let d = choose(10, None, &[], &reg, &RoutingConfig::default(), idle, |_| {
+            false
+        });
         assert_eq!(d.hint, HintResponse::default());
     }
 }

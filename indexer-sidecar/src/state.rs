@@ -247,8 +247,13 @@ impl AppState {
                 .unusable_since
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
+            let home_key = match self.routing.home_key_blocks.min(req.hashes.len()) {
+                0 => None,
+                n => Some(req.hashes[n - 1].0),
+            };
             let mut decision = router::choose(
                 req.hashes.len() as u32,
+                home_key,
                 &matches,
                 &registry,
                 &self.routing,

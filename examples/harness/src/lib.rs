@@ -17,9 +17,11 @@
 //! - [`report`]: per-mode hit rate, TTFT percentiles, requests per engine; markdown and JSON.
 //! - [`bench`], [`datapath`], [`peers`], [`plot`]: the routing and data-path benchmarks.
 //! - [`bench_dynamo`]: kvroute against Dynamo's own KV router on a real Dynamo fleet.
+//! - [`bench_vllm`]: kvroute against ring hash alone and round robin on real vLLM engines.
 
 pub mod bench;
 pub mod bench_dynamo;
+pub mod bench_vllm;
 pub mod client;
 pub mod datapath;
 pub mod dynamo;

@@ -1,4 +1,4 @@
-//! `kvroute-bench routing|datapath`: the benchmark harness (see docs/benchmarks.md).
+//! `kvroute-bench routing|datapath|dynamo|vllm`: the benchmark harness (see docs/benchmarks.md).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -62,6 +62,30 @@ enum Command {
         #[arg(long, default_value_t = 8)]
         concurrency: usize,
     },
+    /// kvroute vs ring hash alone and round robin on real vLLM engines (CPU).
+    Vllm {
+        /// Engines.
+        #[arg(long, default_value_t = 2)]
+        engines: usize,
+        /// KV cache per engine, in blocks of 32 tokens.
+        #[arg(long, default_value_t = 512)]
+        capacity_blocks: usize,
+        /// Users of the multi-turn chat (4 turns each).
+        #[arg(long, default_value_t = 16)]
+        conversations: usize,
+        /// Users in flight.
+        #[arg(long, default_value_t = 16)]
+        concurrency: usize,
+        /// Extra sidecar configuration, e.g. "[routing]\nload_penalty_blocks = 2".
+        #[arg(long, default_value = "")]
+        sidecar_toml: String,
+        /// Only these modes (comma-separated: kvroute, ring_hash, round_robin).
+        #[arg(long, value_delimiter = ',')]
+        modes: Option<Vec<String>>,
+        /// Runs per mode (workload seeds 42, 43, …), pooled.
+        #[arg(long, default_value_t = 3)]
+        repeat: usize,
+    },
 }
 
 #[tokio::main]
@@ -120,6 +144,33 @@ async fn main() -> Result<()> {
                 kvroute_harness::bench_dynamo::run(&bench, &out).await?
             );
             println!("written to {}", out.join("dynamo.{json,md}").display());
+        }
+        Command::Vllm {
+            engines,
+            capacity_blocks,
+            conversations,
+            concurrency,
+            sidecar_toml,
+            modes,
+            repeat,
+        } => {
+            let bench = kvroute_harness::bench_vllm::VllmBench {
+                fleet: kvroute_harness::vllm::VllmOptions {
+                    engines,
+                    capacity_blocks,
+                    ..Default::default()
+                },
+                conversations,
+                concurrency,
+                sidecar_toml: sidecar_toml.replace("\\n", "\n"),
+                modes: modes.unwrap_or_default(),
+                repeat,
+            };
+            println!(
+                "\n{}",
+                kvroute_harness::bench_vllm::run(&bench, &out).await?
+            );
+            println!("written to {}", out.join("vllm.{json,md}").display());
         }
         Command::Datapath => {
             datapath::run(scale, &out).await?;
