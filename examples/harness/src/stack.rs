@@ -435,9 +435,10 @@ impl Stack {
         let engine = self.engines.get(index).context("no such engine")?.clone();
         let name = crate::vllm::process_name(index);
         self.kill(&name);
-        self.processes
-            .push(crate::vllm::spawn(&opts, &engine, &self.dir)?);
-        crate::vllm::wait_ready(&engine, &self.http).await
+        let mut process = crate::vllm::spawn(&opts, &engine, &self.dir)?;
+        let ready = crate::vllm::wait_ready(&engine, &mut process, &self.http).await;
+        self.processes.push(process);
+        ready
     }
 
     /// Send a signal (`STOP`, `CONT`, …) to one process, e.g. to make it hang without dying;

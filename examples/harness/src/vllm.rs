@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::{Context as _, Result};
 
 use crate::paths;
-use crate::process::{free_port, wait_for, Process};
+use crate::process::{free_port, Process};
 use crate::stack::{EngineInfo, MODEL};
 
 /// KV block size: vLLM's CPU attention needs 32.
@@ -107,40 +107,65 @@ pub fn spawn(opts: &VllmOptions, engine: &EngineInfo, dir: &Path) -> Result<Proc
     Process::spawn(&process_name(engine.index), cmd, dir)
 }
 
-/// Wait until `engine` serves its model.
-pub async fn wait_ready(engine: &EngineInfo, http: &reqwest::Client) -> Result<()> {
-    let url = &format!("http://{}/v1/models", engine.address);
-    wait_for(
-        &format!("vLLM engine {} to serve", engine.index),
-        Duration::from_secs(240),
-        || async move {
-            let r = http.get(url).send().await.ok()?;
-            r.status().is_success().then_some(())
-        },
-    )
-    .await
+/// Wait until `engine` (run by `process`) serves its model; fail at once if it exits.
+pub async fn wait_ready(
+    engine: &EngineInfo,
+    process: &mut Process,
+    http: &reqwest::Client,
+) -> Result<()> {
+    let url = format!("http://{}/v1/models", engine.address);
+    let deadline = std::time::Instant::now() + Duration::from_secs(240);
+    loop {
+        if !process.is_running() {
+            anyhow::bail!(
+                "vLLM engine {} exited: {}",
+                engine.index,
+                process.log_tail()
+            );
+        }
+        if let Ok(r) = http.get(&url).send().await {
+            if r.status().is_success() {
+                return Ok(());
+            }
+        }
+        if std::time::Instant::now() > deadline {
+            anyhow::bail!(
+                "vLLM engine {} not serving after 240 s: {}",
+                engine.index,
+                process.log_tail()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
 }
 
-/// Start every engine (at once: their start-ups overlap) and wait for all.
+/// Start every engine (at once: their start-ups overlap) and wait for all. An engine whose port
+/// was taken between choosing it and binding it (another process's outgoing connection may get
+/// it from the kernel) starts once more on new ports.
 pub async fn start(
     opts: &VllmOptions,
     dir: &Path,
     processes: &mut Vec<Process>,
 ) -> Result<Vec<EngineInfo>> {
-    let engines = engine_infos(opts.engines)?;
+    let mut engines = engine_infos(opts.engines)?;
+    let mut running = Vec::new();
     for engine in &engines {
-        processes.push(spawn(opts, engine, dir)?);
+        running.push(spawn(opts, engine, dir)?);
     }
     let http = reqwest::Client::new();
-    for engine in &engines {
-        if let Err(e) = wait_ready(engine, &http).await {
-            let log = processes
-                .iter()
-                .find(|p| p.name() == process_name(engine.index))
-                .map(Process::log_tail)
-                .unwrap_or_default();
-            anyhow::bail!("{e}: {log}");
+    for (engine, process) in engines.iter_mut().zip(running.iter_mut()) {
+        if let Err(e) = wait_ready(engine, process, &http).await {
+            if !e.to_string().contains("Address already in use") {
+                return Err(e);
+            }
+            let index = engine.index;
+            *engine = engine_infos(1)?.remove(0);
+            engine.index = index;
+            engine.dynamo_worker_id = index as u64;
+            *process = spawn(opts, engine, dir)?;
+            wait_ready(engine, process, &http).await?;
         }
     }
+    processes.extend(running);
     Ok(engines)
 }
