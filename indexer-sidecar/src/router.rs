@@ -14,7 +14,8 @@
 //! over to the next in that order, not to a random one). Cold prompts that share a
 //! beginning (one app's system prompt, a conversation's next turn whose events are late) land
 //! together and share their prefill instead of being spread by load; every sidecar replica
-//! computes the same home; saturation is the escape hatch. Measured on real vLLM (multi-turn
+//! computes the same home; saturation, or being `home_slack` requests busier than the least
+//! loaded worker, is the escape hatch. Measured on real vLLM (multi-turn
 //! chat, docs/benchmarks.md): least loaded for cold prompts lost to Envoy's ring hash alone.
 //! Envoy's ring hash on the fallback key still decides whenever the sidecar does not answer.
 

@@ -106,6 +106,11 @@ impl Process {
         lines[lines.len().saturating_sub(20)..].join("\n")
     }
 
+    /// Whether its log says `text` anywhere.
+    pub fn log_contains(&self, text: &str) -> bool {
+        std::fs::read_to_string(&self.log).is_ok_and(|log| log.contains(text))
+    }
+
     /// Its process id.
     pub fn pid(&self) -> u32 {
         self.child.id()

@@ -155,7 +155,7 @@ pub async fn start(
     let http = reqwest::Client::new();
     for (engine, process) in engines.iter_mut().zip(running.iter_mut()) {
         if let Err(e) = wait_ready(engine, process, &http).await {
-            if !e.to_string().contains("Address already in use") {
+            if !process.log_contains("Address already in use") {
                 return Err(e);
             }
             let index = engine.index;
