@@ -9,20 +9,37 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
 
-/// A free TCP port on 127.0.0.1, chosen by the kernel, and never one this process was given
-/// before: the port is released at once, so the kernel may offer it again to the next call
-/// before anyone binds it (seen: a test's bind port equal to its listen port).
+/// A free TCP port on 127.0.0.1, never one this process was given before, and below the
+/// kernel's ephemeral range (`ip_local_port_range`): a port the kernel handed out for `:0` is
+/// released at once, and any process's next outgoing connection may take it as its source port
+/// before its owner binds it (seen: vLLM's engine core failing with "Address already in use"
+/// while the other engine started).
 pub fn free_port() -> Result<u16> {
     static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
-    for _ in 0..100 {
-        let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-        let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
-        if !given.contains(&port) {
-            given.push(port);
-            return Ok(port);
+    let ephemeral_start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let (low, high) = (10_000u16, ephemeral_start.max(10_001));
+    // Start somewhere that differs between concurrent test processes.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let mut state = u64::from(std::process::id()) << 32 | u64::from(nanos) | 1;
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    for _ in 0..1000 {
+        // xorshift64: cheap and good enough to scatter the candidates.
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        let port = low + (state % u64::from(high - low)) as u16;
+        if given.contains(&port) || TcpListener::bind(("127.0.0.1", port)).is_err() {
+            continue;
         }
+        given.push(port);
+        return Ok(port);
     }
-    bail!("no unused free port after 100 tries")
+    bail!("no unused free port in {low}..{high} after 1000 tries")
 }
 
 /// A running child process; stdout and stderr go to `<dir>/<name>.log`.
