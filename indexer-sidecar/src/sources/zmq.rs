@@ -36,8 +36,9 @@ use crate::state::AppState;
 
 /// How long a replay may take before it is given up (a gap then resyncs the worker).
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
-/// Pause before building a new socket after one failed.
+/// Pause before building a new socket after one failed, doubling while it keeps failing.
 const RETRY_DELAY: Duration = Duration::from_millis(500);
+const RETRY_DELAY_MAX: Duration = Duration::from_secs(10);
 /// libzmq's reconnect interval, doubling up to the maximum: a restarted engine is found within
 /// a second of listening again.
 const RECONNECT_IVL_MS: i32 = 100;
@@ -134,11 +135,18 @@ pub fn run(config: ZmqConfig, state: Arc<AppState>) {
         seen: HashSet::new(),
     };
     let context = zmq::Context::new();
+    let mut delay = RETRY_DELAY;
     loop {
+        let started = Instant::now();
         if let Err(e) = subscriber.session(&context) {
-            tracing::error!(endpoint = %config.endpoint, error = format!("{e:#}"), "ZMQ subscriber failed; starting over");
+            tracing::error!(endpoint = %config.endpoint, error = format!("{e:#}"), retry_in = ?delay, "ZMQ subscriber failed; starting over");
         }
-        std::thread::sleep(RETRY_DELAY);
+        // A session that worked for a while starts the backoff over.
+        if started.elapsed() > RETRY_DELAY_MAX {
+            delay = RETRY_DELAY;
+        }
+        std::thread::sleep(delay);
+        delay = (delay * 2).min(RETRY_DELAY_MAX);
     }
 }
 
