@@ -131,14 +131,14 @@ pub fn run(config: ZmqConfig, state: Arc<AppState>) {
         config: &config,
         state: &state,
         source,
+        context: zmq::Context::new(),
         cursors: Cursors::default(),
         seen: HashSet::new(),
     };
-    let context = zmq::Context::new();
     let mut delay = RETRY_DELAY;
     loop {
         let started = Instant::now();
-        if let Err(e) = subscriber.session(&context) {
+        if let Err(e) = subscriber.session() {
             tracing::error!(endpoint = %config.endpoint, error = format!("{e:#}"), retry_in = ?delay, "ZMQ subscriber failed; starting over");
         }
         // A session that worked for a while starts the backoff over.
@@ -154,6 +154,8 @@ struct Subscriber<'a> {
     config: &'a ZmqConfig,
     state: &'a AppState,
     source: usize,
+    /// libzmq's I/O thread, shared by the SUB socket and every replay request.
+    context: zmq::Context,
     cursors: Cursors,
     /// Workers whose events arrived here.
     seen: HashSet<WorkerId>,
@@ -161,9 +163,9 @@ struct Subscriber<'a> {
 
 impl Subscriber<'_> {
     /// One SUB socket for as long as it works.
-    fn session(&mut self, context: &zmq::Context) -> anyhow::Result<()> {
+    fn session(&mut self) -> anyhow::Result<()> {
         let config = self.config;
-        let socket = context.socket(zmq::SUB)?;
+        let socket = self.context.socket(zmq::SUB)?;
         socket.set_rcvhwm(RECEIVE_HWM)?;
         socket.set_reconnect_ivl(RECONNECT_IVL_MS)?;
         socket.set_reconnect_ivl_max(RECONNECT_IVL_MAX_MS)?;
@@ -178,7 +180,7 @@ impl Subscriber<'_> {
             (zmq::SocketEvent::HANDSHAKE_SUCCEEDED as u16 | zmq::SocketEvent::DISCONNECTED as u16)
                 .into(),
         )?;
-        let monitor = context.socket(zmq::PAIR)?;
+        let monitor = self.context.socket(zmq::PAIR)?;
         monitor.connect(&monitor_address)?;
         if config.bind {
             socket
@@ -281,7 +283,7 @@ impl Subscriber<'_> {
             tracing::info!(endpoint = %self.config.endpoint, "no replay_endpoint: no warm start; blocks the engine stored before now are unknown here, and their children are dropped as orphans until stored again");
             return;
         };
-        let messages = match replay(replay_endpoint, 0, None) {
+        let messages = match replay(&self.context, replay_endpoint, 0, None) {
             Ok(m) => m,
             Err(e) => {
                 tracing::warn!(endpoint = %self.config.endpoint, replay = %replay_endpoint, error = format!("{e:#}"), "warm start failed; blocks the engine stored before now are unknown here until stored again");
@@ -370,7 +372,7 @@ impl Subscriber<'_> {
                     .replay_endpoint
                     .as_deref()
                     .context("no replay_endpoint configured")
-                    .and_then(|endpoint| replay(endpoint, from, Some(to)));
+                    .and_then(|endpoint| replay(&self.context, endpoint, from, Some(to)));
                 match missed {
                     Ok(missed) => {
                         tracing::info!(worker = %name, from, to, "filled an event gap from the replay socket");
@@ -441,8 +443,12 @@ fn count_bad(state: &AppState, why: &str, source: &str) {
 /// Ask a replay socket for its buffered messages from `from` (up to `to`, exclusive, when
 /// given): consecutive, in order. A gap fill (`to` given) needs all of `from..to`; a warm start
 /// takes whatever the buffer still holds.
-fn replay(endpoint: &str, from: u64, to: Option<u64>) -> anyhow::Result<Vec<Frames>> {
-    let context = zmq::Context::new();
+fn replay(
+    context: &zmq::Context,
+    endpoint: &str,
+    from: u64,
+    to: Option<u64>,
+) -> anyhow::Result<Vec<Frames>> {
     let socket = context.socket(zmq::DEALER)?;
     socket.set_linger(0)?;
     socket.connect(endpoint)?;
