@@ -93,13 +93,13 @@ bench-routing: venv venv-peers build
 bench-routing-quick: venv build
 	target/release/kvroute-bench routing --quick
 
-# kvroute vs Dynamo's own KV router on real Dynamo mocker workers (aggregated, then
-# disaggregated prefill/decode); docs/benchmarks.md, "Against Dynamo's KV router".
 # kvroute vs Envoy's ring hash alone and round robin on 2 real vLLM engines (CPU), multi-turn
 # chat; docs/benchmarks.md, "Against real vLLM".
 bench-vllm: venv venv-vllm build
 	target/release/kvroute-bench vllm --out target/bench/vllm
 
+# kvroute vs Dynamo's own KV router on real Dynamo mocker workers (aggregated, then
+# disaggregated prefill/decode); docs/benchmarks.md, "Against Dynamo's KV router".
 bench-dynamo: venv venv-dynamo build
 	target/release/kvroute-bench dynamo --out target/bench/dynamo-agg
 	target/release/kvroute-bench dynamo --workers 0 --prefill 3 --decode 1 --out target/bench/dynamo-disagg

@@ -64,7 +64,9 @@ async fn dynamo_benchmark_smoke() {
     }
     let doc: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.join("dynamo.json")).unwrap()).unwrap();
-    for r in doc["modes"].as_array().unwrap() {
+    let modes = doc["modes"].as_object().unwrap();
+    assert_eq!(modes.len(), 3, "{doc}");
+    for r in modes.values() {
         assert_eq!(r["errors"], 0, "{r}");
         assert_eq!(r["requests"], 8, "{r}");
     }

@@ -52,21 +52,34 @@ pub fn metric(text: &str, series: &str) -> Option<f64> {
 /// Wait until the sidecar's index holds at least `blocks` blocks of engine `engine`.
 pub async fn wait_indexed(stack: &Stack, engine: usize, blocks: f64) {
     let worker = &stack.engines[engine].address;
-    wait_worker_indexed(stack, worker, blocks, Duration::from_secs(10)).await;
+    wait_worker_index(
+        stack,
+        worker,
+        "the sidecar to index the warmed blocks",
+        Duration::from_secs(10),
+        |n| n >= blocks,
+    )
+    .await;
 }
 
-/// Wait until the sidecar's index holds at least `blocks` blocks of the worker it names
-/// `worker` in its metrics.
-async fn wait_worker_indexed(stack: &Stack, worker: &str, blocks: f64, timeout: Duration) {
+/// Wait up to `timeout` until the blocks the sidecar's index holds of the worker it names
+/// `worker` satisfy `ok` (panicking with `what` and the sidecar's log if they never do); the
+/// sidecar's metrics at that moment.
+pub async fn wait_worker_index(
+    stack: &Stack,
+    worker: &str,
+    what: &str,
+    timeout: Duration,
+    ok: impl Fn(f64) -> bool,
+) -> String {
     let series = format!("kvroute_index_blocks{{worker=\"{worker}\"}}");
-    let series = &series;
-    wait_for(
-        "the sidecar to index the warmed blocks",
-        timeout,
-        || async move { (sidecar_metric(stack, series).await? >= blocks).then_some(()) },
-    )
+    let (series, ok) = (&series, &ok);
+    wait_for(what, timeout, || async move {
+        let text = stack.sidecar_metrics().await.ok()?;
+        ok(metric(&text, series)?).then_some(text)
+    })
     .await
-    .expect("events reach the index");
+    .unwrap_or_else(|e| panic!("{e}: {}", stack.log_tail("sidecar")))
 }
 
 /// The sidecar's name for a worker found through Dynamo discovery (pin mode): its request-plane
@@ -85,7 +98,14 @@ pub async fn sidecar_metric(stack: &Stack, series: &str) -> Option<f64> {
 /// (a real Dynamo worker's events may take longer than the simulator's).
 pub async fn wait_pinned_indexed(stack: &Stack, engine: usize, blocks: f64) {
     let worker = pinned_label(stack, engine);
-    wait_worker_indexed(stack, &worker, blocks, Duration::from_secs(20)).await;
+    wait_worker_index(
+        stack,
+        &worker,
+        "the sidecar to index the warmed blocks",
+        Duration::from_secs(20),
+        |n| n >= blocks,
+    )
+    .await;
 }
 
 /// Assert a request succeeded and return the engine that served it.

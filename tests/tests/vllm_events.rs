@@ -100,17 +100,14 @@ async fn an_engine_restart_clears_its_worker() {
         direct(&stack, 0, &chat(&text(1101, 50), "x")).await;
     }
     admin(&stack, 0, "restart", "").await;
-    let series = format!("kvroute_index_blocks{{worker=\"{address}\"}}");
-    let cleared = kvroute_harness::process::wait_for(
+    let cleared = wait_worker_index(
+        &stack,
+        &address,
         "the closed connection to clear the worker",
         std::time::Duration::from_secs(2),
-        || async {
-            let m = stack.sidecar_metrics().await.ok()?;
-            (metric(&m, &series)? == 0.0).then_some(m)
-        },
+        |n| n == 0.0,
     )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    .await;
     assert_eq!(sequence(&cleared, &address, "disconnect"), 1.0, "{cleared}");
     let fresh = direct(&stack, 0, &chat(&text(1102, 40), "after")).await;
     wait_indexed(&stack, 0, (fresh.prompt_tokens / 16) as f64).await;
@@ -132,17 +129,14 @@ async fn a_restarted_sidecar_warms_up_from_the_replay_buffer() {
     let blocks = (warmed.prompt_tokens / 16) as f64;
     wait_indexed(&stack, 3, blocks).await;
     stack.restart_sidecar().await.expect("sidecar restarts");
-    let series = format!("kvroute_index_blocks{{worker=\"{address}\"}}");
-    let warm = kvroute_harness::process::wait_for(
+    let warm = wait_worker_index(
+        &stack,
+        &address,
         "the new sidecar to read the replay buffer",
         std::time::Duration::from_secs(5),
-        || async {
-            let m = stack.sidecar_metrics().await.ok()?;
-            (metric(&m, &series)? >= blocks).then_some(m)
-        },
+        |n| n >= blocks,
     )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    .await;
     assert_eq!(sequence(&warm, &address, "warm_start"), 1.0, "{warm}");
     let o = via_envoy(&stack, &chat(&system, "second")).await;
     assert_eq!(served_by(&o), 3, "{o:?}");

@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kvroute_harness::client::Outcome;
-use kvroute_harness::process::wait_for;
 use kvroute_harness::vllm::{self, VllmOptions, BLOCK_SIZE};
 use kvroute_harness::{Mode, Stack, StackOptions};
 
@@ -25,13 +24,6 @@ async fn stack(name: &str) -> Stack {
 /// Full blocks of a prompt.
 fn blocks(o: &Outcome) -> f64 {
     (o.prompt_tokens / BLOCK_SIZE as u64) as f64
-}
-
-fn index_series(stack: &Stack, engine: usize) -> String {
-    format!(
-        "kvroute_index_blocks{{worker=\"{}\"}}",
-        stack.engines[engine].address
-    )
 }
 
 fn sequence_series(stack: &Stack, engine: usize, kind: &str) -> String {
@@ -50,13 +42,7 @@ async fn wait_index(
     ok: impl Fn(f64) -> bool,
 ) -> Duration {
     let start = Instant::now();
-    let series = index_series(stack, engine);
-    let (series, ok) = (&series, &ok);
-    wait_for(what, timeout, || async move {
-        ok(sidecar_metric(stack, series).await?).then_some(())
-    })
-    .await
-    .unwrap_or_else(|e| panic!("{e}: {}", stack.log_tail("sidecar")));
+    wait_worker_index(stack, &stack.engines[engine].address, what, timeout, ok).await;
     start.elapsed()
 }
 

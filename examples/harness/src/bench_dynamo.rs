@@ -52,10 +52,7 @@ pub async fn run(bench: &DynamoBench, out: &Path) -> Result<String> {
         let outcomes = run_mode(bench, &sessions, mode, router_mode, through_envoy).await?;
         let (outcomes, workers) = by_worker(outcomes);
         let r = ModeReport::new(mode, &outcomes, workers);
-        eprintln!(
-            "{mode}: hit rate {:.3}, TTFT p95 {:.1} ms, errors {}, per worker {:?}",
-            r.hit_rate, r.ttft_p95_ms, r.errors, r.requests_per_engine
-        );
+        eprintln!("{}", r.line());
         reports.push(r);
     }
     let f = &bench.fleet;
@@ -63,14 +60,7 @@ pub async fn run(bench: &DynamoBench, out: &Path) -> Result<String> {
         "Real Dynamo 1.6.1 mocker fleet: {} aggregated, {} prefill, {} decode workers, {}-block caches, multi-turn chat ({} conversations, {} at a time)",
         f.aggregated, f.prefill, f.decode, f.capacity_blocks, bench.conversations, bench.concurrency
     );
-    std::fs::create_dir_all(out)?;
-    let md = report::markdown(&title, &reports);
-    std::fs::write(out.join("dynamo.md"), &md)?;
-    std::fs::write(
-        out.join("dynamo.json"),
-        serde_json::to_vec_pretty(&json!({"title": title, "modes": reports}))?,
-    )?;
-    Ok(md)
+    report::write(out, "dynamo", &title, &reports)
 }
 
 async fn run_mode(

@@ -11,7 +11,6 @@ use std::time::Duration;
 
 use anyhow::Result;
 use indicatif::ProgressBar;
-use serde_json::json;
 
 use crate::client::{run_sessions, Outcome, Target, CLIENT_START_GAP};
 use crate::report::{self, ModeReport};
@@ -66,10 +65,7 @@ pub async fn run(bench: &VllmBench, out: &Path) -> Result<String> {
         }
         let mut r = ModeReport::new(mode.name(), &outcomes, bench.fleet.engines);
         r.requests_per_engine = per_engine;
-        eprintln!(
-            "{}: hit rate {:.3}, TTFT p50 {:.1} ms p95 {:.1} ms, errors {}, per engine {:?}",
-            r.mode, r.hit_rate, r.ttft_p50_ms, r.ttft_p95_ms, r.errors, r.requests_per_engine
-        );
+        eprintln!("{}", r.line());
         reports.push(r);
     }
     let f = &bench.fleet;
@@ -82,14 +78,7 @@ pub async fn run(bench: &VllmBench, out: &Path) -> Result<String> {
         bench.concurrency,
         bench.repeat.max(1)
     );
-    std::fs::create_dir_all(out)?;
-    let md = report::markdown(&title, &reports);
-    std::fs::write(out.join("vllm.md"), &md)?;
-    std::fs::write(
-        out.join("vllm.json"),
-        serde_json::to_vec_pretty(&json!({"title": title, "modes": reports}))?,
-    )?;
-    Ok(md)
+    report::write(out, "vllm", &title, &reports)
 }
 
 /// One run of one mode on fresh engines: the outcomes and the requests each engine served.

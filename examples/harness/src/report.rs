@@ -65,6 +65,19 @@ impl ModeReport {
             requests_per_engine: per_engine,
         }
     }
+
+    /// One line for a benchmark's progress output.
+    pub fn line(&self) -> String {
+        format!(
+            "{}: hit rate {:.3}, TTFT p50 {:.1} ms p95 {:.1} ms, errors {}, per engine {:?}",
+            self.mode,
+            self.hit_rate,
+            self.ttft_p50_ms,
+            self.ttft_p95_ms,
+            self.errors,
+            self.requests_per_engine
+        )
+    }
 }
 
 /// A markdown table of the reports.
@@ -92,17 +105,22 @@ pub fn markdown(title: &str, reports: &[ModeReport]) -> String {
     out
 }
 
-/// Write `report.md` and `report.json` (`{"modes": {"<mode>": {...}}}`) into `dir`.
-pub fn write(dir: &Path, title: &str, reports: &[ModeReport]) -> Result<()> {
+/// Write `<stem>.md` and `<stem>.json` (`{"title", "modes": {"<mode>": {...}}}`) into `dir`;
+/// the markdown.
+pub fn write(dir: &Path, stem: &str, title: &str, reports: &[ModeReport]) -> Result<String> {
     std::fs::create_dir_all(dir)?;
-    std::fs::write(dir.join("report.md"), markdown(title, reports))?;
+    let md = markdown(title, reports);
+    std::fs::write(dir.join(format!("{stem}.md")), &md)?;
     let modes: serde_json::Map<String, serde_json::Value> = reports
         .iter()
         .map(|r| (r.mode.clone(), serde_json::to_value(r).unwrap_or_default()))
         .collect();
     let doc = json!({"title": title, "modes": modes});
-    std::fs::write(dir.join("report.json"), serde_json::to_string_pretty(&doc)?)?;
-    Ok(())
+    std::fs::write(
+        dir.join(format!("{stem}.json")),
+        serde_json::to_string_pretty(&doc)?,
+    )?;
+    Ok(md)
 }
 
 #[cfg(test)]

@@ -78,16 +78,16 @@ async fn main() -> Result<()> {
         stack.check_alive()?;
         reports.push(ModeReport::new(mode.name(), &outcomes, args.engines));
     }
-    let table = report::markdown("Multi-turn chat behind shared system prompts", &reports);
-    println!("\n{table}");
     let out = args
         .out
         .unwrap_or_else(|| paths::workspace().join("target/demo"));
-    report::write(
+    let table = report::write(
         &out,
+        "report",
         "Multi-turn chat behind shared system prompts",
         &reports,
     )?;
+    println!("\n{table}");
     println!("written to {}", out.join("report.md").display());
     Ok(())
 }
