@@ -32,7 +32,9 @@ pub struct Load {
     /// Prompt blocks waiting for or in prefill, from Dynamo's `kv_metrics` (summed over data
     /// parallel ranks): work a new request queues behind, in the cost's own unit.
     pub queued_prefill_blocks: f64,
-    /// KV blocks in use, from Dynamo's `kv_metrics` (shown, not weighed).
+    /// KV blocks in use, from Dynamo's `kv_metrics`. Shown, not weighed: as a saturation signal
+    /// (over the model card's capacity) it sent warm prompts away from the worker holding them
+    /// and lost hit rate and TTFT on real Dynamo (docs/benchmarks.md, "Against Dynamo's KV router").
     pub kv_used_blocks: f64,
     /// Requests in flight to it from this Envoy (admin `rq_active`), when Envoy is polled.
     pub envoy_active: f64,

@@ -2,15 +2,20 @@
 //! (The index summary's smoke run is its own bench target, run by `cargo test --all-targets`.)
 
 use kvroute_harness::bench::{self, Scale};
-use kvroute_harness::client::CLIENT_START_GAP;
 use kvroute_harness::{datapath, paths};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routing_benchmark_smoke() {
     let out = paths::run_dir("bench-routing-smoke").unwrap();
-    let doc = bench::run(Scale::Smoke, 2, &out, None, None, CLIENT_START_GAP)
-        .await
-        .unwrap();
+    let doc = bench::run(
+        &bench::RoutingBench {
+            engines: 2,
+            ..bench::RoutingBench::new(Scale::Smoke)
+        },
+        &out,
+    )
+    .await
+    .unwrap();
     for w in ["conversation_trace", "multi_turn", "hot_prefix"] {
         let modes = &doc["workloads"][w]["modes"];
         for m in ["round_robin", "ring_hash", "kvroute", "oracle"] {
@@ -57,15 +62,22 @@ async fn dynamo_benchmark_smoke() {
         fleet: kvroute_harness::DynamoOptions::default(),
         conversations: 2,
         concurrency: 2,
+        sidecar_toml: String::new(),
     };
     let md = bench_dynamo::run(&bench, &out).await.unwrap();
-    for mode in ["dynamo_kv", "dynamo_round_robin", "kvroute"] {
+    let modes = [
+        "dynamo_kv",
+        "dynamo_round_robin",
+        "kvroute",
+        "kvroute_sidecar_killed",
+    ];
+    for mode in modes {
         assert!(md.contains(&format!("| {mode} |")), "{md}");
     }
     let doc: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.join("dynamo.json")).unwrap()).unwrap();
     let modes = doc["modes"].as_object().unwrap();
-    assert_eq!(modes.len(), 3, "{doc}");
+    assert_eq!(modes.len(), 4, "{doc}");
     for r in modes.values() {
         assert_eq!(r["errors"], 0, "{r}");
         assert_eq!(r["requests"], 8, "{r}");

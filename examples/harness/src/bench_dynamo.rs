@@ -5,12 +5,25 @@
 //! - `dynamo_kv`: straight to a Dynamo frontend in `--router-mode kv` (Dynamo's KV router);
 //! - `dynamo_round_robin`: straight to a frontend in `--router-mode round-robin`;
 //! - `kvroute`: through Envoy with the kvroute filter in pin mode, in front of a `kv` frontend
-//!   (the deployment docs/operations.md prescribes; unpinned requests are Dynamo's to route).
+//!   (the deployment docs/operations.md prescribes; unpinned requests are Dynamo's to route);
+//! - `kvroute_sidecar_killed`: the same, with the sidecar SIGKILLed once a third of the requests
+//!   are done (serving must not depend on it: every request still succeeds).
+//!
+//! Hit rate, aggregated: the responses' `usage.prompt_tokens_details.cached_tokens`.
+//! Disaggregated, those count the *decode* worker's cache (checked on 1.6.1: a prompt served by a
+//! prefill worker that never saw it reports the tokens cached), which no router picks; the cache
+//! routing decides is the prefill workers'. Its hits are read from their own KV events: a prefill
+//! worker stores every full prompt block it did not hold, so hit blocks = full prompt blocks −
+//! blocks stored.
 
+use std::collections::HashSet;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
+use futures::StreamExt;
 use indicatif::ProgressBar;
 use serde_json::json;
 
@@ -20,6 +33,7 @@ use crate::report::{self, ModeReport};
 use crate::stack::MODEL;
 use crate::workload::{ChatSpec, ChatWorkload, Session};
 use crate::{Mode, Stack, StackOptions};
+use kvroute_protocol::dynamo::KvCacheEventData;
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -30,6 +44,8 @@ pub struct DynamoBench {
     pub conversations: usize,
     /// Conversations in flight.
     pub concurrency: usize,
+    /// Appended to the sidecar's configuration (the kvroute modes).
+    pub sidecar_toml: String,
 }
 
 /// Run every mode; write `dynamo.json` and `dynamo.md` to `out`; return the markdown.
@@ -48,19 +64,89 @@ pub async fn run(bench: &DynamoBench, out: &Path) -> Result<String> {
         ("dynamo_kv", "kv", false),
         ("dynamo_round_robin", "round-robin", false),
         ("kvroute", "kv", true),
+        ("kvroute_sidecar_killed", "kv", true),
     ] {
-        let outcomes = run_mode(bench, &sessions, mode, router_mode, through_envoy).await?;
-        let (outcomes, workers) = by_worker(outcomes);
-        let r = ModeReport::new(mode, &outcomes, workers);
+        let run = run_mode(bench, &sessions, mode, router_mode, through_envoy).await?;
+        let (outcomes, workers) = by_worker(run.outcomes);
+        let mut r = ModeReport::new(mode, &outcomes, workers);
+        if let Some(stored) = run.prefill_stored_blocks {
+            let usage_rate = r.hit_rate;
+            r.hit_rate = prefill_hit_rate(&outcomes, bench.fleet.block_size, stored);
+            eprintln!("{mode}: decode-side (usage) hit rate {usage_rate:.3}");
+        }
         eprintln!("{}", r.line());
+        if let Some(fallbacks) = run.sidecar_fallbacks {
+            eprintln!("{mode}: {fallbacks} requests fell back with the sidecar down");
+        }
         reports.push(r);
     }
     let f = &bench.fleet;
+    let hit = if f.prefill > 0 {
+        "; hit rate: the prefill workers' caches, from their KV events"
+    } else {
+        ""
+    };
     let title = format!(
-        "Real Dynamo 1.6.1 mocker fleet: {} aggregated, {} prefill, {} decode workers, {}-block caches, multi-turn chat ({} conversations, {} at a time)",
+        "Real Dynamo 1.6.1 mocker fleet: {} aggregated, {} prefill, {} decode workers, {}-block caches, multi-turn chat ({} conversations, {} at a time){hit}",
         f.aggregated, f.prefill, f.decode, f.capacity_blocks, bench.conversations, bench.concurrency
     );
     report::write(out, "dynamo", &title, &reports)
+}
+
+/// What one mode's run saw.
+struct ModeRun {
+    outcomes: Vec<Outcome>,
+    /// Disaggregated: blocks the prefill workers stored during the run.
+    prefill_stored_blocks: Option<u64>,
+    /// `kvroute_sidecar_killed`: requests Envoy's filter routed without the sidecar.
+    sidecar_fallbacks: Option<u64>,
+}
+
+/// Prefill-side hit rate: of the prompt tokens, those in full blocks the prefill worker did not
+/// have to store.
+fn prefill_hit_rate(outcomes: &[Outcome], block_size: u32, stored_blocks: u64) -> f64 {
+    let bs = u64::from(block_size.max(1));
+    let ok = outcomes.iter().filter(|o| o.ok());
+    let (prompt, full_blocks) = ok.fold((0u64, 0u64), |(p, b), o| {
+        (p + o.prompt_tokens, b + o.prompt_tokens / bs)
+    });
+    if prompt == 0 {
+        return 0.0;
+    }
+    (full_blocks.saturating_sub(stored_blocks) * bs) as f64 / prompt as f64
+}
+
+/// Count the blocks `workers` store, from their KV events on the stack's NATS, until dropped.
+async fn count_stored_blocks(
+    nats_url: &str,
+    workers: HashSet<u64>,
+) -> Result<(Arc<AtomicU64>, tokio::task::JoinHandle<()>)> {
+    let client = async_nats::connect(nats_url)
+        .await
+        .with_context(|| format!("connecting to {nats_url}"))?;
+    let mut sub = client.subscribe("namespace.>").await?;
+    client.flush().await?;
+    let stored = Arc::new(AtomicU64::new(0));
+    let counter = stored.clone();
+    let task = tokio::spawn(async move {
+        let _client = client;
+        while let Some(msg) = sub.next().await {
+            if !msg.subject.ends_with(".kv-events") {
+                continue;
+            }
+            let Ok(decoded) = kvroute_protocol::dynamo::decode_message(&msg.payload) else {
+                continue;
+            };
+            for e in decoded.events {
+                if let (true, KvCacheEventData::Stored(s)) =
+                    (workers.contains(&e.worker_id), &e.event.data)
+                {
+                    counter.fetch_add(s.blocks.len() as u64, Ordering::Relaxed);
+                }
+            }
+        }
+    });
+    Ok((stored, task))
 }
 
 async fn run_mode(
@@ -69,7 +155,7 @@ async fn run_mode(
     mode: &str,
     router_mode: &str,
     through_envoy: bool,
-) -> Result<Vec<Outcome>> {
+) -> Result<ModeRun> {
     let mut opts = StackOptions::new(
         &format!("bench-dynamo-{mode}"),
         if through_envoy {
@@ -78,6 +164,7 @@ async fn run_mode(
             Mode::RoundRobin
         },
     );
+    opts.sidecar_toml = bench.sidecar_toml.clone();
     opts.dynamo = Some(DynamoOptions {
         router_mode: router_mode.into(),
         ..bench.fleet.clone()
@@ -88,19 +175,58 @@ async fn run_mode(
     } else {
         format!("http://{}", stack.frontend.as_ref().expect("a frontend"))
     };
+    let counting = if bench.fleet.prefill > 0 {
+        let prefill = stack.engines.iter().map(|e| e.dynamo_worker_id).collect();
+        Some(count_stored_blocks(&stack.nats_url, prefill).await?)
+    } else {
+        None
+    };
     let progress = ProgressBar::hidden();
-    let outcomes = run_sessions(
-        &stack.http,
-        &Target::Router(base),
-        sessions,
-        bench.concurrency,
-        CLIENT_START_GAP,
-        &progress,
-    )
-    .await;
+    let total: usize = sessions.iter().map(|s| s.bodies.len()).sum();
+    let kill_sidecar = mode == "kvroute_sidecar_killed";
+    let killer = async {
+        if !kill_sidecar {
+            return Ok(());
+        }
+        while (progress.position() as usize) < total / 3 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        stack.signal("sidecar", "KILL")
+    };
+    let target = Target::Router(base);
+    let (outcomes, killed) = tokio::join!(
+        run_sessions(
+            &stack.http,
+            &target,
+            sessions,
+            bench.concurrency,
+            CLIENT_START_GAP,
+            &progress,
+        ),
+        killer
+    );
+    killed?;
     // Let the last requests' events land before the fleet goes.
     tokio::time::sleep(Duration::from_millis(200)).await;
-    Ok(outcomes)
+    let prefill_stored_blocks = counting.map(|(stored, task)| {
+        task.abort();
+        stored.load(Ordering::Relaxed)
+    });
+    let sidecar_fallbacks = if kill_sidecar {
+        Some(
+            stack
+                .envoy_stat("wasmcustom.kvroute.fallback.sidecar")
+                .await
+                .unwrap_or(0),
+        )
+    } else {
+        None
+    };
+    Ok(ModeRun {
+        outcomes,
+        prefill_stored_blocks,
+        sidecar_fallbacks,
+    })
 }
 
 /// Number the workers that served (their prefill instance: where the cache hit happens) in the
@@ -118,4 +244,23 @@ fn by_worker(mut outcomes: Vec<Outcome>) -> (Vec<Outcome>, usize) {
     }
     let workers = ids.len();
     (outcomes, workers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefill_hits_are_the_full_blocks_not_stored() {
+        let o = |prompt_tokens, status| Outcome {
+            status,
+            prompt_tokens,
+            ..Outcome::default()
+        };
+        // 2 × 100 tokens = 2 × 6 full blocks of 16; 4 stored: 8 hit blocks = 128 of 200 tokens.
+        let outcomes = [o(100, 200), o(100, 200), o(50, 500)];
+        assert!((prefill_hit_rate(&outcomes, 16, 4) - 0.64).abs() < 1e-9);
+        assert_eq!(prefill_hit_rate(&outcomes, 16, 99), 0.0);
+        assert_eq!(prefill_hit_rate(&[], 16, 0), 0.0);
+    }
 }

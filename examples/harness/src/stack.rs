@@ -73,6 +73,9 @@ pub struct SimOptions {
     /// Dynamo component the engines publish under (`backend`; `prefill` in a disaggregated
     /// fleet).
     pub dynamo_component: String,
+    /// How late engines publish their KV events, `P50,P95,MAX` ms (`kvroute-sim
+    /// --event-delay-ms`); `0,0,0` at once.
+    pub event_delay_ms: String,
 }
 
 impl Default for SimOptions {
@@ -89,6 +92,7 @@ impl Default for SimOptions {
             instant: false,
             event_formats: vec!["dynamo".into()],
             dynamo_component: "backend".into(),
+            event_delay_ms: "0,0,0".into(),
         }
     }
 }
@@ -202,6 +206,8 @@ pub struct Stack {
     pub frontend: Option<String>,
     /// Real Dynamo, disaggregated: the decode workers' instance ids.
     pub decode_ids: Vec<u64>,
+    /// The stack's NATS server, `nats://127.0.0.1:port`.
+    pub nats_url: String,
     /// HTTP client for the stack's endpoints.
     pub http: reqwest::Client,
     /// Real vLLM engines: how they were started (to start one again).
@@ -320,6 +326,7 @@ impl Stack {
             sidecar_url,
             frontend,
             decode_ids,
+            nats_url,
             http,
             vllm: opts.vllm.clone(),
             processes,
@@ -534,6 +541,7 @@ fn start_sim(
         ("--output-tokens", s.output_tokens.to_string()),
         ("--event-format", s.event_formats.join(",")),
         ("--component", s.dynamo_component.clone()),
+        ("--event-delay-ms", s.event_delay_ms.clone()),
     ] {
         sim.args([flag, &value]);
     }

@@ -6,12 +6,14 @@
 //! with a bounded number of running requests ([`engine`]), answers the OpenAI API with
 //! `usage.prompt_tokens_details.cached_tokens` and vLLM-named metrics ([`server`]), and publishes
 //! its cache events in Dynamo's exact NATS format ([`publish`]) or vLLM's ZMQ format, with a
-//! working replay socket and vLLM's own block hashes ([`zmq`], [`vllm_hash`]).
+//! working replay socket and vLLM's own block hashes ([`zmq`], [`vllm_hash`]), as late as real
+//! engines publish them when asked to ([`delay`]).
 //!
 //! It also answers an oracle query (`POST /oracle`: how many leading blocks of this request do
 //! you hold?) so benchmarks can compare routing against perfect knowledge.
 
 pub mod cache;
+pub mod delay;
 pub mod engine;
 pub mod publish;
 pub mod server;

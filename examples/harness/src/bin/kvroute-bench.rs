@@ -38,6 +38,10 @@ enum Command {
         /// Milliseconds between the starts of concurrent clients (0: all at once).
         #[arg(long, default_value_t = CLIENT_START_GAP.as_secs_f64() * 1e3)]
         start_gap_ms: f64,
+        /// How late the simulated engines publish KV events, `P50,P95,MAX` ms (`0,0,0`: at
+        /// once); the default is what real vLLM showed under load.
+        #[arg(long, default_value = bench::REAL_EVENT_DELAY_MS)]
+        event_delay_ms: String,
     },
     /// Plain Envoy vs Envoy + kvroute on an instant upstream.
     Datapath,
@@ -61,6 +65,9 @@ enum Command {
         /// Conversations in flight.
         #[arg(long, default_value_t = 8)]
         concurrency: usize,
+        /// Extra sidecar configuration, e.g. "[routing]\nmax_kv_usage = 2.0".
+        #[arg(long, default_value = "")]
+        sidecar_toml: String,
     },
     /// kvroute vs ring hash alone and round robin on real vLLM engines (CPU).
     Vllm {
@@ -101,16 +108,20 @@ async fn main() -> Result<()> {
             workloads,
             modes,
             start_gap_ms,
+            event_delay_ms,
         } => {
             let gap = Duration::try_from_secs_f64(start_gap_ms / 1e3)
                 .map_err(|e| anyhow::anyhow!("--start-gap-ms {start_gap_ms}: {e}"))?;
             let doc = bench::run(
-                scale,
-                engines,
+                &bench::RoutingBench {
+                    scale,
+                    engines,
+                    workloads,
+                    modes,
+                    start_gap: gap,
+                    event_delay_ms,
+                },
                 &out,
-                workloads.as_deref(),
-                modes.as_deref(),
-                gap,
             )
             .await?;
             println!("\n{}", bench::markdown(&doc));
@@ -123,6 +134,7 @@ async fn main() -> Result<()> {
             capacity_blocks,
             conversations,
             concurrency,
+            sidecar_toml,
         } => {
             let bench = kvroute_harness::bench_dynamo::DynamoBench {
                 fleet: kvroute_harness::DynamoOptions {
@@ -138,6 +150,7 @@ async fn main() -> Result<()> {
                     conversations
                 },
                 concurrency,
+                sidecar_toml: sidecar_toml.replace("\\n", "\n"),
             };
             println!(
                 "\n{}",
