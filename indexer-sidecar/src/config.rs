@@ -49,7 +49,7 @@
 //! max_waiting = 4                   # saturation thresholds: queued requests,
 //! max_kv_usage = 0.95               #   KV cache usage,
 //! max_in_flight = 16                #   requests (running + queued, or hinted and unfinished)
-//! load_penalty_blocks = 8           # one request on a worker costs as much as 8 uncached blocks
+//! load_penalty_blocks = 2           # one request on a worker costs as much as 2 uncached blocks
 //! scrape_interval_ms = 250          # engines' /metrics (vLLM names) are read this often
 //! home_key_blocks = 8               # cold prompts go to the home of their first 8 blocks
 //! ```
@@ -306,7 +306,7 @@ impl Default for RoutingConfig {
             max_waiting: 4.0,
             max_kv_usage: 0.95,
             max_in_flight: 16.0,
-            load_penalty_blocks: 8.0,
+            load_penalty_blocks: 2.0,
             scrape_interval_ms: 250,
             home_key_blocks: 8,
             home_slack: 4.0,

@@ -260,11 +260,13 @@ mod tests {
         let tie = [(WorkerId(0), 4), (WorkerId(1), 4)];
         let d = choose(10, None, &tie, &reg, &routing, hinted, all);
         assert_eq!(d.hint.workers[0], addr(1));
-        // Three requests (24 blocks) outweigh 20 more cached blocks, not 30.
+        // Three requests (6 blocks at the default penalty of 2) outweigh 5 more cached blocks,
+        // not 7.
+        assert_eq!(routing.load_penalty_blocks, 2.0);
         let d = choose(
             40,
             None,
-            &[(WorkerId(0), 24), (WorkerId(1), 4)],
+            &[(WorkerId(0), 9), (WorkerId(1), 4)],
             &reg,
             &routing,
             hinted,
@@ -274,7 +276,7 @@ mod tests {
         let d = choose(
             40,
             None,
-            &[(WorkerId(0), 34), (WorkerId(1), 4)],
+            &[(WorkerId(0), 11), (WorkerId(1), 4)],
             &reg,
             &routing,
             hinted,

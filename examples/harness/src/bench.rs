@@ -203,6 +203,7 @@ async fn run_mode(mode: &str, workload: &Workload, bench: &RoutingBench) -> Resu
     );
     opts.sim = fleet(engines, workload.capacity_blocks);
     opts.sim.event_delay_ms = bench.event_delay_ms.clone();
+    opts.sidecar_toml = bench.sidecar_toml.clone();
     // Engines publish vLLM's ZMQ events for the routers that read them.
     let peer = PEERS.iter().find(|p| p.mode == mode);
     if mode == KVROUTE_ZMQ || peer.is_some_and(|p| p.kv_events) {
@@ -302,6 +303,8 @@ pub struct RoutingBench {
     /// How late the engines publish KV events (`P50,P95,MAX` ms; default
     /// [`REAL_EVENT_DELAY_MS`]).
     pub event_delay_ms: String,
+    /// Appended to the sidecar's configuration (kvroute modes), for A/B runs.
+    pub sidecar_toml: String,
 }
 
 impl RoutingBench {
@@ -314,6 +317,7 @@ impl RoutingBench {
             modes: None,
             start_gap: crate::client::CLIENT_START_GAP,
             event_delay_ms: REAL_EVENT_DELAY_MS.into(),
+            sidecar_toml: String::new(),
         }
     }
 }

@@ -42,6 +42,9 @@ enum Command {
         /// once); the default is what real vLLM showed under load.
         #[arg(long, default_value = bench::REAL_EVENT_DELAY_MS)]
         event_delay_ms: String,
+        /// Extra sidecar configuration, e.g. "[routing]\nspeculative_ttl_ms = 0".
+        #[arg(long, default_value = "")]
+        sidecar_toml: String,
     },
     /// Plain Envoy vs Envoy + kvroute on an instant upstream.
     Datapath,
@@ -109,6 +112,7 @@ async fn main() -> Result<()> {
             modes,
             start_gap_ms,
             event_delay_ms,
+            sidecar_toml,
         } => {
             let gap = Duration::try_from_secs_f64(start_gap_ms / 1e3)
                 .map_err(|e| anyhow::anyhow!("--start-gap-ms {start_gap_ms}: {e}"))?;
@@ -120,6 +124,7 @@ async fn main() -> Result<()> {
                     modes,
                     start_gap: gap,
                     event_delay_ms,
+                    sidecar_toml: sidecar_toml.replace("\\n", "\n"),
                 },
                 &out,
             )
