@@ -80,9 +80,12 @@ pub struct Decision {
     pub candidates: Vec<Candidate>,
 }
 
-/// Whether `load` is over any threshold of `routing`.
+/// Whether `load` is over any threshold of `routing`. The scraped queue counts only as far as
+/// the worker's current requests can hold it: a scrape can be seconds old (seen on real vLLM: an
+/// engine the sidecar's tickets showed draining to no request at all stayed "saturated" by its
+/// last scraped queue of 4 for a dozen hints), while hinted requests are counted as they end.
 pub fn saturated(load: &Load, routing: &RoutingConfig) -> bool {
-    load.waiting >= routing.max_waiting
+    load.waiting.min(load.busy()) >= routing.max_waiting
         || load.kv_usage >= routing.max_kv_usage
         || load.busy() >= routing.max_in_flight
 }
@@ -338,11 +341,34 @@ mod tests {
     }
 
     #[test]
+    fn a_stale_scraped_queue_does_not_outlive_the_requests() {
+        let routing = RoutingConfig::default();
+        let scraped = |hinted, unhinted| Load {
+            waiting: routing.max_waiting,
+            hinted_in_flight: hinted,
+            unhinted,
+            ..Load::default()
+        };
+        assert!(
+            saturated(&scraped(2.0, 2.0), &routing),
+            "a queue it can hold"
+        );
+        assert!(saturated(&scraped(6.0, 0.0), &routing));
+        assert!(
+            !saturated(&scraped(1.0, 0.0), &routing),
+            "one request left: no queue of 4"
+        );
+        assert!(!saturated(&scraped(0.0, 0.0), &routing), "drained");
+    }
+
+    #[test]
     fn saturated_workers_come_last() {
         let reg = registry(3);
         let routing = RoutingConfig::default();
+        // As a scrape shows a queue: its requests are counted too.
         let queue = |w: WorkerId| Load {
             waiting: if w.0 == 0 { routing.max_waiting } else { 0.0 },
+            unhinted: if w.0 == 0 { routing.max_waiting } else { 0.0 },
             ..Load::default()
         };
         let d = choose(
