@@ -159,6 +159,7 @@ pub fn summary(outcomes: &[Outcome], engines: usize) -> Value {
         "errors": r.errors,
         "available": true,
         "requests_per_engine": r.requests_per_engine,
+        "cached_tokens": outcomes.iter().filter(|o| o.ok()).map(|o| o.cached_tokens).sum::<u64>(),
         "first_error": first_error,
     })
 }
@@ -201,7 +202,10 @@ async fn run_mode(mode: &str, workload: &Workload, bench: &RoutingBench) -> Resu
         &format!("bench-{}-{}", workload.name, mode.replace(':', "-")),
         stack_mode,
     );
-    opts.sim = fleet(engines, workload.capacity_blocks);
+    opts.sim = fleet(
+        engines,
+        bench.capacity_blocks.unwrap_or(workload.capacity_blocks),
+    );
     opts.sim.event_delay_ms = bench.event_delay_ms.clone();
     opts.sidecar_toml = bench.sidecar_toml.clone();
     // Engines publish vLLM's ZMQ events for the routers that read them.
@@ -209,6 +213,7 @@ async fn run_mode(mode: &str, workload: &Workload, bench: &RoutingBench) -> Resu
     if mode == KVROUTE_ZMQ || peer.is_some_and(|p| p.kv_events) {
         opts.sim.event_formats = vec!["vllm-map".into()];
     }
+    let block_size = opts.sim.block_size;
     let mut stack = Stack::start(opts).await?;
     let addresses: Vec<String> = stack.engines.iter().map(|e| e.address.clone()).collect();
     let mut _peer = None;
@@ -275,16 +280,14 @@ async fn run_mode(mode: &str, workload: &Workload, bench: &RoutingBench) -> Resu
         stack.dir.join("outcomes.json"),
         Value::from(rows).to_string(),
     )?;
-    // Keep the sidecar's last decisions next to the logs, to see why requests went where.
-    if let Some(url) = &stack.sidecar_url {
-        if let Ok(r) = stack.http.get(format!("{url}/debug/explain")).send().await {
-            std::fs::write(
-                stack.dir.join("explain.json"),
-                r.bytes().await.unwrap_or_default(),
-            )?;
-        }
+    stack.save_explain().await?;
+    let mut result = summary(&outcomes, engines);
+    if stack_mode == Mode::Kvroute {
+        // Against `cached_tokens`: what the index over-predicted (blocks evicted between the
+        // hint and the prefill, or events not yet applied).
+        result["hinted_match_tokens"] = json!(stack.hinted_match_tokens(block_size).await);
     }
-    Ok(summary(&outcomes, engines))
+    Ok(result)
 }
 
 /// What the routing benchmark runs.
@@ -305,6 +308,8 @@ pub struct RoutingBench {
     pub event_delay_ms: String,
     /// Appended to the sidecar's configuration (kvroute modes), for A/B runs.
     pub sidecar_toml: String,
+    /// Cache capacity per engine, in blocks, for every workload (each has its own otherwise).
+    pub capacity_blocks: Option<usize>,
 }
 
 impl RoutingBench {
@@ -318,6 +323,7 @@ impl RoutingBench {
             start_gap: crate::client::CLIENT_START_GAP,
             event_delay_ms: REAL_EVENT_DELAY_MS.into(),
             sidecar_toml: String::new(),
+            capacity_blocks: None,
         }
     }
 }

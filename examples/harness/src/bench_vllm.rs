@@ -112,24 +112,13 @@ async fn run_mode(
         }
         // What the hints promised against what the engines found: more promised than found
         // is over-prediction (blocks evicted between the hint and the prefill).
-        let promised: f64 = metrics
-            .lines()
-            .filter(|l| l.starts_with("kvroute_hint_matched_blocks"))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum();
+        let promised = stack
+            .hinted_match_tokens(crate::vllm::BLOCK_SIZE)
+            .await
+            .unwrap_or(0);
         let cached: u64 = outcomes.iter().map(|o| o.cached_tokens).sum();
-        if let Some(url) = &stack.sidecar_url {
-            if let Ok(r) = stack.http.get(format!("{url}/debug/explain")).send().await {
-                std::fs::write(
-                    stack.dir.join("explain.json"),
-                    r.bytes().await.unwrap_or_default(),
-                )?;
-            }
-        }
-        eprintln!(
-            "  hinted matches {} tokens, engines' cached tokens {cached}",
-            promised as u64 * u64::from(crate::vllm::BLOCK_SIZE)
-        );
+        eprintln!("  hinted matches {promised} tokens, engines' cached tokens {cached}");
+        stack.save_explain().await?;
     }
     let mut per_engine = Vec::new();
     for engine in &stack.engines {

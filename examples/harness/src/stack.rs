@@ -477,6 +477,35 @@ impl Stack {
         Ok(())
     }
 
+    /// Write the sidecar's last decisions (`/debug/explain`) into the run directory, to see
+    /// why requests went where; nothing without a sidecar.
+    pub async fn save_explain(&self) -> Result<()> {
+        let Some(url) = &self.sidecar_url else {
+            return Ok(());
+        };
+        if let Ok(r) = self.http.get(format!("{url}/debug/explain")).send().await {
+            std::fs::write(
+                self.dir.join("explain.json"),
+                r.bytes().await.unwrap_or_default(),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Prompt tokens the sidecar's hints said their workers held
+    /// (`kvroute_hint_matched_blocks_total` × block size): against the engines' cached tokens,
+    /// how much the index over-predicted. `None` without a sidecar.
+    pub async fn hinted_match_tokens(&self, block_size: u32) -> Option<u64> {
+        self.sidecar_url.as_ref()?;
+        let metrics = self.sidecar_metrics().await.ok()?;
+        let blocks: f64 = metrics
+            .lines()
+            .filter(|l| l.starts_with("kvroute_hint_matched_blocks"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        Some(blocks as u64 * u64::from(block_size))
+    }
+
     /// Envoy's process id (for CPU accounting).
     pub fn envoy_pid(&self) -> Option<u32> {
         self.processes

@@ -42,9 +42,12 @@ enum Command {
         /// once); the default is what real vLLM showed under load.
         #[arg(long, default_value = bench::REAL_EVENT_DELAY_MS)]
         event_delay_ms: String,
-        /// Extra sidecar configuration, e.g. "[routing]\nspeculative_ttl_ms = 0".
+        /// Extra sidecar configuration, e.g. "[routing]\nhome_slack = 2".
         #[arg(long, default_value = "")]
         sidecar_toml: String,
+        /// Cache capacity per engine in blocks, for every workload (default: each workload's).
+        #[arg(long)]
+        capacity_blocks: Option<usize>,
     },
     /// Plain Envoy vs Envoy + kvroute on an instant upstream.
     Datapath,
@@ -113,6 +116,7 @@ async fn main() -> Result<()> {
             start_gap_ms,
             event_delay_ms,
             sidecar_toml,
+            capacity_blocks,
         } => {
             let gap = Duration::try_from_secs_f64(start_gap_ms / 1e3)
                 .map_err(|e| anyhow::anyhow!("--start-gap-ms {start_gap_ms}: {e}"))?;
@@ -125,6 +129,7 @@ async fn main() -> Result<()> {
                     start_gap: gap,
                     event_delay_ms,
                     sidecar_toml: sidecar_toml.replace("\\n", "\n"),
+                    capacity_blocks,
                 },
                 &out,
             )
