@@ -29,8 +29,14 @@ async fn routing_benchmark_smoke() {
         }
         // What kvroute's hints promised, beside what the engines found.
         let kvroute = &modes["kvroute"];
-        assert!(kvroute["hinted_match_tokens"].as_u64().is_some(), "{w}: {kvroute}");
-        assert!(kvroute["cached_tokens"].as_u64().is_some(), "{w}: {kvroute}");
+        assert!(
+            kvroute["hinted_match_tokens"].as_u64().is_some(),
+            "{w}: {kvroute}"
+        );
+        assert!(
+            kvroute["cached_tokens"].as_u64().is_some(),
+            "{w}: {kvroute}"
+        );
         // A peer runs if `.venv-peers` has it (make bench-routing), else it is reported
         // unavailable with the reason; either way the run goes on.
         let peer = &modes["vllm-router:kv_aware"];

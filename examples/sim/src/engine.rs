@@ -72,12 +72,13 @@ pub struct Prefilled {
     pub slot_wait: Duration,
 }
 
-/// A running request: holds its slot until dropped.
+/// A running request: holds its slot and its KV blocks until dropped.
 pub struct Running {
     /// Prefill results.
     pub prefilled: Prefilled,
     blocks: u64,
     _slot: OwnedSemaphorePermit,
+    _kv: OwnedSemaphorePermit,
     engine: Arc<Engine>,
 }
 
@@ -104,6 +105,10 @@ pub struct Engine {
     preprocessor: Arc<Preprocessor>,
     cache: Mutex<PrefixCache>,
     slots: Arc<Semaphore>,
+    /// KV blocks for running requests: like vLLM, a request starts only when its blocks fit,
+    /// first come first served; while it waits, running requests may evict the prefix its
+    /// router counted on.
+    kv_blocks: Arc<Semaphore>,
     events: Option<mpsc::UnboundedSender<Vec<CacheChange>>>,
     hash_salt: u64,
 }
@@ -118,6 +123,9 @@ impl Engine {
         Engine {
             cache: Mutex::new(PrefixCache::new(config.capacity_blocks)),
             slots: Arc::new(Semaphore::new(config.max_running.max(1))),
+            kv_blocks: Arc::new(Semaphore::new(
+                config.capacity_blocks.clamp(1, Semaphore::MAX_PERMITS),
+            )),
             stats: EngineStats::default(),
             // Engines name blocks with their own hash (vLLM: seeded sha256); a per-engine salt
             // keeps the index honest: it must map engine hashes, not assume they are ours.
@@ -192,10 +200,19 @@ impl Engine {
             .acquire_owned()
             .await
             .expect("engine semaphore is never closed");
+        // A prompt larger than the whole cache runs alone on all of it.
+        let used = prompt_tokens
+            .div_ceil(self.block_size().max(1))
+            .clamp(1, self.config.capacity_blocks.max(1)) as u64;
+        let kv = self
+            .kv_blocks
+            .clone()
+            .acquire_many_owned(u32::try_from(used).unwrap_or(u32::MAX))
+            .await
+            .expect("engine semaphore is never closed");
         self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
         self.stats.running.fetch_add(1, Ordering::Relaxed);
         let slot_wait = arrived.elapsed();
-        let used = prompt_tokens.div_ceil(self.block_size().max(1)) as u64;
         self.stats.active_blocks.fetch_add(used, Ordering::Relaxed);
         let running = |cached_tokens| Running {
             prefilled: Prefilled {
@@ -205,6 +222,7 @@ impl Engine {
             },
             blocks: used,
             _slot: slot,
+            _kv: kv,
             engine: self.clone(),
         };
         let hit_blocks = self
@@ -277,5 +295,58 @@ impl Engine {
     /// Decode time for `tokens` output tokens.
     pub fn decode_time(&self, tokens: u32) -> Duration {
         Duration::from_micros(self.config.decode_us_per_token * u64::from(tokens))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn engine(capacity_blocks: usize) -> Arc<Engine> {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/tiny-llama");
+        let bundle = kvroute_prompt::model_dir::load_bundle(dir.as_ref(), "m", 16).unwrap();
+        let config = EngineConfig {
+            index: 0,
+            model: "m".into(),
+            capacity_blocks,
+            max_running: 4,
+            base_latency_us: 0,
+            prefill_us_per_token: 0,
+            decode_us_per_token: 0,
+            default_output_tokens: 1,
+            max_model_len: 32768,
+        };
+        let preprocessor = Preprocessor::from_bundle(&bundle).unwrap();
+        Arc::new(Engine::new(config, Arc::new(preprocessor), None))
+    }
+
+    fn request(word: &str) -> LlmRequest {
+        let prompt = vec![word; 100].join(" ");
+        let body = serde_json::json!({"model": "m", "prompt": prompt});
+        LlmRequest::parse(body.to_string().as_bytes()).unwrap()
+    }
+
+    /// Like vLLM, a request runs only when its KV blocks fit beside the running ones: with room
+    /// for one prompt, the second waits for the first to finish, though slots are free.
+    #[tokio::test]
+    async fn a_request_waits_until_its_blocks_fit() {
+        let (a, b) = (request("apple"), request("river"));
+        let blocks = engine(1).tokens(&a).unwrap().len().div_ceil(16);
+        let e = engine(blocks + blocks / 2);
+        let first = e.prefill(&a).await.unwrap().unwrap();
+        let second = e.prefill(&b);
+        tokio::pin!(second);
+        let waited = tokio::time::timeout(Duration::from_millis(50), &mut second).await;
+        assert!(
+            waited.is_err(),
+            "started beside a request it does not fit with"
+        );
+        assert_eq!(e.stats.waiting.load(Ordering::Relaxed), 1);
+        drop(first);
+        let second = second.await.unwrap().unwrap();
+        assert_eq!(e.stats.waiting.load(Ordering::Relaxed), 0);
+        assert_eq!(e.stats.running.load(Ordering::Relaxed), 1);
+        drop(second);
+        assert_eq!(e.stats.active_blocks.load(Ordering::Relaxed), 0);
     }
 }
