@@ -137,10 +137,12 @@ async fn count_stored_blocks(
             let Ok(decoded) = kvroute_protocol::dynamo::decode_message(&msg.payload) else {
                 continue;
             };
-            for e in decoded.events {
-                if let (true, KvCacheEventData::Stored(s)) =
-                    (workers.contains(&e.worker_id), &e.event.data)
-                {
+            for e in decoded
+                .events
+                .iter()
+                .filter(|e| workers.contains(&e.worker_id))
+            {
+                if let KvCacheEventData::Stored(s) = &e.event.data {
                     counter.fetch_add(s.blocks.len() as u64, Ordering::Relaxed);
                 }
             }
