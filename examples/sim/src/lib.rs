@@ -3,8 +3,9 @@
 //! Only the GPU is fake. Each engine tokenizes with the model's real tokenizer and template (the
 //! same [`kvroute_prompt`] code as the filter), keeps a paged prefix cache with a capacity and
 //! LRU eviction ([`cache`]), charges latency per *uncached* prompt token and per output token
-//! with a bounded number of running requests whose KV blocks must fit ([`engine`]), answers the OpenAI API with
-//! `usage.prompt_tokens_details.cached_tokens` and vLLM-named metrics ([`server`]), and publishes
+//! with a bounded number of running requests whose KV blocks must fit ([`engine`]), answers the
+//! OpenAI API with `usage.prompt_tokens_details.cached_tokens` and vLLM-named metrics
+//! ([`server`]), and publishes
 //! its cache events in Dynamo's exact NATS format ([`publish`]) or vLLM's ZMQ format, with a
 //! working replay socket and vLLM's own block hashes ([`zmq`], [`vllm_hash`]), as late as real
 //! engines publish them when asked to ([`delay`]).
