@@ -126,11 +126,7 @@ pub async fn engine_metric(stack: &Stack, engine: usize, name: &str) -> f64 {
         .text()
         .await
         .unwrap();
-    let prefix = format!("{name}{{");
-    text.lines()
-        .filter(|l| l.starts_with(&prefix))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    kvroute_harness::prometheus::sum(&text, &format!("{name}{{"))
 }
 
 /// A JSON document from the sidecar's API (`/debug/sources`, `/debug/explain`, …).

@@ -64,11 +64,9 @@ async fn index_steers_envoy_and_fallback_keeps_affinity() {
             >= 5 * 8
     );
     let metrics = stack.sidecar_metrics().await.unwrap();
-    let stored = metrics
-        .lines()
-        .filter(|l| l.starts_with("kvroute_events_total{") && l.contains("type=\"stored\""))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>();
+    let stored = kvroute_harness::prometheus::sum_where(&metrics, |l| {
+        l.starts_with("kvroute_events_total{") && l.contains("type=\"stored\"")
+    });
     // At least the ring-routed first request and the warming one stored blocks.
     assert!(stored >= 2.0, "stored events counted: {metrics}");
     assert!(metric(&metrics, "kvroute_hints_total{result=\"hinted\"}").unwrap() >= 5.0);
@@ -80,11 +78,7 @@ async fn index_steers_envoy_and_fallback_keeps_affinity() {
         std::time::Duration::from_secs(5),
         || async {
             let text = stack.sidecar_metrics().await.ok()?;
-            let open: f64 = text
-                .lines()
-                .filter(|l| l.starts_with("kvroute_in_flight{"))
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum();
+            let open = kvroute_harness::prometheus::sum(&text, "kvroute_in_flight{");
             (open == 0.0 && metric(&text, finished)? >= 5.0).then_some(())
         },
     )

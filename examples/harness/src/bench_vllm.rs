@@ -135,10 +135,5 @@ async fn served(http: &reqwest::Client, address: &str) -> Result<usize> {
         .await?
         .text()
         .await?;
-    let total: f64 = text
-        .lines()
-        .filter(|l| l.starts_with("vllm:request_success_total{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
-    Ok(total as usize)
+    Ok(crate::prometheus::sum(&text, "vllm:request_success_total{") as usize)
 }

@@ -14,6 +14,7 @@
 //! - [`traces`]: the Mooncake traces replayed as token-id completions.
 //! - [`client`]: one streaming request: TTFT, cached tokens, which engine served it.
 //! - [`queue`]: the engines' waiting queues sampled during a run.
+//! - [`prometheus`]: a metric family summed out of Prometheus text.
 //! - [`report`]: per-mode hit rate, TTFT percentiles, requests per engine; markdown and JSON.
 //! - [`bench`], [`datapath`], [`peers`], [`plot`]: the routing and data-path benchmarks.
 //! - [`bench_dynamo`]: kvroute against Dynamo's own KV router on a real Dynamo fleet.
@@ -29,6 +30,7 @@ pub mod paths;
 pub mod peers;
 pub mod plot;
 pub mod process;
+pub mod prometheus;
 pub mod queue;
 pub mod report;
 pub mod stack;

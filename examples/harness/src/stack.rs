@@ -498,11 +498,7 @@ impl Stack {
     pub async fn hinted_match_tokens(&self, block_size: u32) -> Option<u64> {
         self.sidecar_url.as_ref()?;
         let metrics = self.sidecar_metrics().await.ok()?;
-        let blocks: f64 = metrics
-            .lines()
-            .filter(|l| l.starts_with("kvroute_hint_matched_blocks"))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum();
+        let blocks = crate::prometheus::sum(&metrics, "kvroute_hint_matched_blocks");
         Some(blocks as u64 * u64::from(block_size))
     }
 
