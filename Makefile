@@ -6,8 +6,8 @@ PYTHON ?= python3
 VENV   := .venv
 WASM   := target/wasm32-wasip1/release/kvroute_filter.wasm
 
-.PHONY: all build venv venv-peers venv-dynamo venv-vllm toolchain test test-live lint demo clean \
-	bench-routing bench-routing-quick bench-datapath bench-dynamo bench-vllm bench-index bench-prepare fuzz \
+.PHONY: all build venv venv-peers venv-dynamo venv-vllm toolchain check test test-live lint demo clean \
+	bench-routing bench-routing-quick bench-datapath bench-dynamo bench-vllm bench-index bench-hint bench-prepare fuzz \
 	precision-fixtures
 
 all: build
@@ -58,6 +58,14 @@ lint: toolchain
 	cargo fmt --all -- --check
 	cargo clippy --release --workspace --all-targets -- -D warnings
 	cargo clippy --release -p kvroute-filter --target wasm32-wasip1 -- -D warnings
+
+# The fast loop: formatting, clippy, every crate's unit tests and the module-graph check; no
+# processes are started (no venv needed).
+check: toolchain
+	cargo fmt --all -- --check
+	cargo clippy --release --workspace --all-targets -- -D warnings
+	cargo test --release --workspace --lib --bins
+	cargo test --release -p kvroute-e2e --test layout
 
 # Unit tests, end-to-end tests (real Envoy, nats-server, sidecar, simulated engines and real
 # Dynamo mocker workers behind a real Dynamo frontend) and smoke
@@ -110,6 +118,9 @@ bench-datapath: venv build
 bench-index:
 	cargo bench -p kvroute-sidecar --bench index_summary
 	cargo bench -p kvroute-sidecar --bench index
+
+bench-hint:
+	cargo bench -p kvroute-sidecar --bench hint_under_ingest
 
 bench-prepare:
 	cargo bench -p kvroute-prompt --bench prepare

@@ -3,7 +3,7 @@
 
 use kvroute_protocol::hash::prefix_hashes;
 use kvroute_protocol::{LocalBlockHash, PrefixHash};
-use kvroute_sidecar::event::{EngineHash, KvEvent, KvEventKind, StoredBlock};
+use kvroute_sidecar::core::event::{EngineHash, KvEvent, KvEventKind, StoredBlock};
 use kvroute_sidecar::WorkerId;
 
 /// Blocks per stored sequence (and per query).

@@ -90,7 +90,7 @@ pub struct Config {
     pub envoy: Option<EnvoyConfig>,
     /// When the event plane's alarms fire.
     #[serde(default)]
-    pub alarms: crate::health::AlarmConfig,
+    pub alarms: AlarmConfig,
     /// Dynamo instances to find in Dynamo's file discovery directory (pin mode).
     #[serde(default)]
     pub dynamo_discovery: Vec<DiscoveryConfig>,
@@ -392,6 +392,25 @@ impl Config {
             }
         }
         Ok(())
+    }
+}
+
+/// Alarm thresholds (`[alarms]` in the configuration).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AlarmConfig {
+    /// Seconds without events before `no_events` / `silent_worker` fire.
+    pub silence_s: u64,
+    /// Hints a worker must have received before `silent_worker` can fire for it.
+    pub min_hints: u64,
+}
+
+impl Default for AlarmConfig {
+    fn default() -> Self {
+        AlarmConfig {
+            silence_s: 30,
+            min_hints: 20,
+        }
     }
 }
 

@@ -1,35 +1,33 @@
 //! kvroute-sidecar: knows which worker holds which KV blocks, and answers the filter's hints.
 //!
-//! - [`config`]: the TOML configuration (models, workers, event sources, listen address).
-//! - [`registry`]: the workers: dense [`WorkerId`]s, addresses, Dynamo instance ids, models.
-//! - [`event`]: [`KvEvent`], the source-independent form of an engine's cache event.
-//! - [`index`]: [`RadixIndex`], prefix → workers holding it, fed by events, queried by hints.
-//! - [`load`]: each worker's load (hinted requests not finished, scraped vLLM metrics).
-//! - [`health`]: per-source counters (`/debug/sources`) and the event-plane alarms.
-//! - [`router`]: the rule turning matches and load into an ordered list of workers.
-//! - [`sequence`]: message counters checked per publisher (next, gap, restart).
-//! - [`sources`]: transports that produce events (NATS for Dynamo).
+//! The layout, inside out (docs/architecture.md has the picture):
+//! - [`core`]: the pure core — the fleet table, the per-model indexes, the routing rule. No
+//!   I/O, no clock, no logs: inputs come in with the time, what happened comes out.
+//! - [`sidecar`]: [`sidecar::Sidecar`], the core behind its lock plus what the edges share;
+//!   the one place where what happened becomes metrics and log lines. The lock model is there.
+//! - [`event_plane`]: per-source counters (`/debug/sources`) and the event-plane alarms.
+//! - [`transports`]: where KV events come from: NATS (Dynamo), ZMQ (vLLM).
+//! - [`observers`]: what else feeds the fleet: Dynamo discovery, Envoy's admin view, engine
+//!   `/metrics` scrapes.
+//! - [`http_api`]: the HTTP API (`/v1/hint`, bundles, `/metrics`, `/debug/*`).
 //! - [`metrics`]: the Prometheus metrics served on `/metrics`.
-//! - [`api`]: the HTTP API (`/v1/hint`, bundles, `/metrics`, `/healthz`).
-//! - [`state`]: everything above, shared by the API and the sources.
-//! - [`inspect`]: the `decode` command (captured payloads as JSON lines).
-//! - [`envoy_config`]: the shipped Envoy configurations and the `envoy-config` command.
+//! - [`config`]: the TOML configuration.
+//! - [`inspect`], [`envoy_config`]: the `tap`, `decode`, `tokenize` and `envoy-config` commands.
+//!
+//! Modules depend inwards only: `config` ← `core` ← `sidecar`, `event_plane` ← edges ← `main`
+//! (tested: no module imports one that imports it back).
 
-pub mod api;
 pub mod config;
+pub mod core;
 pub mod envoy_config;
-pub mod event;
-pub mod health;
-pub mod index;
+pub mod event_plane;
+pub mod http_api;
 pub mod inspect;
-pub mod load;
 pub mod metrics;
-pub mod registry;
-pub mod router;
-pub mod sequence;
-pub mod sources;
-pub mod state;
+pub mod observers;
+pub mod sidecar;
+pub mod transports;
 
-pub use event::KvEvent;
-pub use index::RadixIndex;
-pub use registry::WorkerId;
+pub use crate::core::event::KvEvent;
+pub use crate::core::fleet::WorkerId;
+pub use crate::core::index::RadixIndex;

@@ -7,8 +7,8 @@ use anyhow::Context as _;
 use axum::serve::ListenerExt as _;
 use clap::{Parser, Subcommand};
 use kvroute_sidecar::config::Config;
-use kvroute_sidecar::state::AppState;
-use kvroute_sidecar::{api, envoy_config, inspect, sources};
+use kvroute_sidecar::sidecar::Sidecar;
+use kvroute_sidecar::{envoy_config, http_api, inspect, observers, transports};
 
 #[derive(Parser)]
 #[command(
@@ -185,13 +185,13 @@ async fn main() -> anyhow::Result<()> {
 }
 
 async fn serve(config: Config) -> anyhow::Result<()> {
-    let state = Arc::new(AppState::from_config(&config)?);
+    let state = Arc::new(Sidecar::from_config(&config)?);
     tracing::info!(
         models = config.models.len(),
         workers = config.workers.len(),
         "bundles loaded"
     );
-    let app = api::router(state.clone());
+    let app = http_api::router(state.clone());
     let tcp = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding {}", config.listen))?;
@@ -213,42 +213,42 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         let uds = tokio::net::UnixListener::bind(path)
             .with_context(|| format!("binding unix socket {}", path.display()))?;
         tracing::info!(socket = %path.display(), "serving the hint API on a Unix socket");
-        let app = api::router(state.clone());
+        let app = http_api::router(state.clone());
         tasks.spawn(async move { axum::serve(uds, app).await.map_err(anyhow::Error::from) });
     }
     tasks.spawn({
         let state = state.clone();
         async move {
-            sources::engine_metrics::run(state).await;
+            observers::engine_metrics::run(state).await;
             Ok(())
         }
     });
     if let Some(envoy) = config.envoy.clone() {
         let state = state.clone();
         tasks.spawn(async move {
-            sources::envoy_admin::run(envoy, state).await;
+            observers::envoy_admin::run(envoy, state).await;
             Ok(())
         });
     }
     if let Some(nats) = config.nats.clone() {
         let state = state.clone();
-        tasks.spawn(sources::nats::run(nats, state));
+        tasks.spawn(transports::nats::run(nats, state));
     }
     for zmq in config.zmq.clone() {
         // libzmq blocks; a detached thread ends with the process (a runtime would wait for it).
         let state = state.clone();
         std::thread::Builder::new()
             .name("zmq-subscriber".into())
-            .spawn(move || sources::zmq::run(zmq, state))
+            .spawn(move || transports::zmq::run(zmq, state))
             .context("starting a ZMQ subscriber thread")?;
     }
     for discovery in config.dynamo_discovery.clone() {
-        tasks.spawn(sources::discovery::run(discovery, state.clone()));
+        tasks.spawn(observers::discovery::run(discovery, state.clone()));
     }
     tasks.spawn({
         let state = state.clone();
         async move {
-            kvroute_sidecar::health::watch(state).await;
+            state.watch_alarms().await;
             Ok(())
         }
     });

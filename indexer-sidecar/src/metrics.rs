@@ -57,119 +57,47 @@ pub struct Metrics {
 
 impl Default for Metrics {
     fn default() -> Self {
-        let mut m = Metrics {
-            registry: Registry::with_prefix("kvroute"),
-            hints: Family::default(),
-            hint_matched_blocks: Counter::default(),
-            index_blocks: Family::default(),
-            events: Family::default(),
-            decode_errors: Family::default(),
-            skipped_events: Family::default(),
-            unknown_worker_events: Family::default(),
-            orphan_stores: Family::default(),
-            unknown_removals: Counter::default(),
-            scrape_errors: Family::default(),
-            worker_usable: Family::default(),
-            block_size_mismatches: Family::default(),
-            sequence: Family::default(),
-            alarm: Family::default(),
-            in_flight: Family::default(),
-            queued_prefill_blocks: Family::default(),
-            kv_used_blocks: Family::default(),
-            tickets: Family::default(),
-            discovered_instances: Family::default(),
-        };
-        m.registry
-            .register("hints", "Hint requests by result", m.hints.clone());
-        m.registry.register(
-            "hint_matched_blocks",
-            "Matched blocks summed over hinted requests",
-            m.hint_matched_blocks.clone(),
-        );
-        m.registry.register(
-            "index_blocks",
-            "Blocks indexed per worker",
-            m.index_blocks.clone(),
-        );
-        m.registry.register(
-            "events",
-            "KV events applied by subject and type",
-            m.events.clone(),
-        );
-        m.registry.register(
-            "decode_errors",
-            "Messages that did not decode",
-            m.decode_errors.clone(),
-        );
-        m.registry.register(
-            "skipped_events",
-            "Elements of a message that were not known events",
-            m.skipped_events.clone(),
-        );
-        m.registry.register(
-            "unknown_worker_events",
-            "Events from workers not in the configuration",
-            m.unknown_worker_events.clone(),
-        );
-        m.registry.register(
-            "orphan_stores",
-            "Stored events whose parent block is unknown",
-            m.orphan_stores.clone(),
-        );
-        m.registry.register(
-            "unknown_removals",
-            "Removed blocks the index did not hold",
-            m.unknown_removals.clone(),
-        );
-        m.registry.register(
-            "worker_usable",
-            "1 when Envoy lists the worker as healthy",
-            m.worker_usable.clone(),
-        );
-        m.registry.register(
-            "in_flight",
-            "Hinted requests not finished yet",
-            m.in_flight.clone(),
-        );
-        m.registry
-            .register("tickets", "Hint tickets closed, by how", m.tickets.clone());
-        m.registry.register(
-            "alarm",
-            "1 while an event-plane alarm is on",
-            m.alarm.clone(),
-        );
-        m.registry.register(
-            "block_size_mismatches",
-            "Stored events whose block size differs from the configured one",
-            m.block_size_mismatches.clone(),
-        );
-        m.registry.register(
-            "sequence",
-            "Event stream sequence trouble: gap, replayed, resync, restart, disconnect, warm_start",
-            m.sequence.clone(),
-        );
-        m.registry.register(
-            "queued_prefill_blocks",
-            "Prompt blocks queued for prefill (Dynamo kv_metrics)",
-            m.queued_prefill_blocks.clone(),
-        );
-        m.registry.register(
-            "kv_used_blocks",
-            "KV blocks in use (Dynamo kv_metrics)",
-            m.kv_used_blocks.clone(),
-        );
-        m.registry.register(
-            "discovered_instances",
-            "Dynamo instances with a record in the discovery directory",
-            m.discovered_instances.clone(),
-        );
-        m.registry.register(
-            "scrape_errors",
-            "Engine /metrics scrapes that failed",
-            m.scrape_errors.clone(),
-        );
-        m
+        let mut r = Registry::with_prefix("kvroute");
+        Metrics {
+            hints: family(&mut r, "hints", "Hint requests by result"),
+            hint_matched_blocks: counter(&mut r, "hint_matched_blocks", "Matched blocks summed over hinted requests"),
+            index_blocks: family(&mut r, "index_blocks", "Blocks indexed per worker"),
+            events: family(&mut r, "events", "KV events applied by subject and type"),
+            decode_errors: family(&mut r, "decode_errors", "Messages that did not decode"),
+            skipped_events: family(&mut r, "skipped_events", "Elements of a message that were not known events"),
+            unknown_worker_events: family(&mut r, "unknown_worker_events", "Events from workers not in the configuration"),
+            orphan_stores: family(&mut r, "orphan_stores", "Stored events whose parent block is unknown"),
+            unknown_removals: counter(&mut r, "unknown_removals", "Removed blocks the index did not hold"),
+            scrape_errors: family(&mut r, "scrape_errors", "Engine /metrics scrapes that failed"),
+            worker_usable: family(&mut r, "worker_usable", "1 when Envoy lists the worker as healthy"),
+            block_size_mismatches: family(&mut r, "block_size_mismatches", "Stored events whose block size differs from the configured one"),
+            sequence: family(&mut r, "sequence", "Event stream sequence trouble: gap, replayed, resync, restart, disconnect, warm_start"),
+            alarm: family(&mut r, "alarm", "1 while an event-plane alarm is on"),
+            in_flight: family(&mut r, "in_flight", "Hinted requests not finished yet"),
+            queued_prefill_blocks: family(&mut r, "queued_prefill_blocks", "Prompt blocks queued for prefill (Dynamo kv_metrics)"),
+            kv_used_blocks: family(&mut r, "kv_used_blocks", "KV blocks in use (Dynamo kv_metrics)"),
+            tickets: family(&mut r, "tickets", "Hint tickets closed, by how"),
+            discovered_instances: family(&mut r, "discovered_instances", "Dynamo instances with a record in the discovery directory"),
+            registry: r,
+        }
     }
+}
+
+/// A labelled family, registered as it is created: a metric cannot exist unregistered.
+fn family<M>(r: &mut Registry, name: &str, help: &str) -> Family<Labels, M>
+where
+    Family<Labels, M>: prometheus_client::registry::Metric + Clone + Default,
+{
+    let f = Family::default();
+    r.register(name, help, f.clone());
+    f
+}
+
+/// A counter without labels, registered as it is created.
+fn counter(r: &mut Registry, name: &str, help: &str) -> Counter {
+    let c = Counter::default();
+    r.register(name, help, c.clone());
+    c
 }
 
 impl Metrics {

@@ -8,10 +8,11 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result};
 
+use crate::engines::{EngineInfo, MODEL};
 use crate::paths;
 use crate::process::{free_port, wait_for, Process};
-use crate::stack::{EngineInfo, MODEL};
-use kvroute_sidecar::sources::discovery::{self, Role};
+use kvroute_sidecar::core::fleet::Role;
+use kvroute_sidecar::observers::discovery;
 
 /// What to start.
 #[derive(Debug, Clone)]

@@ -8,6 +8,7 @@
 //! - [`paths`]: where binaries, the venv, the wasm module and run directories are.
 //! - [`process`]: child processes with logs in the run directory, killed on drop; free ports.
 //! - [`stack`]: a whole fleet for one routing [`Mode`]: NATS, engines, sidecar, Envoy.
+//! - [`engines`]: what a stack knows of each engine (address, ids, event sockets).
 //! - [`dynamo`]: a real NVIDIA Dynamo fleet (mocker workers, frontend) as a stack's engines.
 //! - [`vllm`]: real vLLM engines on CPU (`make test-live`) as a stack's engines.
 //! - [`workload`]: deterministic request sessions (multi-turn chat, system prompts, agents, hot prefix).
@@ -26,6 +27,7 @@ pub mod bench_vllm;
 pub mod client;
 pub mod datapath;
 pub mod dynamo;
+pub mod engines;
 pub mod paths;
 pub mod peers;
 pub mod plot;

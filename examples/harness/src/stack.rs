@@ -8,12 +8,10 @@ use anyhow::{bail, Context as _, Result};
 use serde::Deserialize;
 
 use crate::dynamo::DynamoOptions;
+pub use crate::engines::{EngineInfo, MODEL};
 use crate::paths;
 use crate::process::{free_port, wait_for, Process};
 use crate::vllm::VllmOptions;
-
-/// The model name the demo fleet serves.
-pub const MODEL: &str = "tiny-llama";
 
 /// How Envoy routes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -161,23 +159,6 @@ impl StackOptions {
     pub fn pin_mode(&self) -> bool {
         self.dynamo_frontend || self.dynamo.is_some()
     }
-}
-
-/// One simulated engine as the fleet reported it.
-#[derive(Debug, Clone, Deserialize)]
-pub struct EngineInfo {
-    /// Position in the fleet.
-    pub index: usize,
-    /// `127.0.0.1:port`.
-    pub address: String,
-    /// Dynamo instance id in its events.
-    pub dynamo_worker_id: u64,
-    /// Its vLLM KV-event PUB socket, when it publishes in vLLM's format.
-    #[serde(default)]
-    pub zmq_endpoint: Option<String>,
-    /// Its vLLM replay socket.
-    #[serde(default)]
-    pub replay_endpoint: Option<String>,
 }
 
 #[derive(Deserialize)]

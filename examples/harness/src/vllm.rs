@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result};
 
+use crate::engines::{EngineInfo, MODEL};
 use crate::paths;
 use crate::process::{free_port, Process};
-use crate::stack::{EngineInfo, MODEL};
 
 /// KV block size: vLLM's CPU attention needs 32.
 pub const BLOCK_SIZE: u32 = 32;

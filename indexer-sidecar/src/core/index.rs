@@ -19,8 +19,8 @@ use kvroute_protocol::hash::chain;
 use kvroute_protocol::PrefixHash;
 use smallvec::SmallVec;
 
-use crate::event::{EngineHash, KvEvent, KvEventKind};
-use crate::registry::WorkerId;
+use crate::core::event::{EngineHash, KvEvent, KvEventKind};
+use crate::core::fleet::WorkerId;
 
 /// Keys are already uniform hashes, but they come from prompts anyone can send: a fast hasher
 /// with a per-process random seed keeps lookups cheap without letting crafted prompts collide.
@@ -229,7 +229,7 @@ impl RadixIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::event::StoredBlock;
+    use crate::core::event::StoredBlock;
     use kvroute_protocol::hash::{local_block_hashes, prefix_hashes};
     use kvroute_protocol::{HashSeed, LocalBlockHash};
 

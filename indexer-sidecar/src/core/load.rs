@@ -1,7 +1,7 @@
 //! How busy each worker is: the requests the sidecar sent it that have not finished yet, and
 //! its engine's own metrics.
 //!
-//! Every hint issues a [`Ticket`] counted against the chosen worker until the filter reports
+//! Every hint issues a ticket ([`crate::core::fleet::ticket`]) counted against the chosen worker until the filter reports
 //! the request finished (Envoy logged it). That count is exact and immediate for the traffic
 //! kvroute routes, so a burst spreads out without waiting for a scrape. Engines are also scraped
 //! (`/metrics`, vLLM names) every `scrape_interval_ms`: that covers traffic the sidecar does not
@@ -12,8 +12,6 @@
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
-
-use kvroute_protocol::hint::Ticket;
 
 /// One worker's load as the router sees it.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -62,111 +60,62 @@ pub struct Reclaimed {
     pub expired: u64,
 }
 
-/// Load of every worker, indexed by [`crate::WorkerId`].
-#[derive(Debug)]
-pub struct LoadTracker {
-    envoy_active: Vec<f64>,
-    scraped: Vec<Option<Load>>,
-    /// Open tickets per worker: sequence number → when it was issued (sequence order is time
-    /// order).
-    open: Vec<BTreeMap<u64, Instant>>,
-    next_seq: u64,
-    settle: Duration,
-    /// Latest Dynamo `kv_metrics` per worker and data-parallel rank: (queued prefill blocks,
-    /// KV blocks used).
-    dynamo: Vec<BTreeMap<u32, (f64, f64)>>,
+/// One worker's load: its open tickets, its last scrape, Dynamo's `kv_metrics` and Envoy's
+/// in-flight count.
+#[derive(Debug, Default, Clone)]
+pub struct WorkerLoad {
+    envoy_active: f64,
+    scraped: Option<Load>,
+    /// Open tickets: sequence number → when it was issued (sequence order is time order).
+    open: BTreeMap<u64, Instant>,
+    /// Latest `kv_metrics` per data-parallel rank: (queued prefill blocks, KV blocks used).
+    dynamo: BTreeMap<u32, (f64, f64)>,
 }
 
-/// A ticket is the sequence number above the worker id, so a report names its worker.
-const WORKER_BITS: u32 = 16;
-
-impl LoadTracker {
-    /// A tracker for `workers` workers scraped every `scrape_interval`.
-    pub fn new(workers: usize, scrape_interval: Duration) -> Self {
-        LoadTracker {
-            envoy_active: vec![0.0; workers],
-            scraped: vec![None; workers],
-            open: vec![BTreeMap::new(); workers],
-            next_seq: 1,
-            settle: scrape_interval,
-            dynamo: vec![BTreeMap::new(); workers],
-        }
-    }
-
-    /// Make room for `workers` workers (workers are only ever added).
-    pub fn grow(&mut self, workers: usize) {
-        if workers > self.scraped.len() {
-            self.envoy_active.resize(workers, 0.0);
-            self.scraped.resize(workers, None);
-            self.open.resize(workers, BTreeMap::new());
-            self.dynamo.resize(workers, BTreeMap::new());
-        }
-    }
-
-    /// The current load of worker `i`.
-    pub fn get(&self, i: usize) -> Load {
-        let mut load = self.scraped.get(i).copied().flatten().unwrap_or_default();
-        load.envoy_active = self.envoy_active.get(i).copied().unwrap_or(0.0);
-        load.hinted_in_flight = self.open.get(i).map_or(0, BTreeMap::len) as f64;
-        if let Some(ranks) = self.dynamo.get(i) {
-            load.queued_prefill_blocks = ranks.values().map(|r| r.0).sum();
-            load.kv_used_blocks = ranks.values().map(|r| r.1).sum();
-        }
+impl WorkerLoad {
+    /// The current load.
+    pub fn get(&self) -> Load {
+        let mut load = self.scraped.unwrap_or_default();
+        load.envoy_active = self.envoy_active;
+        load.hinted_in_flight = self.open.len() as f64;
+        load.queued_prefill_blocks = self.dynamo.values().map(|r| r.0).sum();
+        load.kv_used_blocks = self.dynamo.values().map(|r| r.1).sum();
         load
     }
 
-    /// Count a request hinted to worker `i`; the ticket comes back when it finishes. `None`
-    /// for a worker id the ticket cannot carry (more than 65536 workers).
-    pub fn hinted(&mut self, i: usize) -> Option<Ticket> {
-        if i >> WORKER_BITS != 0 {
-            return None;
-        }
-        let open = self.open.get_mut(i)?;
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        open.insert(seq, Instant::now());
-        Some(Ticket(seq << WORKER_BITS | i as u64))
+    /// Count hinted request `seq`, issued at `now`, until [`WorkerLoad::close`].
+    pub fn open(&mut self, seq: u64, now: Instant) {
+        self.open.insert(seq, now);
     }
 
-    /// A hinted request finished: its worker, or `None` if the ticket was not open (reported
-    /// twice, already reclaimed, or issued by an earlier sidecar process).
-    pub fn finished(&mut self, ticket: Ticket) -> Option<usize> {
-        let worker = (ticket.0 & ((1 << WORKER_BITS) - 1)) as usize;
-        self.open
-            .get_mut(worker)?
-            .remove(&(ticket.0 >> WORKER_BITS))
-            .map(|_| worker)
+    /// Request `seq` finished: whether its ticket was open (not reported twice, not already
+    /// reclaimed, not issued by an earlier sidecar process).
+    pub fn close(&mut self, seq: u64) -> bool {
+        self.open.remove(&seq).is_some()
     }
 
-    /// Record a Dynamo `kv_metrics` message of worker `i`, data-parallel rank `dp_rank`.
+    /// Record a Dynamo `kv_metrics` message of data-parallel rank `dp_rank`.
     pub fn dynamo_metrics(
         &mut self,
-        i: usize,
         dp_rank: u32,
         queued_prefill_blocks: f64,
         kv_used_blocks: f64,
     ) {
-        if let Some(ranks) = self.dynamo.get_mut(i) {
-            ranks.insert(dp_rank, (queued_prefill_blocks, kv_used_blocks));
-        }
+        self.dynamo
+            .insert(dp_rank, (queued_prefill_blocks, kv_used_blocks));
     }
 
-    /// Record Envoy's in-flight count for worker `i`.
-    pub fn envoy_active(&mut self, i: usize, active: f64) {
-        if let Some(slot) = self.envoy_active.get_mut(i) {
-            *slot = active;
-        }
+    /// Record Envoy's in-flight count.
+    pub fn envoy_active(&mut self, active: f64) {
+        self.envoy_active = active;
     }
 
-    /// Record a scrape of worker `i` (`None`: the scrape failed) and close the tickets the
-    /// scrape shows have finished, and those past their lifetime.
-    pub fn scraped(&mut self, i: usize, load: Option<Load>) -> Reclaimed {
+    /// Record a scrape (`None`: it failed) taken at `now` of an engine scraped every `settle`,
+    /// and close the tickets the scrape shows have finished, and those past their lifetime.
+    pub fn scraped(&mut self, load: Option<Load>, now: Instant, settle: Duration) -> Reclaimed {
         let mut out = Reclaimed::default();
-        let (Some(slot), Some(open)) = (self.scraped.get_mut(i), self.open.get_mut(i)) else {
-            return out;
-        };
-        *slot = load;
-        let now = Instant::now();
+        self.scraped = load;
+        let open = &mut self.open;
         while let Some(entry) = open.first_entry() {
             if now.saturating_duration_since(*entry.get()) < TICKET_LIFETIME {
                 break;
@@ -174,9 +123,9 @@ impl LoadTracker {
             entry.remove();
             out.expired += 1;
         }
-        if let (Some(load), Some(slot)) = (load, slot.as_mut()) {
+        if let (Some(load), Some(slot)) = (load, self.scraped.as_mut()) {
             let reported = (load.running + load.waiting).max(0.0);
-            let settled_before = now - self.settle;
+            let settled_before = now.checked_sub(settle).unwrap_or(now);
             let settled = open.values().take_while(|&&t| t <= settled_before).count();
             let surplus = settled.saturating_sub(reported as usize);
             for _ in 0..surplus {
@@ -231,57 +180,50 @@ mod tests {
 
     #[test]
     fn tickets_count_until_finished() {
-        let mut t = LoadTracker::new(2, Duration::from_millis(50));
-        let a = t.hinted(0).unwrap();
-        let b = t.hinted(0).unwrap();
-        assert_ne!(a, b);
-        assert_eq!(t.get(0).hinted_in_flight, 2.0);
+        let now = Instant::now();
+        let mut w = WorkerLoad::default();
+        w.open(1, now);
+        w.open(2, now);
+        assert_eq!(w.get().hinted_in_flight, 2.0);
         assert_eq!(
-            t.get(0).busy(),
+            w.get().busy(),
             2.0,
             "hinted requests count before any scrape"
         );
-        assert_eq!(t.get(1).hinted_in_flight, 0.0);
-        assert_eq!(t.finished(a), Some(0));
+        assert!(w.close(1));
+        assert!(!w.close(1), "a second report of one ticket is ignored");
+        assert_eq!(w.get().hinted_in_flight, 1.0);
+        w.envoy_active(5.0);
+        assert_eq!(w.get().envoy_active, 5.0);
+        assert_eq!(w.get().busy(), 1.0, "Envoy's count is shown, not weighed");
+        let mut d = WorkerLoad::default();
+        d.dynamo_metrics(0, 3.0, 10.0);
+        d.dynamo_metrics(1, 2.0, 5.0);
+        d.dynamo_metrics(0, 1.0, 12.0);
         assert_eq!(
-            t.finished(a),
-            None,
-            "a second report of one ticket is ignored"
-        );
-        assert_eq!(t.get(0).hinted_in_flight, 1.0);
-        assert_eq!(t.finished(Ticket(u64::MAX)), None);
-        assert_eq!(t.hinted(1 << 16), None);
-        assert_eq!(t.hinted(7), None, "out of range: ignored");
-        t.envoy_active(0, 5.0);
-        assert_eq!(t.get(0).envoy_active, 5.0);
-        assert_eq!(t.get(0).busy(), 1.0, "Envoy's count is shown, not weighed");
-        t.dynamo_metrics(1, 0, 3.0, 10.0);
-        t.dynamo_metrics(1, 1, 2.0, 5.0);
-        t.dynamo_metrics(1, 0, 1.0, 12.0);
-        assert_eq!(
-            t.get(1).queued_prefill_blocks,
+            d.get().queued_prefill_blocks,
             3.0,
             "latest per rank, summed"
         );
-        assert_eq!(t.get(1).kv_used_blocks, 17.0);
-        t.dynamo_metrics(9, 0, 1.0, 1.0);
-        assert_eq!(t.finished(b), Some(0));
+        assert_eq!(d.get().kv_used_blocks, 17.0);
     }
 
     #[test]
     fn scrapes_reclaim_lost_reports_but_not_fresh_hints() {
-        let mut t = LoadTracker::new(1, Duration::from_millis(30));
-        for _ in 0..5 {
-            t.hinted(0);
+        let settle = Duration::from_millis(30);
+        let start = Instant::now();
+        let later = start + Duration::from_millis(40);
+        let mut w = WorkerLoad::default();
+        for seq in 0..5 {
+            w.open(seq, start);
         }
-        std::thread::sleep(Duration::from_millis(40));
-        let fresh = t.hinted(0).unwrap();
+        w.open(5, later);
         let scraped = Load {
             running: 2.0,
             waiting: 1.0,
             ..Load::default()
         };
-        let r = t.scraped(0, Some(scraped));
+        let r = w.scraped(Some(scraped), later, settle);
         // Five settled tickets but the engine has three requests: two reports were lost.
         assert_eq!(
             r,
@@ -290,28 +232,30 @@ mod tests {
                 expired: 0
             }
         );
-        assert_eq!(t.get(0).hinted_in_flight, 4.0, "3 settled + 1 fresh");
-        assert_eq!(t.get(0).busy(), 4.0);
-        t.scraped(0, None);
-        assert_eq!(t.get(0).busy(), 4.0, "a failed scrape keeps the tickets");
-        assert_eq!(t.finished(fresh), Some(0));
-        assert_eq!(t.get(0).hinted_in_flight, 3.0);
-        let idle = Load::default();
-        t.scraped(0, Some(idle));
-        assert_eq!(t.get(0).hinted_in_flight, 0.0);
-        assert_eq!(t.get(0).busy(), 0.0);
+        assert_eq!(w.get().hinted_in_flight, 4.0, "3 settled + 1 fresh");
+        assert_eq!(w.get().busy(), 4.0);
+        w.scraped(None, later, settle);
+        assert_eq!(w.get().busy(), 4.0, "a failed scrape keeps the tickets");
+        assert!(w.close(5));
+        assert_eq!(w.get().hinted_in_flight, 3.0);
+        w.scraped(Some(Load::default()), later, settle);
+        assert_eq!(w.get().hinted_in_flight, 0.0);
+        assert_eq!(w.get().busy(), 0.0);
         // Requests the sidecar did not route count as of the scrape, on top of hinted ones.
-        t.hinted(0);
-        t.scraped(
-            0,
+        w.open(6, later);
+        w.scraped(
             Some(Load {
                 running: 4.0,
                 waiting: 1.0,
                 ..Load::default()
             }),
+            later,
+            settle,
         );
-        assert_eq!(t.get(0).unhinted, 4.0);
-        t.hinted(0);
-        assert_eq!(t.get(0).busy(), 6.0);
+        assert_eq!(w.get().unhinted, 4.0);
+        w.open(7, later);
+        assert_eq!(w.get().busy(), 6.0);
+        let expired = w.scraped(None, later + TICKET_LIFETIME, settle);
+        assert_eq!(expired.expired, 2, "old tickets expire");
     }
 }

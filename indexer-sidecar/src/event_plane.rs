@@ -19,24 +19,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-/// Alarm thresholds (`[alarms]` in the configuration).
-#[derive(Debug, Clone, serde::Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct AlarmConfig {
-    /// Seconds without events before `no_events` / `silent_worker` fire.
-    pub silence_s: u64,
-    /// Hints a worker must have received before `silent_worker` can fire for it.
-    pub min_hints: u64,
-}
-
-impl Default for AlarmConfig {
-    fn default() -> Self {
-        AlarmConfig {
-            silence_s: 30,
-            min_hints: 20,
-        }
-    }
-}
+use crate::config::AlarmConfig;
 
 /// One event source as `/debug/sources` shows it.
 #[derive(Debug, Clone, Serialize)]
@@ -70,24 +53,18 @@ pub struct SourceStatus {
     bus_probed: Option<Instant>,
 }
 
-/// Every source, and when each worker last published or was hinted.
+/// Every source and discovery entry. What workers published and were hinted is in the fleet
+/// table ([`crate::core::fleet::Worker`]); [`Activity`] brings it here for the alarms.
 #[derive(Debug)]
 pub struct EventPlane {
     started: Instant,
     sources: Vec<SourceStatus>,
-    /// Per worker: when it last published an event.
-    worker_event: Vec<Option<Instant>>,
-    /// Per worker: hints while it has published no event.
-    worker_hints: Vec<u64>,
-    last_hint: Option<Instant>,
-    /// When the last hint request arrived, hinted or not.
-    last_request: Option<Instant>,
     /// Per `[[dynamo_discovery]]` entry: its model, the instances it can pin to and the line
     /// that says what its last scan found.
     discovery: Vec<DiscoveryStatus>,
     /// Dynamo worker ids whose KV events arrived but name no known worker (bounded), with
     /// counts: events that do arrive, so `no_events` must say so rather than "none".
-    unknown_workers: BTreeMap<u64, u64>,
+    unknown_workers: BTreeMap<String, u64>,
 }
 
 /// What one `[[dynamo_discovery]]` entry found, for `/debug/sources` and `no_instances`.
@@ -114,26 +91,26 @@ pub struct Alarm {
     pub message: String,
 }
 
+/// What the fleet did that the alarms weigh: from [`crate::core::Core`], at one moment.
+#[derive(Debug, Clone, Default)]
+pub struct Activity {
+    /// When the last hint named a worker.
+    pub last_hint: Option<Instant>,
+    /// When the last hint request arrived, hinted or not.
+    pub last_request: Option<Instant>,
+    /// Per worker: its address, the hints it got while it never published, and whether it
+    /// ever published.
+    pub workers: Vec<(String, u64, bool)>,
+}
+
 impl EventPlane {
-    /// Nothing registered yet, for `workers` workers.
-    pub fn new(workers: usize) -> Self {
+    /// Nothing registered yet, as of `now`.
+    pub fn new(now: Instant) -> Self {
         EventPlane {
-            started: Instant::now(),
+            started: now,
             sources: Vec::new(),
-            worker_event: vec![None; workers],
-            worker_hints: vec![0; workers],
-            last_hint: None,
-            last_request: None,
             discovery: Vec::new(),
             unknown_workers: BTreeMap::new(),
-        }
-    }
-
-    /// Make room for `workers` workers (workers are only ever added).
-    pub fn grow(&mut self, workers: usize) {
-        if workers > self.worker_event.len() {
-            self.worker_event.resize(workers, None);
-            self.worker_hints.resize(workers, 0);
         }
     }
 
@@ -190,32 +167,23 @@ impl EventPlane {
         }
     }
 
-    /// A KV event of `worker` (index) was applied.
-    pub fn event(&mut self, source: usize, worker: usize) {
-        let now = Instant::now();
+    /// A KV event from `source` was applied at `now`.
+    pub fn event(&mut self, source: usize, now: Instant) {
         if let Some(s) = self.sources.get_mut(source) {
             s.events += 1;
             s.state = "receiving";
             s.last_event = Some(now);
         }
-        if let Some(t) = self.worker_event.get_mut(worker) {
-            *t = Some(now);
-        }
-        if let Some(h) = self.worker_hints.get_mut(worker) {
-            *h = 0;
-        }
     }
 
-    /// A KV event arrived from a Dynamo worker id no configured or discovered worker has.
-    pub fn unknown_worker(&mut self, worker_id: u64) {
-        if self.unknown_workers.len() < 64 || self.unknown_workers.contains_key(&worker_id) {
-            *self.unknown_workers.entry(worker_id).or_default() += 1;
+    /// A KV event arrived from a publisher (Dynamo worker id, vLLM topic) no configured or
+    /// discovered worker is. Whether the name is among the (bounded) ones kept.
+    pub fn unknown_worker(&mut self, name: &str) -> bool {
+        let kept = self.unknown_workers.len() < 64 || self.unknown_workers.contains_key(name);
+        if kept {
+            *self.unknown_workers.entry(name.to_owned()).or_default() += 1;
         }
-    }
-
-    /// A hint request arrived that names no worker ([`EventPlane::hinted`] records the others).
-    pub fn requested(&mut self) {
-        self.last_request = Some(Instant::now());
+        kept
     }
 
     /// Register a `[[dynamo_discovery]]` entry; the returned index names it in later calls.
@@ -242,19 +210,8 @@ impl EventPlane {
         self.discovery.clone()
     }
 
-    /// A hint named `worker` (index) first.
-    pub fn hinted(&mut self, worker: usize) {
-        let now = Instant::now();
-        self.last_hint = Some(now);
-        self.last_request = Some(now);
-        if let Some(h) = self.worker_hints.get_mut(worker) {
-            *h += 1;
-        }
-    }
-
-    /// Every source's status, ages as of now.
-    pub fn sources(&self) -> Vec<SourceStatus> {
-        let now = Instant::now();
+    /// Every source's status, ages as of `now`.
+    pub fn sources(&self, now: Instant) -> Vec<SourceStatus> {
         self.sources
             .iter()
             .map(|s| SourceStatus {
@@ -266,21 +223,25 @@ impl EventPlane {
     }
 
     /// Record what a probe of the whole bus saw on behalf of `source`.
-    pub fn record_bus(&mut self, source: usize, seen: BTreeMap<String, u64>) {
+    pub fn record_bus(&mut self, source: usize, seen: BTreeMap<String, u64>, now: Instant) {
         if let Some(s) = self.sources.get_mut(source) {
             s.bus = seen;
-            s.bus_probed = Some(Instant::now());
+            s.bus_probed = Some(now);
         }
     }
 
     /// The `no_events` condition: no KV event on any source for `silence_s` (or since start)
     /// while hints were served recently.
-    pub fn silent_while_hinting(&self, config: &AlarmConfig) -> bool {
-        let now = Instant::now();
+    pub fn silent_while_hinting(
+        &self,
+        config: &AlarmConfig,
+        last_hint: Option<Instant>,
+        now: Instant,
+    ) -> bool {
         let silence = Duration::from_secs(config.silence_s);
         let last_event = self.sources.iter().filter_map(|s| s.last_event).max();
         // "While hints are served": one in the silence window (at least the last 10 s).
-        let hints_recently = self.last_hint.is_some_and(|t| {
+        let hints_recently = last_hint.is_some_and(|t| {
             now.saturating_duration_since(t) < silence.max(Duration::from_secs(10))
         });
         self.quiet_since(last_event, now, silence) && hints_recently
@@ -291,17 +252,12 @@ impl EventPlane {
         now.saturating_duration_since(t.unwrap_or(self.started)) >= silence
     }
 
-    /// The alarms that are on now; `worker_name` turns a worker index into its address.
-    pub fn alarms(
-        &self,
-        config: &AlarmConfig,
-        worker_name: impl Fn(usize) -> String,
-    ) -> Vec<Alarm> {
-        let now = Instant::now();
+    /// The alarms that are on at `now`, given what the fleet did.
+    pub fn alarms(&self, config: &AlarmConfig, activity: &Activity, now: Instant) -> Vec<Alarm> {
         let silence = Duration::from_secs(config.silence_s);
         let mut out = Vec::new();
         let last_event = self.sources.iter().filter_map(|s| s.last_event).max();
-        if self.silent_while_hinting(config) {
+        if self.silent_while_hinting(config, activity.last_hint, now) {
             let subscribed: Vec<String> = self
                 .sources
                 .iter()
@@ -342,7 +298,7 @@ impl EventPlane {
                     .map(|(id, n)| format!("{id} ({n})"))
                     .collect();
                 format!(
-                    " KV events did arrive, from Dynamo workers kvroute does not know: [{}] — add them to [[workers]] (dynamo_worker_id) or find them with [[dynamo_discovery]].",
+                    " KV events did arrive, from publishers kvroute does not know: [{}] — add them to [[workers]] (dynamo_worker_id) or find them with [[dynamo_discovery]].",
                     ids.join(", ")
                 )
             };
@@ -356,7 +312,7 @@ impl EventPlane {
                 ),
             });
         }
-        let requests_recently = self.last_request.is_some_and(|t| {
+        let requests_recently = activity.last_request.is_some_and(|t| {
             now.saturating_duration_since(t) < silence.max(Duration::from_secs(10))
         });
         for d in &self.discovery {
@@ -369,57 +325,18 @@ impl EventPlane {
             }
         }
         // Only "never": a worker serving prompts it fully holds rightly publishes nothing.
-        for (i, (&hints, &event)) in self.worker_hints.iter().zip(&self.worker_event).enumerate() {
-            if hints >= config.min_hints && event.is_none() && self.quiet_since(None, now, silence)
-            {
+        for (worker, hints, published) in &activity.workers {
+            if *hints >= config.min_hints && !published && self.quiet_since(None, now, silence) {
                 out.push(Alarm {
                     name: "silent_worker",
-                    subject: worker_name(i),
+                    subject: worker.clone(),
                     message: format!(
-                        "worker {} was hinted {hints} times and never published a KV event: its engine has KV events off, or its dynamo_worker_id / [[zmq]] entry is wrong",
-                        worker_name(i),
+                        "worker {worker} was hinted {hints} times and never published a KV event: its engine has KV events off, or its dynamo_worker_id / [[zmq]] entry is wrong",
                     ),
                 });
             }
         }
         out
-    }
-}
-
-/// Check the alarms every few seconds: log a line when one starts or stops, and keep the
-/// `kvroute_alarm{alarm,subject}` gauges up to date.
-pub async fn watch(state: std::sync::Arc<crate::state::AppState>) {
-    let every = Duration::from_secs((state.alarms.silence_s / 3).clamp(1, 10));
-    let mut on: std::collections::BTreeSet<(&'static str, String)> = Default::default();
-    loop {
-        tokio::time::sleep(every).await;
-        let alarms = state.plane().alarms(&state.alarms, |i| {
-            state
-                .registry()
-                .get(crate::WorkerId(i as u32))
-                .map_or_else(|| i.to_string(), |w| w.address.clone())
-        });
-        let now: std::collections::BTreeSet<_> =
-            alarms.iter().map(|a| (a.name, a.subject.clone())).collect();
-        for a in &alarms {
-            if !on.contains(&(a.name, a.subject.clone())) {
-                tracing::warn!(alarm = a.name, subject = %a.subject, "{}", a.message);
-            }
-        }
-        for (name, subject) in on.difference(&now) {
-            tracing::info!(alarm = name, %subject, "alarm cleared");
-        }
-        for (name, subject) in on.union(&now) {
-            state
-                .metrics
-                .alarm
-                .get_or_create(&vec![
-                    ("alarm", name.to_string()),
-                    ("subject", subject.clone()),
-                ])
-                .set(i64::from(now.contains(&(name, subject.clone()))));
-        }
-        on = now;
     }
 }
 
@@ -434,18 +351,29 @@ mod tests {
         }
     }
 
+    /// A hint to nobody in particular at `now`.
+    fn hinting(now: Instant) -> Activity {
+        Activity {
+            last_hint: Some(now),
+            last_request: Some(now),
+            workers: Vec::new(),
+        }
+    }
+
     #[test]
     fn no_events_fires_only_while_hints_are_served() {
-        let mut plane = EventPlane::new(2);
+        let now = Instant::now();
+        let mut plane = EventPlane::new(now);
         let src = plane.register("nats", "nats://x", vec!["a.kv-events".into()]);
         plane.subscribed(src);
         assert!(
-            plane.alarms(&config(), |i| i.to_string()).is_empty(),
+            plane
+                .alarms(&config(), &Activity::default(), now)
+                .is_empty(),
             "no traffic, no alarm"
         );
         plane.message(src, "b.kv-events", true);
-        plane.hinted(0);
-        let alarms = plane.alarms(&config(), |i| i.to_string());
+        let alarms = plane.alarms(&config(), &hinting(now), now);
         assert_eq!(alarms.len(), 1);
         assert_eq!(alarms[0].name, "no_events");
         assert!(
@@ -462,36 +390,41 @@ mod tests {
             silence_s: 3600,
             ..config()
         };
-        plane.unknown_worker(77);
-        let alarms = plane.alarms(&config(), |i| i.to_string());
+        plane.unknown_worker("77");
+        let alarms = plane.alarms(&config(), &hinting(now), now);
         assert!(
             alarms[0].message.contains("does not know: [77 (1)]"),
             "events from unknown workers are named: {}",
             alarms[0].message
         );
-        plane.event(src, 0);
-        assert!(plane.alarms(&quiet, |i| i.to_string()).is_empty());
-        assert_eq!(plane.sources()[0].state, "receiving");
+        plane.event(src, now);
+        assert!(plane.alarms(&quiet, &hinting(now), now).is_empty());
+        assert_eq!(plane.sources(now)[0].state, "receiving");
     }
 
     #[test]
     fn a_hinted_worker_that_never_publishes_is_named() {
-        let mut plane = EventPlane::new(2);
-        let src = plane.register("zmq", "tcp://e", vec!["kv-events".into()]);
+        let now = Instant::now();
+        let plane = EventPlane::new(now);
+        let activity = Activity {
+            workers: vec![("w0".into(), 3, true), ("w1".into(), 3, false)],
+            ..hinting(now)
+        };
         let slow = AlarmConfig {
             silence_s: 3600,
             min_hints: 2,
         };
-        plane.event(src, 0);
-        for _ in 0..3 {
-            plane.hinted(0);
-            plane.hinted(1);
-        }
         assert!(
-            plane.alarms(&slow, |i| format!("w{i}")).is_empty(),
+            plane.alarms(&slow, &activity, now).is_empty(),
             "not long enough"
         );
-        let alarms = plane.alarms(&config(), |i| format!("w{i}"));
+        assert!(
+            !plane
+                .alarms(&slow, &activity, now + Duration::from_secs(3600))
+                .is_empty(),
+            "long enough"
+        );
+        let alarms = plane.alarms(&config(), &activity, now);
         let silent: Vec<_> = alarms
             .iter()
             .filter(|a| a.name == "silent_worker")
@@ -502,31 +435,41 @@ mod tests {
             "only the one that never published: {alarms:?}"
         );
         assert_eq!(silent[0].subject, "w1");
-        plane.event(src, 1);
-        let alarms = plane.alarms(&config(), |i| format!("w{i}"));
+        let few = Activity {
+            workers: vec![("w1".into(), 1, false)],
+            ..hinting(now)
+        };
+        let alarms = plane.alarms(&config(), &few, now);
         assert!(alarms.iter().all(|a| a.subject != "w1"), "{alarms:?}");
     }
 
     #[test]
     fn discovery_without_instances_alarms_while_requests_arrive() {
-        let mut plane = EventPlane::new(0);
+        let now = Instant::now();
+        let mut plane = EventPlane::new(now);
         let config = crate::config::DiscoveryConfig::new("/d", "m");
         let entry = plane.register_discovery(&config);
         plane.discovered(entry, 0, "found nothing under /d".into());
-        let on = |plane: &EventPlane| {
+        let on = |plane: &EventPlane, activity: &Activity| {
             plane
-                .alarms(&AlarmConfig::default(), |i| i.to_string())
+                .alarms(&AlarmConfig::default(), activity, now)
                 .into_iter()
                 .filter(|a| a.name == "no_instances")
                 .collect::<Vec<_>>()
         };
-        assert!(on(&plane).is_empty(), "no requests, no alarm");
-        plane.requested();
-        let alarms = on(&plane);
+        assert!(
+            on(&plane, &Activity::default()).is_empty(),
+            "no requests, no alarm"
+        );
+        let requested = Activity {
+            last_request: Some(now),
+            ..Activity::default()
+        };
+        let alarms = on(&plane, &requested);
         assert_eq!(alarms.len(), 1);
         assert_eq!(alarms[0].subject, "m");
         assert_eq!(alarms[0].message, "found nothing under /d");
         plane.discovered(entry, 2, "two".into());
-        assert!(on(&plane).is_empty());
+        assert!(on(&plane, &requested).is_empty());
     }
 }

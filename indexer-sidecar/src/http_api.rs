@@ -1,4 +1,4 @@
-//! The HTTP API: hints for the filter, bundles, metrics and health.
+//! The HTTP API (the `axum` router [`router`] serves it): hints for the filter, bundles, metrics and health.
 //!
 //! - `POST /v1/hint` — binary [`HintRequest`] in, JSON [`kvroute_protocol::hint::HintResponse`] out.
 //! - `POST /v1/finished` — tickets of hinted requests that finished (binary, see the protocol).
@@ -18,11 +18,12 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use kvroute_protocol::hint::{decode_finished, HintRequest, FINISHED_PATH, HINT_PATH};
 
+use crate::core::Input;
 use crate::metrics::label;
-use crate::state::AppState;
+use crate::sidecar::Sidecar;
 
 /// The API router.
-pub fn router(state: Arc<AppState>) -> Router {
+pub fn router(state: Arc<Sidecar>) -> Router {
     Router::new()
         .route(HINT_PATH, post(hint))
         .route(FINISHED_PATH, post(finished))
@@ -36,7 +37,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-async fn hint(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+async fn hint(State(state): State<Arc<Sidecar>>, body: Bytes) -> Response {
     let req = match HintRequest::decode(&body) {
         Ok(r) => r,
         Err(e) => {
@@ -48,7 +49,7 @@ async fn hint(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
             return (StatusCode::BAD_REQUEST, e.to_string()).into_response();
         }
     };
-    match state.hint(&req) {
+    match state.hint(&req, std::time::Instant::now()) {
         Some(resp) => Json(resp).into_response(),
         None => (
             StatusCode::NOT_FOUND,
@@ -58,10 +59,10 @@ async fn hint(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     }
 }
 
-async fn finished(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+async fn finished(State(state): State<Arc<Sidecar>>, body: Bytes) -> Response {
     match decode_finished(&body) {
         Ok(tickets) => {
-            state.finished(&tickets);
+            state.ingest(None, Input::Finished(&tickets), std::time::Instant::now());
             StatusCode::NO_CONTENT.into_response()
         }
         Err(e) => (StatusCode::BAD_REQUEST, e.to_string()).into_response(),
@@ -72,18 +73,18 @@ fn json_bytes(body: Vec<u8>) -> Response {
     ([(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
-async fn catalog(State(state): State<Arc<AppState>>) -> Response {
+async fn catalog(State(state): State<Arc<Sidecar>>) -> Response {
     json_bytes(state.bundles.catalog.clone())
 }
 
-async fn bundle(State(state): State<Arc<AppState>>, Path(name): Path<String>) -> Response {
+async fn bundle(State(state): State<Arc<Sidecar>>, Path(name): Path<String>) -> Response {
     match state.bundles.by_model.get(&name) {
         Some(b) => json_bytes(b.clone()),
         None => (StatusCode::NOT_FOUND, format!("no bundle for model {name}")).into_response(),
     }
 }
 
-async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+async fn metrics(State(state): State<Arc<Sidecar>>) -> Response {
     (
         [(
             header::CONTENT_TYPE,
@@ -94,23 +95,16 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
-async fn explain(State(state): State<Arc<AppState>>) -> Response {
-    let recent = state
-        .decisions
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .iter()
-        .cloned()
-        .collect::<Vec<_>>();
-    Json(recent).into_response()
+async fn explain(State(state): State<Arc<Sidecar>>) -> Response {
+    Json(state.explained()).into_response()
 }
 
-async fn sources(State(state): State<Arc<AppState>>) -> Response {
-    let sources = state.plane().sources();
+async fn sources(State(state): State<Arc<Sidecar>>) -> Response {
+    let sources = state.plane().sources(std::time::Instant::now());
     Json(sources).into_response()
 }
 
-async fn discovery(State(state): State<Arc<AppState>>) -> Response {
+async fn discovery(State(state): State<Arc<Sidecar>>) -> Response {
     let entries = state.plane().discovery();
     Json(entries).into_response()
 }

@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use futures::StreamExt;
@@ -12,13 +12,14 @@ use kvroute_protocol::dynamo::{
 };
 
 use crate::config::NatsConfig;
+use crate::core::{Input, Message};
 use crate::metrics::label;
-use crate::state::AppState;
+use crate::sidecar::{Sidecar, SourceRef};
 
 /// Subscribe to every configured subject and apply events until the connection ends.
 ///
 /// A plain subscription (no queue group): every sidecar replica must see every event.
-pub async fn run(config: NatsConfig, state: Arc<AppState>) -> anyhow::Result<()> {
+pub async fn run(config: NatsConfig, state: Arc<Sidecar>) -> anyhow::Result<()> {
     let client = async_nats::ConnectOptions::new()
         .retry_on_initial_connect()
         .name("kvroute-sidecar")
@@ -67,14 +68,14 @@ const PROBE_SUBJECTS: usize = 200;
 async fn probe_bus(
     client: async_nats::Client,
     subscribed: Vec<String>,
-    state: Arc<AppState>,
+    state: Arc<Sidecar>,
     source: usize,
 ) {
     let every = Duration::from_secs(state.alarms.silence_s.clamp(1, 300));
     let mut last_verdict = String::new();
     loop {
         tokio::time::sleep(every).await;
-        if !state.plane().silent_while_hinting(&state.alarms) {
+        if !state.silent_while_hinting(Instant::now()) {
             continue;
         }
         let Ok(mut sub) = client.subscribe("namespace.>").await else {
@@ -124,13 +125,13 @@ async fn probe_bus(
             tracing::warn!(alarm = "no_events", "{verdict}");
             last_verdict = verdict;
         }
-        state.plane().record_bus(source, seen);
+        state.plane().record_bus(source, seen, Instant::now());
     }
 }
 
 /// Decode and apply one message body. Dynamo publishes each kind on its own subject, whose last
 /// segment names it.
-pub fn handle(state: &AppState, source: usize, subject: &str, body: &[u8]) {
+pub fn handle(state: &Sidecar, source: usize, subject: &str, body: &[u8]) {
     let seen = |decoded: bool| {
         state.plane().message(source, subject, decoded);
     };
@@ -138,7 +139,9 @@ pub fn handle(state: &AppState, source: usize, subject: &str, body: &[u8]) {
         let decoded = decode_kv_metrics(body);
         seen(decoded.is_ok());
         match decoded {
-            Ok(m) => state.record_dynamo_metrics(&m),
+            Ok(m) => {
+                state.ingest(None, Input::DynamoLoad(&m), Instant::now());
+            }
             Err(e) => {
                 tracing::warn!(%subject, error = %e, bytes = body.len(), "undecodable kv_metrics message");
                 state
@@ -161,8 +164,13 @@ pub fn handle(state: &AppState, source: usize, subject: &str, body: &[u8]) {
                     .get_or_create(&label("source", "nats"))
                     .inc_by(decoded.skipped as u64);
             }
+            let from = SourceRef {
+                index: source,
+                subject,
+            };
+            let now = Instant::now();
             for event in &decoded.events {
-                state.apply_dynamo(source, subject, event);
+                state.ingest(Some(from), Input::Message(Message::dynamo(event)), now);
             }
         }
         Err(e) => {
@@ -179,7 +187,7 @@ pub fn handle(state: &AppState, source: usize, subject: &str, body: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::tests::state;
+    use crate::sidecar::tests::sidecar as state;
 
     #[test]
     fn kv_metrics_feed_the_load_not_the_index() {

@@ -3,13 +3,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::load::parse_vllm_metrics;
+use crate::core::load::parse_vllm_metrics;
+use crate::core::Input;
 use crate::metrics::label;
-use crate::state::AppState;
+use crate::sidecar::Sidecar;
 
 /// Scrape every worker every `routing.scrape_interval_ms`, forever.
-pub async fn run(state: Arc<AppState>) {
-    let every = Duration::from_millis(state.routing.scrape_interval_ms.max(10));
+pub async fn run(state: Arc<Sidecar>) {
+    let every = state.scrape_interval;
     // A busy engine answers /metrics late; a late answer still beats none.
     let timeout = every.max(Duration::from_secs(2));
     let Ok(http) = reqwest::Client::builder().timeout(timeout).build() else {
@@ -21,11 +22,11 @@ pub async fn run(state: Arc<AppState>) {
     loop {
         tick.tick().await;
         // Pinned workers sit behind a Dynamo frontend: their load comes from `kv_metrics`.
-        let registry = state.registry();
-        let scrapes = registry.iter().filter(|w| !w.pinned).map(|w| {
+        let workers = state.scraped_workers();
+        let scrapes = workers.iter().map(|(id, address)| {
             let http = &http;
             async move {
-                let url = format!("http://{}/metrics", w.address);
+                let url = format!("http://{address}/metrics");
                 let text = async {
                     http.get(&url)
                         .send()
@@ -34,7 +35,7 @@ pub async fn run(state: Arc<AppState>) {
                         .text()
                         .await
                 };
-                (w.id, w.address.clone(), text.await.ok())
+                (*id, address, text.await.ok())
             }
         });
         for (id, address, text) in futures::future::join_all(scrapes).await {
@@ -43,10 +44,11 @@ pub async fn run(state: Arc<AppState>) {
                 state
                     .metrics
                     .scrape_errors
-                    .get_or_create(&label("worker", address))
+                    .get_or_create(&label("worker", &**address))
                     .inc();
             }
-            state.record_load(id, load);
+            let scrape = Input::Scrape { worker: id, load };
+            state.ingest(None, scrape, std::time::Instant::now());
         }
     }
 }

@@ -10,16 +10,8 @@ use std::time::Duration;
 use serde_json::Value;
 
 use crate::config::EnvoyConfig;
-use crate::state::AppState;
-
-/// One host as Envoy sees it.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct HostView {
-    /// Healthy by EDS, active health checks and outlier detection.
-    pub healthy: bool,
-    /// Requests in flight to it from this Envoy (`rq_active`).
-    pub rq_active: f64,
-}
+use crate::core::{HostView, Input};
+use crate::sidecar::Sidecar;
 
 /// Hosts of `cluster` by `ip:port`, from the admin endpoint's JSON.
 pub fn parse_clusters(doc: &Value, cluster: &str) -> Option<HashMap<String, HostView>> {
@@ -57,7 +49,7 @@ pub fn parse_clusters(doc: &Value, cluster: &str) -> Option<HashMap<String, Host
 }
 
 /// Poll Envoy's admin endpoint forever and feed the result to the state.
-pub async fn run(config: EnvoyConfig, state: Arc<AppState>) {
+pub async fn run(config: EnvoyConfig, state: Arc<Sidecar>) {
     let every = Duration::from_millis(config.poll_interval_ms.max(10));
     let Ok(http) = reqwest::Client::builder()
         .timeout(every.max(Duration::from_secs(1)))
@@ -89,7 +81,7 @@ pub async fn run(config: EnvoyConfig, state: Arc<AppState>) {
         match hosts {
             Some(hosts) => {
                 warned = false;
-                state.record_envoy_view(&hosts);
+                state.ingest(None, Input::EnvoyView(&hosts), std::time::Instant::now());
             }
             None if !warned => {
                 // Keep the last known view: a brief admin hiccup must not stop all hints.

@@ -21,18 +21,17 @@
 //! CLOSE-WAIT and never reported it (docs/architecture.md, "ZMQ"). libzmq's API blocks, so each
 //! endpoint runs on its own thread.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use kvroute_protocol::vllm::{decode_batch, decode_seq, REPLAY_END};
+use kvroute_protocol::vllm::{decode_batch, decode_seq, EventBatch, REPLAY_END};
 
 use crate::config::ZmqConfig;
+use crate::core::{Delivery, Happened, Input, Message, Publisher};
 use crate::metrics::label;
-use crate::registry::WorkerId;
-use crate::sequence::{check_seq, SeqCheck};
-use crate::state::AppState;
+use crate::sidecar::{Sidecar, SourceRef};
 
 /// How long a replay may take before it is given up (a gap then resyncs the worker).
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
@@ -70,60 +69,9 @@ fn frames(mut parts: Vec<Vec<u8>>) -> Option<Frames> {
     ))
 }
 
-/// What to do with one live message, given what was seen of its worker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Verdict {
-    /// The first or the next message: apply it.
-    Apply,
-    /// A live copy of a message a warm start already applied: skip it.
-    Duplicate,
-    /// Messages `from..to` are missing.
-    Gap { from: u64, to: u64 },
-    /// The counter went back: the engine restarted.
-    Restarted,
-}
-
-/// Per worker of one endpoint: the last sequence number applied, and how far the last warm
-/// start replayed (live copies up to there are duplicates, not a restart).
-#[derive(Debug, Default)]
-struct Cursors {
-    last: HashMap<WorkerId, u64>,
-    warm_through: HashMap<WorkerId, u64>,
-}
-
-impl Cursors {
-    fn live(&mut self, worker: WorkerId, seq: u64) -> Verdict {
-        if let Some(&through) = self.warm_through.get(&worker) {
-            if seq <= through {
-                return Verdict::Duplicate;
-            }
-            self.warm_through.remove(&worker);
-        }
-        match check_seq(self.last.get(&worker).copied(), seq) {
-            SeqCheck::First | SeqCheck::Next => Verdict::Apply,
-            SeqCheck::Gap { from, to } => Verdict::Gap { from, to },
-            SeqCheck::Restarted => Verdict::Restarted,
-        }
-    }
-
-    fn applied(&mut self, worker: WorkerId, seq: u64) {
-        self.last.insert(worker, seq);
-    }
-
-    fn warm_applied(&mut self, worker: WorkerId, seq: u64) {
-        self.last.insert(worker, seq);
-        self.warm_through.insert(worker, seq);
-    }
-
-    fn forget(&mut self, worker: WorkerId) {
-        self.last.remove(&worker);
-        self.warm_through.remove(&worker);
-    }
-}
-
 /// Subscribe to one publisher and apply its events until the process ends. Blocks: run it on
 /// a thread of its own.
-pub fn run(config: ZmqConfig, state: Arc<AppState>) {
+pub fn run(config: ZmqConfig, state: Arc<Sidecar>) {
     let source = state
         .plane()
         .register("zmq", &config.endpoint, vec![config.topic.clone()]);
@@ -132,8 +80,7 @@ pub fn run(config: ZmqConfig, state: Arc<AppState>) {
         state: &state,
         source,
         context: zmq::Context::new(),
-        cursors: Cursors::default(),
-        seen: HashSet::new(),
+        seen: BTreeSet::new(),
     };
     let mut delay = RETRY_DELAY;
     loop {
@@ -152,13 +99,12 @@ pub fn run(config: ZmqConfig, state: Arc<AppState>) {
 
 struct Subscriber<'a> {
     config: &'a ZmqConfig,
-    state: &'a AppState,
+    state: &'a Sidecar,
     source: usize,
     /// libzmq's I/O thread, shared by the SUB socket and every replay request.
     context: zmq::Context,
-    cursors: Cursors,
-    /// Workers whose events arrived here.
-    seen: HashSet<WorkerId>,
+    /// Publishers (worker addresses) whose events arrived here.
+    seen: BTreeSet<String>,
 }
 
 impl Subscriber<'_> {
@@ -250,29 +196,26 @@ impl Subscriber<'_> {
 
     /// The engine's connection closed: it stopped, and its cache with it.
     fn publisher_gone(&mut self, peer: &str) {
+        tracing::info!(endpoint = %self.config.endpoint, %peer, "vLLM KV-event publisher disconnected");
         self.state.plane().disconnected(self.source);
-        for worker in self.publisher_workers() {
-            let dropped = self.state.forget_worker(worker);
-            self.cursors.forget(worker);
-            let name = self.worker_name(worker);
-            tracing::warn!(endpoint = %self.config.endpoint, %peer, worker = %name, dropped, "vLLM KV-event publisher went away (engine stopped or restarted): its index entries dropped; reconnecting");
-            self.bump(&name, "disconnect", 1);
+        for address in self.publishers() {
+            self.ingest(Input::PublisherGone(Publisher::Address(&address)));
         }
     }
 
     /// The workers this endpoint publishes for: the configured one and every one seen.
-    fn publisher_workers(&self) -> Vec<WorkerId> {
-        let registry = self.state.registry();
-        let configured = self
-            .config
-            .worker
-            .as_deref()
-            .and_then(|a| registry.by_address(a))
-            .map(|w| w.id);
-        let mut workers: Vec<WorkerId> = self.seen.iter().copied().chain(configured).collect();
-        workers.sort();
-        workers.dedup();
-        workers
+    fn publishers(&self) -> BTreeSet<String> {
+        let mut all = self.seen.clone();
+        all.extend(self.config.worker.clone());
+        all
+    }
+
+    fn ingest(&self, input: Input<'_>) -> Vec<Happened> {
+        let from = SourceRef {
+            index: self.source,
+            subject: &self.config.endpoint,
+        };
+        self.state.ingest(Some(from), input, Instant::now())
     }
 
     /// Read the engine's replay buffer from its beginning and rebuild its workers from it: what
@@ -298,17 +241,17 @@ impl Subscriber<'_> {
             tracing::info!(endpoint = %self.config.endpoint, "warm start: the engine's replay buffer is empty");
             return;
         };
-        let mut rebuilt = HashSet::new();
+        let mut replayed = BTreeSet::new();
         for (topic, seq, payload) in &messages {
-            let Some(worker) = self.worker_of(topic) else {
-                continue;
-            };
-            if rebuilt.insert(worker) {
-                self.state.forget_worker(worker);
-            }
-            self.seen.insert(worker);
-            self.cursors.warm_applied(worker, *seq);
-            self.apply(worker, payload);
+            let address = self.publisher_of(topic);
+            let batch = self.decode(payload);
+            self.ingest(Input::Message(Message::vllm(
+                &address,
+                *seq,
+                Delivery::WarmStart,
+                &batch,
+            )));
+            replayed.insert(address);
         }
         let lost = if first == 0 {
             "nothing lost".to_owned()
@@ -316,29 +259,42 @@ impl Subscriber<'_> {
             format!("seq 0..{first} no longer buffered: blocks stored then are unknown here until stored again (their children are dropped as orphans)")
         };
         tracing::info!(endpoint = %self.config.endpoint, messages = messages.len(), first, last, "warm start from the replay buffer: {lost}");
-        for worker in rebuilt {
-            let name = self.worker_name(worker);
-            self.bump(&name, "warm_start", 1);
-            self.bump(&name, "replayed", messages.len() as u64);
+        for address in replayed {
+            self.bump(&address, "replayed", messages.len() as u64);
+            self.seen.insert(address);
         }
     }
 
-    /// The worker a message belongs to, counting messages of unknown workers.
-    fn worker_of(&self, topic: &str) -> Option<WorkerId> {
-        let address = self
-            .config
+    /// The publisher (worker address) a message belongs to: the configured one, or the one its
+    /// llm-d topic names, or else the topic itself (which names no worker).
+    fn publisher_of(&self, topic: &str) -> String {
+        self.config
             .worker
             .as_deref()
-            .or_else(|| worker_in_topic(topic));
-        let worker = address.and_then(|a| self.state.registry().by_address(a).map(|w| w.id));
-        if worker.is_none() {
-            self.state
-                .metrics
-                .unknown_worker_events
-                .get_or_create(&label("worker_id", address.unwrap_or(topic).to_owned()))
-                .inc();
+            .or_else(|| worker_in_topic(topic))
+            .unwrap_or(topic)
+            .to_owned()
+    }
+
+    /// A payload's batch; one that does not decode is counted and applied as empty, so its
+    /// sequence number still counts.
+    fn decode(&self, payload: &[u8]) -> EventBatch {
+        match decode_batch(payload) {
+            Ok(batch) => {
+                if batch.skipped > 0 {
+                    self.state
+                        .metrics
+                        .skipped_events
+                        .get_or_create(&label("source", "zmq"))
+                        .inc_by(batch.skipped as u64);
+                }
+                batch
+            }
+            Err(e) => {
+                count_bad(self.state, &e.to_string(), &self.config.endpoint);
+                EventBatch::default()
+            }
         }
-        worker
     }
 
     fn live(&mut self, parts: Vec<Vec<u8>>) {
@@ -352,62 +308,51 @@ impl Subscriber<'_> {
             return;
         };
         self.state.plane().message(self.source, &topic, true);
-        let Some(worker) = self.worker_of(&topic) else {
+        let address = self.publisher_of(&topic);
+        let batch = self.decode(&payload);
+        let live = Message::vllm(&address, seq, Delivery::LiveHoldingGaps, &batch);
+        let happened = self.ingest(Input::Message(live));
+        // Only publishers of known workers are remembered: topics come from the network.
+        if !happened
+            .iter()
+            .any(|h| matches!(h, Happened::UnknownPublisher { .. }))
+        {
+            self.seen.insert(address.clone());
+        }
+        let held = happened.into_iter().find_map(|h| match h {
+            Happened::Held { from, to, .. } => Some((from, to)),
+            _ => None,
+        });
+        let Some((from, to)) = held else {
             return;
         };
-        self.seen.insert(worker);
-        let name = self.worker_name(worker);
-        match self.cursors.live(worker, seq) {
-            Verdict::Apply => {}
-            Verdict::Duplicate => return,
-            Verdict::Restarted => {
-                let dropped = self.state.forget_worker(worker);
-                tracing::warn!(worker = %name, seq, dropped, "vLLM event sequence went back: engine restarted, its index entries dropped");
-                self.bump(&name, "restart", 1);
-            }
-            Verdict::Gap { from, to } => {
-                self.bump(&name, "gap", 1);
-                let missed = self
-                    .config
-                    .replay_endpoint
-                    .as_deref()
-                    .context("no replay_endpoint configured")
-                    .and_then(|endpoint| replay(&self.context, endpoint, from, Some(to)));
-                match missed {
-                    Ok(missed) => {
-                        tracing::info!(worker = %name, from, to, "filled an event gap from the replay socket");
-                        self.bump(&name, "replayed", missed.len() as u64);
-                        for (_, _, payload) in &missed {
-                            self.apply(worker, payload);
-                        }
-                    }
-                    Err(e) => {
-                        let dropped = self.state.forget_worker(worker);
-                        tracing::warn!(worker = %name, from, to, dropped, error = format!("{e:#}"), "event gap not replayable: worker resynced (index entries dropped)");
-                        self.bump(&name, "resync", 1);
-                    }
+        let missed = self
+            .config
+            .replay_endpoint
+            .as_deref()
+            .context("no replay_endpoint configured")
+            .and_then(|endpoint| replay(&self.context, endpoint, from, Some(to)));
+        match missed {
+            Ok(missed) => {
+                tracing::info!(worker = %address, from, to, "filled an event gap from the replay socket");
+                self.bump(&address, "replayed", missed.len() as u64);
+                for (_, seq, payload) in &missed {
+                    let batch = self.decode(payload);
+                    let message = Message::vllm(&address, *seq, Delivery::Replayed, &batch);
+                    self.ingest(Input::Message(message));
                 }
             }
+            Err(e) => {
+                tracing::warn!(worker = %address, from, to, error = format!("{e:#}"), "event gap not replayable");
+                self.ingest(Input::GapUnfilled(Publisher::Address(&address)));
+            }
         }
-        self.cursors.applied(worker, seq);
-        self.apply(worker, &payload);
-    }
-
-    fn apply(&self, worker: WorkerId, payload: &[u8]) {
-        match decode_batch(payload) {
-            Ok(batch) => self
-                .state
-                .apply_vllm(self.source, worker, &self.config.endpoint, &batch),
-            Err(e) => count_bad(self.state, &e.to_string(), &self.config.endpoint),
-        }
-    }
-
-    fn worker_name(&self, worker: WorkerId) -> String {
-        self.state
-            .registry()
-            .get(worker)
-            .map(|w| w.address.clone())
-            .unwrap_or_default()
+        self.ingest(Input::Message(Message::vllm(
+            &address,
+            seq,
+            Delivery::Replayed,
+            &batch,
+        )));
     }
 
     fn bump(&self, worker: &str, kind: &str, by: u64) {
@@ -431,7 +376,7 @@ fn receive(socket: &zmq::Socket) -> anyhow::Result<Option<Vec<Vec<u8>>>> {
     }
 }
 
-fn count_bad(state: &AppState, why: &str, source: &str) {
+fn count_bad(state: &Sidecar, why: &str, source: &str) {
     tracing::warn!(%source, error = %why, "undecodable vLLM KV-event message");
     state
         .metrics
@@ -515,34 +460,5 @@ mod tests {
             None
         );
         assert_eq!(frames(vec![b"only".to_vec()]), None);
-    }
-
-    #[test]
-    fn live_copies_of_a_warm_start_are_duplicates_not_a_restart() {
-        let w = WorkerId(0);
-        let mut c = Cursors::default();
-        for seq in 0..=5 {
-            c.warm_applied(w, seq);
-        }
-        // Queued live while the replay ran: already applied.
-        assert_eq!(c.live(w, 4), Verdict::Duplicate);
-        assert_eq!(c.live(w, 5), Verdict::Duplicate);
-        assert_eq!(c.live(w, 6), Verdict::Apply);
-        c.applied(w, 6);
-        // Past the warm start, going back is a restart again.
-        assert_eq!(c.live(w, 0), Verdict::Restarted);
-    }
-
-    #[test]
-    fn cursors_see_gaps_and_forget() {
-        let w = WorkerId(1);
-        let mut c = Cursors::default();
-        assert_eq!(c.live(w, 3), Verdict::Apply);
-        c.applied(w, 3);
-        assert_eq!(c.live(w, 4), Verdict::Apply);
-        c.applied(w, 4);
-        assert_eq!(c.live(w, 9), Verdict::Gap { from: 5, to: 9 });
-        c.forget(w);
-        assert_eq!(c.live(w, 0), Verdict::Apply);
     }
 }

@@ -24,32 +24,9 @@ use std::time::Duration;
 use serde_json::Value;
 
 use crate::config::DiscoveryConfig;
-use crate::state::AppState;
-
-/// What a Dynamo worker does in the serving pipeline.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Role {
-    /// Prefill and decode on one worker: it holds the prompt's KV blocks and serves the request.
-    Aggregated,
-    /// Disaggregated prefill: computes (and caches) the prompt's KV blocks, publishes the KV
-    /// events; pinned with the frontend's prefill-instance header.
-    Prefill,
-    /// Disaggregated decode: receives the KV blocks from a prefill worker; publishes no KV
-    /// events by design and is chosen by the frontend, never by kvroute.
-    Decode,
-}
-
-impl Role {
-    /// The label value in metrics and logs.
-    pub fn label(self) -> &'static str {
-        match self {
-            Role::Aggregated => "aggregated",
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-        }
-    }
-}
+use crate::core::fleet::Role;
+use crate::core::{DiscoveredInstance, Input};
+use crate::sidecar::Sidecar;
 
 /// One `Endpoint` record.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -187,6 +164,18 @@ impl Scan {
     pub fn count(&self, role: Role) -> usize {
         self.instances.values().filter(|i| i.role == role).count()
     }
+
+    /// The instances as the core takes them.
+    pub fn instances(&self) -> Vec<DiscoveredInstance> {
+        self.instances
+            .iter()
+            .map(|(&instance_id, i)| DiscoveredInstance {
+                instance_id,
+                address: i.address.clone(),
+                role: i.role,
+            })
+            .collect()
+    }
 }
 
 /// How deep nested layouts go below a bucket (`<ns>/<component>/<endpoint>/<id>`).
@@ -298,7 +287,7 @@ const PROBE_FAILURES: u32 = 2;
 
 /// Poll the directory forever, applying each scan to the registry, and probe every pinned
 /// instance's request plane between scans.
-pub async fn run(config: DiscoveryConfig, state: Arc<AppState>) -> anyhow::Result<()> {
+pub async fn run(config: DiscoveryConfig, state: Arc<Sidecar>) -> anyhow::Result<()> {
     let entry = state.plane().register_discovery(&config);
     tracing::info!(dir = %config.dir.display(), model = %config.model, namespace = %config.namespace, "reading Dynamo discovery records");
     let mut scans = tokio::time::interval(Duration::from_millis(config.poll_interval_ms.max(50)));
@@ -317,7 +306,7 @@ pub async fn run(config: DiscoveryConfig, state: Arc<AppState>) -> anyhow::Resul
             _ = scans.tick() => {}
             _ = probes.tick(), if config.probe_interval_ms > 0 => {
                 if probe_all(&config, &last, &mut failed).await {
-                    state.record_discovery(&config, &last, &down(&failed));
+                    apply(&state, &config, &last, &down(&failed));
                 }
                 continue;
             }
@@ -340,7 +329,7 @@ pub async fn run(config: DiscoveryConfig, state: Arc<AppState>) -> anyhow::Resul
                 }
                 state.plane().discovered(entry, found.hintable(), summary);
                 failed.retain(|id, _| found.instances.contains_key(id));
-                state.record_discovery(&config, &found, &down(&failed));
+                apply(&state, &config, &found, &down(&failed));
                 last = found;
             }
             Ok(Err(e)) if !failing => {
@@ -350,6 +339,22 @@ pub async fn run(config: DiscoveryConfig, state: Arc<AppState>) -> anyhow::Resul
             _ => {}
         }
     }
+}
+
+/// Hand a scan to the sidecar.
+fn apply(
+    state: &Sidecar,
+    config: &DiscoveryConfig,
+    scan: &Scan,
+    unreachable: &std::collections::BTreeSet<u64>,
+) {
+    let instances = scan.instances();
+    let input = Input::Discovery {
+        model: &config.model,
+        instances: &instances,
+        unreachable,
+    };
+    state.ingest(None, input, std::time::Instant::now());
 }
 
 /// The instances whose last probes all failed.

@@ -19,17 +19,19 @@
 //! chat, docs/benchmarks.md): least loaded for cold prompts lost to Envoy's ring hash alone.
 //! Envoy's ring hash on the fallback key still decides whenever the sidecar does not answer.
 
-use kvroute_protocol::hint::HintResponse;
 use serde::Serialize;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::config::RoutingConfig;
-use crate::load::Load;
-use crate::registry::{WorkerId, WorkerRegistry};
+use crate::core::fleet::WorkerId;
+use crate::core::load::Load;
 
 /// One worker as the rule saw it.
 #[derive(Debug, Clone, Serialize)]
 pub struct Candidate {
+    /// Its id.
+    #[serde(skip)]
+    pub id: WorkerId,
     /// Its address.
     pub worker: String,
     /// Leading blocks it holds.
@@ -72,8 +74,12 @@ pub enum Rule {
 /// A hint and the reasons for it.
 #[derive(Debug, Clone, Serialize)]
 pub struct Decision {
-    /// What the filter gets.
-    pub hint: HintResponse,
+    /// The workers to hint, best first (at most `max_hinted_workers`).
+    #[serde(skip)]
+    pub workers: Vec<WorkerId>,
+    /// Leading prompt blocks the first of them holds.
+    #[serde(skip)]
+    pub matched_blocks: u32,
     /// The rule that decided.
     pub rule: Rule,
     /// Every worker considered, best first.
@@ -96,29 +102,25 @@ fn home_score(key: u64, address: &str) -> u64 {
 }
 
 /// Decide where a request of `prompt_blocks` blocks goes. `home_key` names the prompt's first
-/// blocks (its home when nothing matches); `matches` are (worker, matched blocks); `load_of`
-/// and `healthy` describe every registered worker.
-pub fn choose(
+/// blocks (its home when nothing matches); `matches` are (worker, matched blocks); `workers` are
+/// the usable workers (id, address, load).
+pub fn choose<'a>(
     prompt_blocks: u32,
     home_key: Option<u64>,
     matches: &[(WorkerId, u32)],
-    registry: &WorkerRegistry,
+    workers: impl IntoIterator<Item = (WorkerId, &'a str, Load)>,
     routing: &RoutingConfig,
-    load_of: impl Fn(WorkerId) -> Load,
-    healthy: impl Fn(WorkerId) -> bool,
 ) -> Decision {
     let min = routing.min_matched_blocks.max(1);
     let matched = |w: WorkerId| matches.iter().find(|(m, _)| *m == w).map_or(0, |&(_, n)| n);
-    let mut candidates: Vec<(WorkerId, u32, Load, bool, f64)> = registry
-        .iter()
-        .filter(|w| healthy(w.id))
-        .map(|w| {
-            let load = load_of(w.id);
-            let n = matched(w.id);
+    let mut candidates: Vec<(WorkerId, u32, Load, bool, f64, &str)> = workers
+        .into_iter()
+        .map(|(id, address, load)| {
+            let n = matched(id);
             let cost = f64::from(prompt_blocks.saturating_sub(n))
                 + load.queued_prefill_blocks
                 + routing.load_penalty_blocks * load.busy();
-            (w.id, n, load, saturated(&load, routing), cost)
+            (id, n, load, saturated(&load, routing), cost, address)
         })
         .collect();
     // Unsaturated first, then the cheapest, then the fewest hinted requests, the longest match.
@@ -135,12 +137,6 @@ pub fn choose(
         Some(first) if first.1 == longest => Rule::LongestMatch,
         _ => Rule::LeastLoaded,
     };
-    let address = |w: WorkerId| {
-        registry
-            .get(w)
-            .map(|w| w.address.clone())
-            .unwrap_or_default()
-    };
     if let (Rule::NoMatch, Some(key)) = (rule, home_key) {
         // Saturated workers sort last: when the first is saturated, all are. A home already
         // busier than the least loaded worker by `home_slack` requests hands over too: a burst
@@ -152,26 +148,21 @@ pub fn choose(
             .fold(f64::INFINITY, f64::min);
         let home = (0..unsaturated)
             .filter(|&i| candidates[i].2.busy() <= least_busy + routing.home_slack)
-            .max_by_key(|&i| home_score(key, &address(candidates[i].0)));
+            .max_by_key(|&i| home_score(key, candidates[i].5));
         if let Some(home) = home {
             candidates[..=home].rotate_right(1);
         }
     }
-    let hint = {
-        let chosen = &candidates[..candidates.len().min(routing.max_hinted_workers.max(1))];
-        HintResponse {
-            matched_blocks: chosen.first().map_or(0, |c| c.1),
-            workers: chosen.iter().map(|c| address(c.0)).collect(),
-            ..HintResponse::default()
-        }
-    };
+    let chosen = &candidates[..candidates.len().min(routing.max_hinted_workers.max(1))];
     Decision {
-        hint,
+        workers: chosen.iter().map(|c| c.0).collect(),
+        matched_blocks: chosen.first().map_or(0, |c| c.1),
         rule,
         candidates: candidates
             .iter()
-            .map(|&(w, n, load, sat, cost)| Candidate {
-                worker: address(w),
+            .map(|&(id, n, load, sat, cost, address)| Candidate {
+                id,
+                worker: address.to_owned(),
                 matched_blocks: n,
                 running: load.running,
                 waiting: load.waiting,
@@ -191,17 +182,34 @@ pub fn choose(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::WorkerConfig;
 
-    fn registry(n: usize) -> WorkerRegistry {
-        let configs: Vec<WorkerConfig> = (0..n)
-            .map(|i| WorkerConfig {
-                address: format!("127.0.0.1:{}", 8000 + i),
-                model: "m".into(),
-                dynamo_worker_id: None,
-            })
-            .collect();
-        WorkerRegistry::new(&configs)
+    /// `n` workers, `127.0.0.1:8000` on.
+    fn registry(n: usize) -> Vec<String> {
+        (0..n).map(addr).collect()
+    }
+
+    /// [`super::choose`] over the workers of `reg` that are `healthy`, with loads from `load_of`.
+    fn choose(
+        prompt_blocks: u32,
+        home_key: Option<u64>,
+        matches: &[(WorkerId, u32)],
+        reg: &[String],
+        routing: &RoutingConfig,
+        load_of: impl Fn(WorkerId) -> Load,
+        healthy: impl Fn(WorkerId) -> bool,
+    ) -> Decision {
+        let workers = reg
+            .iter()
+            .enumerate()
+            .map(|(i, a)| (WorkerId(i as u32), a.as_str()))
+            .filter(|(w, _)| healthy(*w))
+            .map(|(w, a)| (w, a, load_of(w)));
+        super::choose(prompt_blocks, home_key, matches, workers, routing)
+    }
+
+    /// The hinted workers' addresses.
+    fn order(d: &Decision) -> Vec<String> {
+        d.workers.iter().map(|w| addr(w.0 as usize)).collect()
     }
 
     fn idle(_: WorkerId) -> Load {
@@ -231,8 +239,8 @@ mod tests {
         let m = [(WorkerId(0), 2), (WorkerId(1), 5), (WorkerId(2), 3)];
         let d = choose(10, None, &m, &reg, &RoutingConfig::default(), idle, all);
         assert_eq!(d.rule, Rule::LongestMatch);
-        assert_eq!(d.hint.workers, vec![addr(1), addr(2), addr(0)]);
-        assert_eq!(d.hint.matched_blocks, 5);
+        assert_eq!(order(&d), vec![addr(1), addr(2), addr(0)]);
+        assert_eq!(d.matched_blocks, 5);
     }
 
     #[test]
@@ -248,7 +256,7 @@ mod tests {
             running(&[3.0, 1.0, 2.0]),
             all,
         );
-        assert_eq!(d.hint.workers, vec![addr(1), addr(2), addr(0)]);
+        assert_eq!(order(&d), vec![addr(1), addr(2), addr(0)]);
     }
 
     #[test]
@@ -262,7 +270,7 @@ mod tests {
         };
         let tie = [(WorkerId(0), 4), (WorkerId(1), 4)];
         let d = choose(10, None, &tie, &reg, &routing, hinted, all);
-        assert_eq!(d.hint.workers[0], addr(1));
+        assert_eq!(order(&d)[0], addr(1));
         // Three requests (6 blocks at the default penalty of 2) outweigh 5 more cached blocks,
         // not 7.
         assert_eq!(routing.load_penalty_blocks, 2.0);
@@ -275,7 +283,7 @@ mod tests {
             hinted,
             all,
         );
-        assert_eq!(d.hint.workers[0], addr(1));
+        assert_eq!(order(&d)[0], addr(1));
         let d = choose(
             40,
             None,
@@ -285,7 +293,7 @@ mod tests {
             hinted,
             all,
         );
-        assert_eq!(d.hint.workers[0], addr(0));
+        assert_eq!(order(&d)[0], addr(0));
         // Requests other routers sent count too.
         let others = |w: WorkerId| Load {
             hinted_in_flight: if w.0 == 0 { 3.0 } else { 0.0 },
@@ -293,7 +301,7 @@ mod tests {
             ..Load::default()
         };
         let d = choose(10, None, &tie, &reg, &routing, others, all);
-        assert_eq!(d.hint.workers[0], addr(0));
+        assert_eq!(order(&d)[0], addr(0));
     }
 
     #[test]
@@ -306,7 +314,7 @@ mod tests {
         // 20 cached blocks do not beat 30 blocks of other prompts' prefill queued ahead.
         let m = [(WorkerId(0), 20), (WorkerId(1), 0)];
         let d = choose(40, None, &m, &reg, &RoutingConfig::default(), backlog, all);
-        assert_eq!(d.hint.workers[0], addr(1));
+        assert_eq!(order(&d)[0], addr(1));
         assert_eq!(d.candidates[1].cost, 50.0);
     }
 
@@ -325,7 +333,7 @@ mod tests {
             all,
         );
         assert_eq!(d.rule, Rule::LeastLoaded);
-        assert_eq!(d.hint.workers, vec![addr(1), addr(0)]);
+        assert_eq!(order(&d), vec![addr(1), addr(0)]);
         // Ninety cached blocks are worth waiting behind two requests.
         let d = choose(
             100,
@@ -337,7 +345,7 @@ mod tests {
             all,
         );
         assert_eq!(d.rule, Rule::LongestMatch);
-        assert_eq!(d.hint.workers[0], addr(0));
+        assert_eq!(order(&d)[0], addr(0));
     }
 
     #[test]
@@ -381,7 +389,7 @@ mod tests {
             all,
         );
         assert_eq!(d.rule, Rule::LeastLoaded);
-        assert_eq!(d.hint.workers, vec![addr(2), addr(1), addr(0)]);
+        assert_eq!(order(&d), vec![addr(2), addr(1), addr(0)]);
         assert!(d.candidates[2].saturated);
     }
 
@@ -392,8 +400,8 @@ mod tests {
         let d = choose(10, None, &m, &reg, &RoutingConfig::default(), idle, |w| {
             w.0 != 1
         });
-        assert!(!d.hint.workers.contains(&addr(1)));
-        assert_eq!(d.hint.workers[0], addr(2));
+        assert!(!order(&d).contains(&addr(1)));
+        assert_eq!(order(&d)[0], addr(2));
         assert_eq!(d.candidates.len(), 2);
     }
 
@@ -403,18 +411,13 @@ mod tests {
         let routing = RoutingConfig::default();
         let load = running(&[0.0, 3.0, 1.0, 2.0]);
         let homes: Vec<String> = (0..64u64)
-            .map(|key| {
-                choose(10, Some(key), &[], &reg, &routing, &load, all)
-                    .hint
-                    .workers[0]
-                    .clone()
-            })
+            .map(|key| order(&choose(10, Some(key), &[], &reg, &routing, &load, all))[0].clone())
             .collect();
         // Load does not move a home; keys spread over every worker.
         for (key, home) in homes.iter().enumerate() {
             let d = choose(10, Some(key as u64), &[], &reg, &routing, idle, all);
             assert_eq!(d.rule, Rule::NoMatch);
-            assert_eq!(&d.hint.workers[0], home);
+            assert_eq!(&order(&d)[0], home);
         }
         for w in 0..4 {
             assert!(homes.contains(&addr(w)), "worker {w} is no key's home");
@@ -432,10 +435,10 @@ mod tests {
         };
         let d = choose(10, Some(key), &[], &reg, &routing, full, all);
         let next = choose(10, Some(key), &[], &reg, &routing, idle, |w| w.0 != 1);
-        assert_eq!(d.hint.workers[0], next.hint.workers[0]);
-        assert_ne!(d.hint.workers[0], addr(1));
+        assert_eq!(order(&d)[0], order(&next)[0]);
+        assert_ne!(order(&d)[0], addr(1));
         let d = choose(10, None, &[], &reg, &routing, &load, all);
-        assert_eq!(d.hint.workers[0], addr(0));
+        assert_eq!(order(&d)[0], addr(0));
         // A home busier than the least loaded worker by more than `home_slack` hands over.
         let busy = |extra: f64| {
             move |w: WorkerId| {
@@ -456,7 +459,7 @@ mod tests {
             busy(routing.home_slack),
             all,
         );
-        assert_eq!(at_slack.hint.workers[0], addr(1));
+        assert_eq!(order(&at_slack)[0], addr(1));
         let over = choose(
             10,
             Some(key),
@@ -466,7 +469,7 @@ mod tests {
             busy(routing.home_slack + 1.0),
             all,
         );
-        assert_eq!(over.hint.workers[0], next.hint.workers[0]);
+        assert_eq!(order(&over)[0], order(&next)[0]);
     }
 
     #[test]
@@ -479,8 +482,8 @@ mod tests {
         let load = running(&[2.0, 0.0, 1.0]);
         let d = choose(10, None, &[(WorkerId(0), 1)], &reg, &strict, load, all);
         assert_eq!(d.rule, Rule::NoMatch);
-        assert_eq!(d.hint.workers, vec![addr(1), addr(2), addr(0)]);
-        assert_eq!(d.hint.matched_blocks, 0);
+        assert_eq!(order(&d), vec![addr(1), addr(2), addr(0)]);
+        assert_eq!(d.matched_blocks, 0);
         let d = choose(
             10,
             None,
@@ -491,11 +494,12 @@ mod tests {
             all,
         );
         assert_eq!(d.rule, Rule::NoMatch);
-        assert_eq!(d.hint.workers[0], addr(1));
+        assert_eq!(order(&d)[0], addr(1));
         // Nobody healthy: no hint, Envoy's fallback decides.
         let d = choose(10, None, &[], &reg, &RoutingConfig::default(), idle, |_| {
             false
         });
-        assert_eq!(d.hint, HintResponse::default());
+        assert!(d.workers.is_empty());
+        assert_eq!(d.matched_blocks, 0);
     }
 }

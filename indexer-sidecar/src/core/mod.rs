@@ -1,0 +1,853 @@
+//! The pure core: the fleet table, the per-model indexes and the rules that change them. No
+//! I/O, no clock, no logs, no metrics: every input comes through [`Core::ingest`] or
+//! [`Core::hint`] with the time, and each returns what [`Happened`], which the edges
+//! ([`crate::sidecar`]) turn into metrics and log lines. So every store and remove of every
+//! source passes one place, and the whole core is unit-tested without sleeping.
+//!
+//! - [`fleet`]: one row per worker: id, address, model, origin, role, usability, load, cursors.
+//! - [`cursor`]: what a message's sequence number says (next, gap, duplicate, restart).
+//! - [`event`]: [`event::KvEvent`], an engine's cache event whatever its wire format.
+//! - [`index`]: [`index::RadixIndex`], prefix → caches holding it, one per model.
+//! - [`load`]: a worker's load (open tickets, scrapes, Dynamo `kv_metrics`, Envoy).
+//! - [`policy`]: the routing rule: matches and load → workers, best first.
+
+pub mod cursor;
+pub mod event;
+pub mod fleet;
+pub mod index;
+pub mod load;
+pub mod policy;
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvroute_protocol::dynamo::{KvMetrics, RouterEvent};
+use kvroute_protocol::hint::{HintRequest, Ticket};
+use kvroute_protocol::vllm::EventBatch;
+
+use crate::config::Config;
+use crate::config::RoutingConfig;
+use cursor::Verdict;
+use event::{KvEvent, VllmEventProblem};
+use fleet::{Fleet, Role, WorkerId};
+use index::{ApplyOutcome, RadixIndex};
+use load::{Load, Reclaimed};
+use policy::{Decision, Rule};
+
+/// How an event names its publisher.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Publisher<'a> {
+    /// A Dynamo instance id (`worker_id` of its events).
+    Instance(u64),
+    /// A worker address (a `[[zmq]]` entry's `worker`, or the llm-d topic).
+    Address(&'a str),
+}
+
+impl Publisher<'_> {
+    /// The publisher as a label value.
+    pub fn name(&self) -> String {
+        match self {
+            Publisher::Instance(id) => id.to_string(),
+            Publisher::Address(a) => (*a).to_owned(),
+        }
+    }
+}
+
+/// How a message arrived, which decides what a sequence number out of order means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delivery {
+    /// Live, from a plane that cannot replay (Dynamo on NATS core): a gap is counted, the
+    /// message applied.
+    Live,
+    /// Live, from a publisher with a replay socket (vLLM): a gap holds the message
+    /// ([`Happened::Held`]); the edge delivers the missing ones as [`Delivery::Replayed`] and
+    /// this one again, or reports [`Input::GapUnfilled`] first.
+    LiveHoldingGaps,
+    /// Filling a gap: checked like a live message.
+    Replayed,
+    /// From a replay buffer's start at (re)connection: the first message of a run replaces what
+    /// the worker's index held; live copies of the run are duplicates afterwards.
+    WarmStart,
+}
+
+/// The payload of one message, decoded.
+#[derive(Debug, Clone, Copy)]
+pub enum Body<'a> {
+    /// One Dynamo event (its `event_id` and `dp_rank` are the message's sequence and stream).
+    Dynamo(&'a RouterEvent),
+    /// One vLLM batch.
+    Vllm(&'a EventBatch),
+}
+
+/// One message from an event source.
+#[derive(Debug, Clone, Copy)]
+pub struct Message<'a> {
+    /// Who published it.
+    pub from: Publisher<'a>,
+    /// Its stream of that publisher (Dynamo: data-parallel rank; vLLM: 0, one socket per rank).
+    pub stream: u32,
+    /// Its sequence number on that stream.
+    pub seq: u64,
+    /// How it arrived.
+    pub delivery: Delivery,
+    /// What it says.
+    pub body: Body<'a>,
+}
+
+impl<'a> Message<'a> {
+    /// A Dynamo event, live from NATS.
+    pub fn dynamo(event: &'a RouterEvent) -> Self {
+        Message {
+            from: Publisher::Instance(event.worker_id),
+            stream: event.event.dp_rank,
+            seq: event.event.event_id,
+            delivery: Delivery::Live,
+            body: Body::Dynamo(event),
+        }
+    }
+
+    /// A vLLM batch numbered `seq` by the publisher of `address`.
+    pub fn vllm(address: &'a str, seq: u64, delivery: Delivery, batch: &'a EventBatch) -> Self {
+        Message {
+            from: Publisher::Address(address),
+            stream: 0,
+            seq,
+            delivery,
+            body: Body::Vllm(batch),
+        }
+    }
+}
+
+/// One Dynamo instance a discovery scan found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiscoveredInstance {
+    /// Its instance id.
+    pub instance_id: u64,
+    /// Its request-plane `ip:port`.
+    pub address: String,
+    /// Its role.
+    pub role: Role,
+}
+
+/// One host of Envoy's `workers` cluster, as its admin endpoint shows it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HostView {
+    /// Healthy by EDS, active health checks and outlier detection.
+    pub healthy: bool,
+    /// Requests in flight to it from this Envoy (`rq_active`).
+    pub rq_active: f64,
+}
+
+/// Everything that changes the core, whichever edge it comes from.
+#[derive(Debug, Clone, Copy)]
+pub enum Input<'a> {
+    /// A KV-event message.
+    Message(Message<'a>),
+    /// The publisher's connection closed: the engine stopped, its cache with it.
+    PublisherGone(Publisher<'a>),
+    /// A held gap could not be filled: the worker's entries are stale; start it over.
+    GapUnfilled(Publisher<'a>),
+    /// A scrape of a configured worker's engine metrics (`None`: it failed).
+    Scrape {
+        /// The worker scraped.
+        worker: WorkerId,
+        /// What it reported.
+        load: Option<Load>,
+    },
+    /// A Dynamo worker's `kv_metrics`.
+    DynamoLoad(&'a KvMetrics),
+    /// Envoy's view of the `workers` cluster, by `ip:port`.
+    EnvoyView(&'a HashMap<String, HostView>),
+    /// One scan of a `[[dynamo_discovery]]` entry: its model, the instances with a record, and
+    /// those whose request plane refuses connections.
+    Discovery {
+        /// The entry's model.
+        model: &'a str,
+        /// Every instance with a record.
+        instances: &'a [DiscoveredInstance],
+        /// Instances whose probes fail.
+        unreachable: &'a BTreeSet<u64>,
+    },
+    /// Hinted requests that finished.
+    Finished(&'a [Ticket]),
+}
+
+/// A worker as outcomes name it: cheap to copy around, readable in logs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Name {
+    /// Its id.
+    pub id: WorkerId,
+    /// Its address.
+    pub address: Arc<str>,
+}
+
+/// Why a worker's index entries were dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Forgot {
+    /// Its sequence went back: the engine restarted with an empty cache.
+    Restarted,
+    /// Its publisher's connection closed.
+    PublisherGone,
+    /// Missing events could not be replayed.
+    Resync,
+    /// A warm start rebuilds it from the replay buffer.
+    WarmStart,
+    /// Unusable for longer than the grace period.
+    Unusable,
+}
+
+/// How a ticket was closed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TicketClosed {
+    /// Reported finished.
+    Finished,
+    /// Reported, but not open (twice, reclaimed, or issued by an earlier process).
+    Unknown,
+    /// A scrape showed fewer requests than tickets.
+    Reclaimed,
+    /// Past its lifetime.
+    Expired,
+}
+
+impl TicketClosed {
+    /// The label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            TicketClosed::Finished => "finished",
+            TicketClosed::Unknown => "unknown",
+            TicketClosed::Reclaimed => "reclaimed",
+            TicketClosed::Expired => "expired",
+        }
+    }
+}
+
+/// What an input did, for the edges to count and log.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Happened {
+    /// An event of `worker` was applied to its model's index.
+    Applied {
+        /// The worker.
+        worker: Name,
+        /// `stored`, `removed` or `cleared`.
+        kind: &'static str,
+        /// What the index did.
+        outcome: ApplyOutcome,
+    },
+    /// The worker's index holds this many blocks now.
+    Holds {
+        /// The worker.
+        worker: Name,
+        /// Its blocks (all ranks).
+        blocks: usize,
+    },
+    /// A message's sequence number was not simply the next one.
+    Sequence {
+        /// The worker.
+        worker: Name,
+        /// What it said.
+        verdict: Verdict,
+        /// The message's number.
+        seq: u64,
+        /// How it arrived.
+        delivery: Delivery,
+    },
+    /// A live message waits for `from..to` ([`Delivery::LiveHoldingGaps`]).
+    Held {
+        /// The worker.
+        worker: Name,
+        /// First missing.
+        from: u64,
+        /// The held message.
+        to: u64,
+    },
+    /// A worker's index entries were dropped.
+    Forgot {
+        /// The worker.
+        worker: Name,
+        /// Blocks dropped.
+        blocks: usize,
+        /// Why.
+        why: Forgot,
+    },
+    /// A vLLM event that is not indexed.
+    Refused {
+        /// The worker.
+        worker: Name,
+        /// Why.
+        problem: VllmEventProblem,
+    },
+    /// A message from a publisher no configured or discovered worker is.
+    UnknownPublisher {
+        /// How it named itself.
+        name: String,
+    },
+    /// A discovery scan of `model` found these instances per role.
+    Scanned {
+        /// The entry's model.
+        model: String,
+        /// Instances with a record, per role.
+        roles: [(Role, usize); 3],
+    },
+    /// Discovery added a worker.
+    Added {
+        /// The new worker.
+        worker: Name,
+        /// Its instance id.
+        instance_id: u64,
+        /// Its role.
+        role: Role,
+    },
+    /// Whether a worker is usable, said on every view of it.
+    Usable {
+        /// The worker.
+        worker: Name,
+        /// Usable now.
+        usable: bool,
+        /// Whether that changed with this view.
+        changed: bool,
+        /// Why not, when not.
+        why: &'static str,
+    },
+    /// Tickets were closed.
+    Tickets {
+        /// How.
+        how: TicketClosed,
+        /// How many.
+        n: u64,
+    },
+    /// The load of a worker changed.
+    Load {
+        /// The worker.
+        worker: Name,
+        /// Its load now.
+        load: Load,
+        /// Whether Dynamo's `kv_metrics` changed it (queued prefill, KV blocks used).
+        from_dynamo: bool,
+    },
+}
+
+/// A hint, decided.
+#[derive(Debug, Clone)]
+pub struct Hint {
+    /// The decision, with the workers considered.
+    pub decision: Decision,
+    /// The ticket counted against the first worker.
+    pub ticket: Option<Ticket>,
+    /// How the request is steered.
+    pub target: Target,
+    /// What else happened (finished tickets, the in-flight count).
+    pub happened: Vec<Happened>,
+}
+
+/// How a hint names its workers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    /// No usable worker: Envoy's fallback decides.
+    None,
+    /// Envoy's `override_host`: addresses, best first.
+    Addresses(Vec<Arc<str>>),
+    /// A Dynamo frontend's instance header.
+    Instance(u64),
+    /// A Dynamo frontend's prefill-instance header (disaggregated).
+    Prefill(u64),
+}
+
+/// The hint request names a model without an index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UnknownModel;
+
+/// The fleet and its indexes.
+#[derive(Debug)]
+pub struct Core {
+    fleet: Fleet,
+    indexes: HashMap<String, RadixIndex>,
+    block_sizes: HashMap<String, u32>,
+    routing: RoutingConfig,
+    grace_period: Duration,
+    /// Engines are scraped this often: a ticket this old was at the engine when it was scraped.
+    settle: Duration,
+    next_ticket: u64,
+    /// When the last hint named a worker.
+    last_hint: Option<Instant>,
+    /// When the last hint request arrived, hinted or not.
+    last_request: Option<Instant>,
+}
+
+impl Core {
+    /// The configured workers and an empty index per model.
+    pub fn new(config: &Config) -> Self {
+        Core {
+            fleet: Fleet::new(&config.workers),
+            indexes: config
+                .models
+                .iter()
+                .map(|m| (m.name.clone(), RadixIndex::default()))
+                .collect(),
+            block_sizes: config
+                .models
+                .iter()
+                .map(|m| (m.name.clone(), m.block_size))
+                .collect(),
+            routing: config.routing.clone(),
+            grace_period: Duration::from_millis(
+                config.envoy.as_ref().map_or(30_000, |e| e.grace_period_ms),
+            ),
+            settle: Duration::from_millis(config.routing.scrape_interval_ms.max(1)),
+            next_ticket: 1,
+            last_hint: None,
+            last_request: None,
+        }
+    }
+
+    /// The workers.
+    pub fn fleet(&self) -> &Fleet {
+        &self.fleet
+    }
+
+    /// The index of `model`.
+    pub fn index(&self, model: &str) -> Option<&RadixIndex> {
+        self.indexes.get(model)
+    }
+
+    /// When the last hint named a worker, and when the last hint request arrived.
+    pub fn last_hints(&self) -> (Option<Instant>, Option<Instant>) {
+        (self.last_hint, self.last_request)
+    }
+
+    fn name(&self, id: WorkerId) -> Name {
+        Name {
+            id,
+            address: self
+                .fleet
+                .get(id)
+                .map_or_else(|| Arc::from(""), |w| Arc::clone(&w.address)),
+        }
+    }
+
+    fn resolve(&self, from: Publisher<'_>) -> Option<WorkerId> {
+        match from {
+            Publisher::Instance(id) => self.fleet.by_instance_id(id),
+            Publisher::Address(a) => self.fleet.by_address(a),
+        }
+        .map(|w| w.id)
+    }
+
+    /// Apply one input at `now`.
+    pub fn ingest(&mut self, input: Input<'_>, now: Instant) -> Vec<Happened> {
+        let mut out = Vec::new();
+        match input {
+            Input::Message(m) => self.message(m, now, &mut out),
+            Input::PublisherGone(from) | Input::GapUnfilled(from) => {
+                let Some(id) = self.resolve(from) else {
+                    return out;
+                };
+                let why = match input {
+                    Input::PublisherGone(_) => Forgot::PublisherGone,
+                    _ => Forgot::Resync,
+                };
+                self.forget(id, why, &mut out);
+            }
+            Input::Scrape { worker, load } => {
+                let settle = self.settle;
+                let Some(w) = self.fleet.get_mut(worker) else {
+                    return out;
+                };
+                let reclaimed = w.load.scraped(load, now, settle);
+                Self::reclaimed(reclaimed, &mut out);
+                let load = w.current_load();
+                out.push(Happened::Load {
+                    worker: self.name(worker),
+                    load,
+                    from_dynamo: false,
+                });
+            }
+            Input::DynamoLoad(m) => self.dynamo_load(m, &mut out),
+            Input::EnvoyView(hosts) => self.envoy_view(hosts, now, &mut out),
+            Input::Discovery {
+                model,
+                instances,
+                unreachable,
+            } => self.discovery(model, instances, unreachable, now, &mut out),
+            Input::Finished(tickets) => self.finished(tickets, &mut out),
+        }
+        out
+    }
+
+    fn message(&mut self, m: Message<'_>, now: Instant, out: &mut Vec<Happened>) {
+        let Some(id) = self.resolve(m.from) else {
+            out.push(Happened::UnknownPublisher {
+                name: m.from.name(),
+            });
+            return;
+        };
+        let Some(worker) = self.fleet.get_mut(id) else {
+            return;
+        };
+        let model = worker.model.clone();
+        let cursor = worker.cursors.entry(m.stream).or_default();
+        let verdict = match m.delivery {
+            Delivery::WarmStart => {
+                let continues = cursor
+                    .warm_through
+                    .is_some_and(|t| m.seq == t.wrapping_add(1));
+                cursor.warm_applied(m.seq);
+                if continues {
+                    Verdict::Next
+                } else {
+                    self.forget(id, Forgot::WarmStart, out);
+                    Verdict::First
+                }
+            }
+            _ => cursor.check(m.seq),
+        };
+        let name = self.name(id);
+        if !verdict.in_order() {
+            out.push(Happened::Sequence {
+                worker: name.clone(),
+                verdict,
+                seq: m.seq,
+                delivery: m.delivery,
+            });
+        }
+        match verdict {
+            Verdict::Duplicate => return,
+            Verdict::Gap { from, to } if m.delivery == Delivery::LiveHoldingGaps => {
+                out.push(Happened::Held {
+                    worker: name,
+                    from,
+                    to,
+                });
+                return;
+            }
+            Verdict::Restarted => self.forget(id, Forgot::Restarted, out),
+            _ => {}
+        }
+        if let Some(worker) = self.fleet.get_mut(id) {
+            let cursor = worker.cursors.entry(m.stream).or_default();
+            if m.delivery != Delivery::WarmStart {
+                cursor.applied(m.seq);
+            }
+            worker.last_event = Some(now);
+            worker.hints_without_event = 0;
+        }
+        match m.body {
+            Body::Dynamo(e) => self.apply(&name, &model, &KvEvent::from_dynamo(e), out),
+            Body::Vllm(batch) => {
+                let block_size = self.block_sizes.get(&model).copied().unwrap_or(0);
+                for e in &batch.events {
+                    match KvEvent::from_vllm(e, batch.dp_rank, block_size) {
+                        Ok(kv) => self.apply(&name, &model, &kv, out),
+                        Err(problem) => out.push(Happened::Refused {
+                            worker: name.clone(),
+                            problem,
+                        }),
+                    }
+                }
+            }
+        }
+        let blocks = self.indexes.get(&model).map_or(0, |i| i.blocks_of(id));
+        out.push(Happened::Holds {
+            worker: name,
+            blocks,
+        });
+    }
+
+    fn apply(&mut self, worker: &Name, model: &str, event: &KvEvent, out: &mut Vec<Happened>) {
+        let Some(index) = self.indexes.get_mut(model) else {
+            return;
+        };
+        out.push(Happened::Applied {
+            worker: worker.clone(),
+            kind: event.kind.label(),
+            outcome: index.apply(worker.id, event),
+        });
+    }
+
+    /// Drop every index entry of a worker (all its ranks) and its cursors.
+    fn forget(&mut self, id: WorkerId, why: Forgot, out: &mut Vec<Happened>) {
+        let Some(worker) = self.fleet.get_mut(id) else {
+            return;
+        };
+        if why != Forgot::WarmStart {
+            worker.cursors.clear();
+        }
+        let model = worker.model.clone();
+        let blocks = self
+            .indexes
+            .get_mut(&model)
+            .map_or(0, |i| i.remove_worker(id));
+        let worker = self.name(id);
+        out.push(Happened::Forgot {
+            worker: worker.clone(),
+            blocks,
+            why,
+        });
+        out.push(Happened::Holds { worker, blocks: 0 });
+    }
+
+    fn reclaimed(r: Reclaimed, out: &mut Vec<Happened>) {
+        for (how, n) in [
+            (TicketClosed::Reclaimed, r.surplus),
+            (TicketClosed::Expired, r.expired),
+        ] {
+            if n > 0 {
+                out.push(Happened::Tickets { how, n });
+            }
+        }
+    }
+
+    fn dynamo_load(&mut self, m: &KvMetrics, out: &mut Vec<Happened>) {
+        let Some(id) = self.resolve(Publisher::Instance(m.worker_id)) else {
+            out.push(Happened::UnknownPublisher {
+                name: m.worker_id.to_string(),
+            });
+            return;
+        };
+        let Some(worker) = self.fleet.get_mut(id) else {
+            return;
+        };
+        let block_size = self.block_sizes.get(&worker.model).copied().unwrap_or(1);
+        let queued = m.active_prefill_tokens.unwrap_or(0) as f64 / f64::from(block_size.max(1));
+        let used = m.kv_used_blocks.unwrap_or(0) as f64;
+        worker.load.dynamo_metrics(m.dp_rank, queued, used);
+        let load = worker.current_load();
+        out.push(Happened::Load {
+            worker: self.name(id),
+            load,
+            from_dynamo: true,
+        });
+    }
+
+    /// Envoy's view: a configured worker Envoy does not list or considers unhealthy is never
+    /// hinted; after the grace period its entries are dropped (it may come back with an empty
+    /// cache). Discovered workers are not in Envoy's cluster (a Dynamo frontend is).
+    fn envoy_view(
+        &mut self,
+        hosts: &HashMap<String, HostView>,
+        now: Instant,
+        out: &mut Vec<Happened>,
+    ) {
+        let mut seen = Vec::new();
+        for w in self.fleet.iter_mut().filter(|w| !w.pinned()) {
+            let view = hosts.get(&*w.address);
+            w.load.envoy_active(view.map_or(0.0, |v| v.rq_active));
+            let why = if view.is_some() {
+                "Envoy does not consider this worker healthy"
+            } else {
+                "Envoy does not list this worker"
+            };
+            seen.push((w.id, view.is_some_and(|v| v.healthy), why));
+        }
+        self.set_usable(&seen, now, out);
+    }
+
+    /// A discovery scan: new aggregated and prefill instances are added (decode workers are the
+    /// frontend's choice, never hinted); instances whose record is gone or that are unreachable
+    /// are not hinted and, after the grace period, lose their entries.
+    fn discovery(
+        &mut self,
+        model: &str,
+        instances: &[DiscoveredInstance],
+        unreachable: &BTreeSet<u64>,
+        now: Instant,
+        out: &mut Vec<Happened>,
+    ) {
+        let count = |role| instances.iter().filter(|i| i.role == role).count();
+        out.push(Happened::Scanned {
+            model: model.to_owned(),
+            roles: [Role::Aggregated, Role::Prefill, Role::Decode].map(|r| (r, count(r))),
+        });
+        for i in instances {
+            if i.role == Role::Decode || self.fleet.by_instance_id(i.instance_id).is_some() {
+                continue;
+            }
+            let address = format!("{}/{:x}", i.address, i.instance_id);
+            let id = self
+                .fleet
+                .add_discovered(i.instance_id, &address, model, i.role);
+            out.push(Happened::Added {
+                worker: self.name(id),
+                instance_id: i.instance_id,
+                role: i.role,
+            });
+            out.push(Happened::Holds {
+                worker: self.name(id),
+                blocks: 0,
+            });
+        }
+        let seen: Vec<_> = self
+            .fleet
+            .iter()
+            .filter(|w| w.pinned() && w.model == model)
+            .map(|w| {
+                let id = w.instance_id.unwrap_or_default();
+                let listed = instances.iter().any(|i| i.instance_id == id);
+                match (listed, unreachable.contains(&id)) {
+                    (false, _) => (w.id, false, "its Dynamo discovery record is gone"),
+                    (true, true) => (
+                        w.id,
+                        false,
+                        "its request plane refuses connections (probe): the worker is down",
+                    ),
+                    (true, false) => (w.id, true, ""),
+                }
+            })
+            .collect();
+        self.set_usable(&seen, now, out);
+    }
+
+    /// Mark workers usable or not; drop the entries of those unusable for longer than the grace
+    /// period.
+    fn set_usable(
+        &mut self,
+        workers: &[(WorkerId, bool, &'static str)],
+        now: Instant,
+        out: &mut Vec<Happened>,
+    ) {
+        let mut expired = Vec::new();
+        for &(id, usable, why) in workers {
+            let grace = self.grace_period;
+            let name = self.name(id);
+            let Some(w) = self.fleet.get_mut(id) else {
+                continue;
+            };
+            let changed = usable != w.usable();
+            match (usable, w.unusable_since) {
+                (true, Some(_)) => w.unusable_since = None,
+                (false, None) => w.unusable_since = Some(now),
+                (false, Some(since)) if now.saturating_duration_since(since) >= grace => {
+                    expired.push(id);
+                }
+                _ => {}
+            }
+            out.push(Happened::Usable {
+                worker: name,
+                usable,
+                changed,
+                why,
+            });
+        }
+        for id in expired {
+            if self.index_blocks(id) > 0 {
+                self.forget(id, Forgot::Unusable, out);
+            }
+        }
+    }
+
+    fn index_blocks(&self, id: WorkerId) -> usize {
+        let Some(w) = self.fleet.get(id) else {
+            return 0;
+        };
+        self.indexes.get(&w.model).map_or(0, |i| i.blocks_of(id))
+    }
+
+    fn finished(&mut self, tickets: &[Ticket], out: &mut Vec<Happened>) {
+        let (mut finished, mut unknown) = (0, 0);
+        let mut changed = BTreeSet::new();
+        for &t in tickets {
+            let (id, seq) = fleet::ticket_parts(t);
+            if self.fleet.get_mut(id).is_some_and(|w| w.load.close(seq)) {
+                finished += 1;
+                changed.insert(id);
+            } else {
+                unknown += 1;
+            }
+        }
+        for (how, n) in [
+            (TicketClosed::Finished, finished),
+            (TicketClosed::Unknown, unknown),
+        ] {
+            if n > 0 {
+                out.push(Happened::Tickets { how, n });
+            }
+        }
+        for id in changed {
+            if let Some(w) = self.fleet.get(id) {
+                out.push(Happened::Load {
+                    worker: self.name(id),
+                    load: w.current_load(),
+                    from_dynamo: false,
+                });
+            }
+        }
+    }
+
+    /// Decide a hint for `req` at `now`; its finished tickets are closed first.
+    pub fn hint(&mut self, req: &HintRequest, now: Instant) -> Result<Hint, UnknownModel> {
+        let mut happened = Vec::new();
+        if !req.finished.is_empty() {
+            self.finished(&req.finished, &mut happened);
+        }
+        let index = self.indexes.get(&req.model).ok_or(UnknownModel)?;
+        self.last_request = Some(now);
+        // A few tiers beyond the hint's length, so saturated leaders have runners-up.
+        let matches = index.find_matches(&req.hashes, self.routing.max_hinted_workers * 2);
+        let home_key = match self.routing.home_key_blocks.min(req.hashes.len()) {
+            0 => None,
+            n => Some(req.hashes[n - 1].0),
+        };
+        let workers = self
+            .fleet
+            .iter()
+            .filter(|w| w.usable())
+            .map(|w| (w.id, &*w.address, w.current_load()));
+        let decision = policy::choose(
+            req.hashes.len() as u32,
+            home_key,
+            &matches,
+            workers,
+            &self.routing,
+        );
+        let mut ticket = None;
+        let mut target = Target::None;
+        if let Some(&first) = decision.workers.first() {
+            let seq = self.next_ticket;
+            self.next_ticket += 1;
+            self.last_hint = Some(now);
+            if let Some(w) = self.fleet.get_mut(first) {
+                ticket = fleet::ticket(first, seq);
+                if ticket.is_some() {
+                    w.load.open(seq, now);
+                }
+                if w.last_event.is_none() {
+                    w.hints_without_event += 1;
+                }
+            }
+            if let Some(w) = self.fleet.get(first) {
+                target = match (w.pinned(), w.role, w.instance_id) {
+                    (true, Role::Prefill, Some(i)) => Target::Prefill(i),
+                    (true, _, Some(i)) => Target::Instance(i),
+                    _ => Target::Addresses(
+                        decision
+                            .workers
+                            .iter()
+                            .filter_map(|&id| self.fleet.get(id))
+                            .filter(|w| !w.pinned())
+                            .map(|w| Arc::clone(&w.address))
+                            .collect(),
+                    ),
+                };
+                happened.push(Happened::Load {
+                    worker: self.name(first),
+                    load: w.current_load(),
+                    from_dynamo: false,
+                });
+            }
+        }
+        Ok(Hint {
+            decision,
+            ticket,
+            target,
+            happened,
+        })
+    }
+}
+
+/// Whether a decision's rule counts as a hinted match (for `kvroute_hints_total`).
+pub fn matched(rule: Rule) -> bool {
+    matches!(rule, Rule::LongestMatch | Rule::LeastLoaded)
+}
+
+#[cfg(test)]
+mod tests;

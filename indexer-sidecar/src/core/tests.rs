@@ -1,0 +1,383 @@
+//! The core on its own: inputs in, what happened out, time passed in.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use kvroute_protocol::dynamo::RouterEvent;
+use kvroute_protocol::hash::token_prefix_hashes;
+use kvroute_protocol::hint::HintRequest;
+use kvroute_protocol::vllm::{EngineBlockHash, EventBatch, VllmEvent};
+use kvroute_protocol::{HashSeed, PrefixHash};
+
+use super::*;
+use crate::config::Config;
+
+fn config(extra: &str) -> Config {
+    let model = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/models/tiny-llama");
+    let text = format!("[[models]]\nname = \"m\"\ndir = \"{model}\"\nblock_size = 16\n{extra}");
+    toml::from_str(&text).unwrap()
+}
+
+/// A core with model `m` and no configured worker, the captured Dynamo events (of one
+/// publisher) and a hint request for the captured prompt.
+fn pin_fixture() -> (Core, Vec<RouterEvent>, HintRequest) {
+    let samples = kvroute_protocol::samples_dir().join("dynamo");
+    let body = std::fs::read(samples.join("kv-events_stored_prompt_4blocks.msgpack")).unwrap();
+    let events = kvroute_protocol::dynamo::decode_message(&body)
+        .unwrap()
+        .events;
+    let tokens = kvroute_protocol::golden_dynamo_prompt();
+    let req = HintRequest {
+        model: "m".into(),
+        hashes: token_prefix_hashes(&tokens, 16, HashSeed::default()),
+        finished: Vec::new(),
+    };
+    (Core::new(&config("")), events, req)
+}
+
+fn instances(list: &[(u64, u16, Role)]) -> Vec<DiscoveredInstance> {
+    list.iter()
+        .map(|&(instance_id, port, role)| DiscoveredInstance {
+            instance_id,
+            address: format!("127.0.0.1:{port}"),
+            role,
+        })
+        .collect()
+}
+
+fn discover(core: &mut Core, found: &[DiscoveredInstance], down: &[u64], now: Instant) {
+    let unreachable: BTreeSet<u64> = down.iter().copied().collect();
+    core.ingest(
+        Input::Discovery {
+            model: "m",
+            instances: found,
+            unreachable: &unreachable,
+        },
+        now,
+    );
+}
+
+fn events(core: &mut Core, events: &[RouterEvent], now: Instant) -> Vec<Happened> {
+    events
+        .iter()
+        .flat_map(|e| core.ingest(Input::Message(Message::dynamo(e)), now))
+        .collect()
+}
+
+/// Instances found through discovery are hinted by instance id, not while their probe fails
+/// and not once their record is gone; the captured Dynamo prompt steers to the instance that
+/// stored it.
+#[test]
+fn discovered_instances_are_pinned_until_their_record_goes() {
+    let (mut core, evs, req) = pin_fixture();
+    let now = Instant::now();
+    let publisher = evs[0].worker_id;
+    let other = 77;
+    let both = instances(&[
+        (publisher, 40051, Role::Aggregated),
+        (other, 40052, Role::Aggregated),
+    ]);
+    discover(&mut core, &both, &[], now);
+    discover(&mut core, &both, &[], now);
+    assert_eq!(core.fleet().len(), 2, "each instance is added once");
+    events(&mut core, &evs, now);
+    let hint = core.hint(&req, now).unwrap();
+    assert_eq!(hint.target, Target::Instance(publisher));
+    assert_eq!(hint.decision.matched_blocks, 4);
+    assert!(hint.ticket.is_some());
+
+    // Its request plane refuses connections: not pinned until it answers again.
+    discover(&mut core, &both, &[publisher], now);
+    assert_eq!(
+        core.hint(&req, now).unwrap().target,
+        Target::Instance(other)
+    );
+    discover(&mut core, &both, &[], now);
+    assert_eq!(
+        core.hint(&req, now).unwrap().target,
+        Target::Instance(publisher)
+    );
+
+    let only_other = instances(&[(other, 40052, Role::Aggregated)]);
+    discover(&mut core, &only_other, &[], now);
+    for _ in 0..5 {
+        assert_eq!(
+            core.hint(&req, now).unwrap().target,
+            Target::Instance(other),
+            "the departed instance is not hinted"
+        );
+    }
+    // Past the grace period its entries go.
+    let later = now + Duration::from_secs(31);
+    let happened = {
+        let unreachable = BTreeSet::new();
+        core.ingest(
+            Input::Discovery {
+                model: "m",
+                instances: &only_other,
+                unreachable: &unreachable,
+            },
+            later,
+        )
+    };
+    assert!(
+        happened.iter().any(|h| matches!(
+            h,
+            Happened::Forgot {
+                why: Forgot::Unusable,
+                blocks: 4,
+                ..
+            }
+        )),
+        "{happened:?}"
+    );
+}
+
+/// Disaggregated: the prefill worker holding the prefix is pinned with the prefill header;
+/// decode workers, which publish no KV events, are never hinted, warm prompt or cold.
+#[test]
+fn disaggregated_fleets_pin_the_prefill_worker() {
+    let (mut core, evs, mut req) = pin_fixture();
+    let now = Instant::now();
+    let prefill = evs[0].worker_id;
+    let (cold_prefill, decode) = (78, 79);
+    let fleet = instances(&[
+        (prefill, 40051, Role::Prefill),
+        (cold_prefill, 40052, Role::Prefill),
+        (decode, 40053, Role::Decode),
+    ]);
+    let unreachable = BTreeSet::new();
+    let happened = core.ingest(
+        Input::Discovery {
+            model: "m",
+            instances: &fleet,
+            unreachable: &unreachable,
+        },
+        now,
+    );
+    assert_eq!(core.fleet().len(), 2, "decode workers are not added");
+    assert!(happened.contains(&Happened::Scanned {
+        model: "m".into(),
+        roles: [(Role::Aggregated, 0), (Role::Prefill, 2), (Role::Decode, 1)],
+    }));
+    events(&mut core, &evs, now);
+    let hint = core.hint(&req, now).unwrap();
+    assert_eq!(hint.target, Target::Prefill(prefill), "{hint:?}");
+    req.hashes.truncate(0);
+    req.hashes.push(PrefixHash(12345));
+    for _ in 0..4 {
+        let cold = core.hint(&req, now).unwrap();
+        assert!(
+            cold.target == Target::Prefill(prefill) || cold.target == Target::Prefill(cold_prefill),
+            "cold prompts go to a prefill worker: {cold:?}"
+        );
+    }
+}
+
+/// A vLLM worker at `127.0.0.1:9000` and a store batch of `blocks` blocks chained after
+/// engine hash `parent` (names `first..first+blocks`).
+fn vllm_core() -> Core {
+    Core::new(&config(
+        "[[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\n",
+    ))
+}
+
+fn store(parent: Option<u64>, first: u64, blocks: u64) -> EventBatch {
+    EventBatch {
+        events: vec![VllmEvent::BlockStored {
+            block_hashes: (first..first + blocks).map(EngineBlockHash).collect(),
+            parent: parent.map(EngineBlockHash),
+            token_ids: (0..16 * blocks as u32).collect(),
+            block_size: 16,
+            lora_name: None,
+            medium: None,
+            has_extra_keys: vec![],
+        }],
+        ..EventBatch::default()
+    }
+}
+
+fn vllm(core: &mut Core, seq: u64, delivery: Delivery, batch: &EventBatch) -> Vec<Happened> {
+    let m = Message::vllm("127.0.0.1:9000", seq, delivery, batch);
+    core.ingest(Input::Message(m), Instant::now())
+}
+
+fn held(happened: &[Happened]) -> Option<(u64, u64)> {
+    happened.iter().find_map(|h| match h {
+        Happened::Held { from, to, .. } => Some((*from, *to)),
+        _ => None,
+    })
+}
+
+fn blocks(core: &Core) -> usize {
+    core.index("m").unwrap().blocks_of(WorkerId(0))
+}
+
+/// A gap on a replayable stream holds the message; the missing ones and then the held one are
+/// applied in order. Without a replay, the worker starts over from the held message.
+#[test]
+fn gaps_are_held_filled_or_resynced() {
+    let mut core = vllm_core();
+    let now = Instant::now();
+    assert_eq!(
+        held(&vllm(
+            &mut core,
+            0,
+            Delivery::LiveHoldingGaps,
+            &store(None, 0, 2)
+        )),
+        None
+    );
+    let late = store(Some(3), 4, 1);
+    assert_eq!(
+        held(&vllm(&mut core, 3, Delivery::LiveHoldingGaps, &late)),
+        Some((1, 3))
+    );
+    assert_eq!(blocks(&core), 2, "the held message waits");
+    vllm(&mut core, 1, Delivery::Replayed, &store(Some(1), 2, 1));
+    vllm(&mut core, 2, Delivery::Replayed, &store(Some(2), 3, 1));
+    vllm(&mut core, 3, Delivery::Replayed, &late);
+    assert_eq!(blocks(&core), 5);
+    assert_eq!(
+        held(&vllm(&mut core, 9, Delivery::LiveHoldingGaps, &late)),
+        Some((4, 9))
+    );
+    let happened = core.ingest(
+        Input::GapUnfilled(Publisher::Address("127.0.0.1:9000")),
+        now,
+    );
+    assert!(happened.iter().any(|h| matches!(
+        h,
+        Happened::Forgot {
+            why: Forgot::Resync,
+            blocks: 5,
+            ..
+        }
+    )));
+    let again = vllm(&mut core, 9, Delivery::Replayed, &store(None, 10, 1));
+    assert_eq!(held(&again), None);
+    assert_eq!(blocks(&core), 1, "started over from the held message");
+}
+
+/// A warm start replaces the index with the replay buffer; live copies of replayed messages are
+/// duplicates; a counter going back afterwards is a restart.
+#[test]
+fn warm_starts_replace_and_restarts_forget() {
+    let mut core = vllm_core();
+    vllm(
+        &mut core,
+        0,
+        Delivery::LiveHoldingGaps,
+        &store(None, 100, 3),
+    );
+    for seq in 0..=2 {
+        vllm(
+            &mut core,
+            seq,
+            Delivery::WarmStart,
+            &store(None, seq * 10, 1),
+        );
+    }
+    assert_eq!(blocks(&core), 3, "the replay replaced what was indexed");
+    let dup = vllm(&mut core, 2, Delivery::LiveHoldingGaps, &store(None, 50, 1));
+    assert!(dup.iter().any(|h| matches!(
+        h,
+        Happened::Sequence {
+            verdict: Verdict::Duplicate,
+            ..
+        }
+    )));
+    assert_eq!(blocks(&core), 3, "a duplicate is not applied");
+    vllm(&mut core, 3, Delivery::LiveHoldingGaps, &store(None, 60, 1));
+    assert_eq!(blocks(&core), 4);
+    let restart = vllm(&mut core, 0, Delivery::LiveHoldingGaps, &store(None, 70, 1));
+    assert!(restart.iter().any(|h| matches!(
+        h,
+        Happened::Forgot {
+            why: Forgot::Restarted,
+            blocks: 4,
+            ..
+        }
+    )));
+    assert_eq!(blocks(&core), 1);
+}
+
+/// Tickets count against the hinted worker until reported; a report is taken once.
+#[test]
+fn tickets_follow_hints_and_reports() {
+    let mut core = vllm_core();
+    let now = Instant::now();
+    let req = HintRequest {
+        model: "m".into(),
+        hashes: vec![PrefixHash(1)],
+        finished: Vec::new(),
+    };
+    let hint = core.hint(&req, now).unwrap();
+    assert_eq!(
+        hint.target,
+        Target::Addresses(vec![std::sync::Arc::from("127.0.0.1:9000")])
+    );
+    let ticket = hint.ticket.unwrap();
+    let busy = |core: &Core| core.fleet().get(WorkerId(0)).unwrap().current_load().busy();
+    assert_eq!(busy(&core), 1.0);
+    let done = HintRequest {
+        finished: vec![ticket, ticket],
+        ..req
+    };
+    let again = core.hint(&done, now).unwrap();
+    assert!(again.happened.contains(&Happened::Tickets {
+        how: TicketClosed::Finished,
+        n: 1
+    }));
+    assert!(again.happened.contains(&Happened::Tickets {
+        how: TicketClosed::Unknown,
+        n: 1
+    }));
+    assert_eq!(busy(&core), 1.0, "one closed, one opened");
+    assert!(core
+        .hint(
+            &HintRequest {
+                model: "other".into(),
+                hashes: vec![],
+                finished: vec![]
+            },
+            now
+        )
+        .is_err());
+}
+
+/// Envoy's view: a worker it does not list is not hinted; one it lists as healthy is again.
+#[test]
+fn envoy_decides_who_is_usable() {
+    let mut core = vllm_core();
+    let now = Instant::now();
+    let req = HintRequest {
+        model: "m".into(),
+        hashes: vec![PrefixHash(1)],
+        finished: Vec::new(),
+    };
+    let none = std::collections::HashMap::new();
+    let happened = core.ingest(Input::EnvoyView(&none), now);
+    assert!(matches!(
+        happened[0],
+        Happened::Usable {
+            usable: false,
+            changed: true,
+            ..
+        }
+    ));
+    assert_eq!(core.hint(&req, now).unwrap().target, Target::None);
+    let healthy = [(
+        "127.0.0.1:9000".to_owned(),
+        HostView {
+            healthy: true,
+            rq_active: 2.0,
+        },
+    )]
+    .into();
+    core.ingest(Input::EnvoyView(&healthy), now);
+    assert!(matches!(
+        core.hint(&req, now).unwrap().target,
+        Target::Addresses(_)
+    ));
+}

@@ -1,0 +1,538 @@
+//! [`Sidecar`]: the [`Core`] behind its lock, and what the edges share: the event plane's
+//! bookkeeping, the recent decisions, the bundles and the metrics. Every edge — the HTTP API,
+//! the event transports, the observers — calls [`Sidecar::ingest`] or [`Sidecar::hint`]; what
+//! the core says happened is turned into metrics and log lines in one place,
+//! [`Sidecar::record`].
+//!
+//! # Lock model
+//! - `core` (`Mutex<Core>`): the fleet table and the indexes. The hint path's only lock. Held
+//!   for pure core calls only — no I/O, no logging, no metric encoding under it — so a holder
+//!   is done in microseconds. One lock rather than one per table: a hint reads the index and
+//!   the load and writes a ticket, an event writes the index and a cursor; splitting them would
+//!   make each do two locks for no shorter wait (measured: docs/benchmarks.md, "Hints under
+//!   ingest").
+//! - `plane` (`Mutex<EventPlane>`): per-source counters and discovery status; sources take it
+//!   per message, `/debug/sources` and the alarm check to read.
+//! - `explained` (`Mutex<VecDeque>`): the recent decisions for `/debug/explain`.
+//!
+//! No lock is taken while another is held, so there is no order to get wrong. Metrics are
+//! atomics and take no lock of ours. A poisoned lock is used anyway: nothing panics while
+//! holding one, and the data stays consistent between core calls.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use kvroute_protocol::bundle::{Catalog, CatalogEntry};
+use kvroute_protocol::hint::{HintRequest, HintResponse};
+
+use crate::config::{AlarmConfig, Config};
+use crate::core::cursor::Verdict;
+use crate::core::event::VllmEventProblem;
+use crate::core::fleet::WorkerId;
+use crate::core::policy::{Decision, Rule};
+use crate::core::{Core, Delivery, Forgot, Happened, Input, Target};
+use crate::event_plane::{Activity, Alarm, EventPlane};
+use crate::metrics::{label, Metrics};
+
+/// How many recent decisions `/debug/explain` keeps.
+const EXPLAINED: usize = 100;
+
+/// Model bundles, serialized once at start.
+#[derive(Default)]
+pub struct Bundles {
+    /// `GET /v1/models` body.
+    pub catalog: Vec<u8>,
+    /// `GET /v1/models/{name}/bundle` bodies.
+    pub by_model: HashMap<String, Vec<u8>>,
+}
+
+/// The event source an input came from: its index in the event plane and the subject (NATS)
+/// or endpoint (ZMQ) that labels its metrics.
+#[derive(Debug, Clone, Copy)]
+pub struct SourceRef<'a> {
+    /// From [`EventPlane::register`].
+    pub index: usize,
+    /// Subject or endpoint.
+    pub subject: &'a str,
+}
+
+/// Everything the sidecar knows, shared by the API and the sources.
+pub struct Sidecar {
+    core: Mutex<Core>,
+    plane: Mutex<EventPlane>,
+    explained: Mutex<VecDeque<serde_json::Value>>,
+    /// Bundles served to filters.
+    pub bundles: Bundles,
+    /// Metrics.
+    pub metrics: Metrics,
+    /// Alarm thresholds.
+    pub alarms: AlarmConfig,
+    /// How often engines are scraped.
+    pub scrape_interval: Duration,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Sidecar {
+    /// Build from a configuration, loading every model's bundle (fails on a bundle that the
+    /// filter could not load, naming the model).
+    pub fn from_config(config: &Config) -> anyhow::Result<Self> {
+        let mut bundles = Bundles::default();
+        let mut catalog = Catalog::default();
+        for m in &config.models {
+            let bundle = kvroute_prompt::model_dir::load_bundle(&m.dir, &m.name, m.block_size)
+                .with_context(|| format!("model {} ({})", m.name, m.dir.display()))?;
+            catalog.models.push(CatalogEntry {
+                model: m.name.clone(),
+                version: bundle.version.clone(),
+                adapters: m.lora_adapters.clone(),
+            });
+            bundles
+                .by_model
+                .insert(m.name.clone(), serde_json::to_vec(&bundle)?);
+        }
+        bundles.catalog = serde_json::to_vec(&catalog)?;
+        let sidecar = Sidecar {
+            core: Mutex::new(Core::new(config)),
+            plane: Mutex::new(EventPlane::new(Instant::now())),
+            explained: Mutex::new(VecDeque::with_capacity(EXPLAINED)),
+            bundles,
+            metrics: Metrics::default(),
+            alarms: config.alarms.clone(),
+            scrape_interval: Duration::from_millis(config.routing.scrape_interval_ms.max(10)),
+        };
+        for w in sidecar.core().fleet().iter() {
+            sidecar
+                .metrics
+                .index_blocks
+                .get_or_create(&label("worker", &*w.address))
+                .set(0);
+        }
+        Ok(sidecar)
+    }
+
+    /// The core (held only for a pure call: see the lock model).
+    pub fn core(&self) -> MutexGuard<'_, Core> {
+        lock(&self.core)
+    }
+
+    /// The event sources' bookkeeping.
+    pub fn plane(&self) -> MutexGuard<'_, EventPlane> {
+        lock(&self.plane)
+    }
+
+    /// Apply one input at `now` (from `source`, when an event source sent it), count and log
+    /// what happened, and return it.
+    pub fn ingest(
+        &self,
+        source: Option<SourceRef<'_>>,
+        input: Input<'_>,
+        now: Instant,
+    ) -> Vec<Happened> {
+        let happened = self.core().ingest(input, now);
+        for h in &happened {
+            self.record(source, h, now);
+        }
+        happened
+    }
+
+    /// Turn one thing that happened into metrics and log lines.
+    fn record(&self, source: Option<SourceRef<'_>>, h: &Happened, now: Instant) {
+        let m = &self.metrics;
+        let subject = source.map_or("", |s| s.subject);
+        let sequence = |worker: &str, kind: &str, n: u64| {
+            m.sequence
+                .get_or_create(&vec![
+                    ("worker", worker.to_owned()),
+                    ("kind", kind.to_owned()),
+                ])
+                .inc_by(n);
+        };
+        match h {
+            Happened::Applied {
+                worker,
+                kind,
+                outcome,
+            } => {
+                if let Some(s) = source {
+                    self.plane().event(s.index, now);
+                }
+                m.events
+                    .get_or_create(&vec![
+                        ("subject", subject.to_owned()),
+                        ("type", (*kind).to_owned()),
+                    ])
+                    .inc();
+                if outcome.too_many_caches {
+                    tracing::warn!(worker = %worker.address, "index full: more than 65535 caches; event dropped");
+                }
+                if outcome.orphan {
+                    tracing::debug!(worker = %worker.address, "stored event with unknown parent dropped");
+                    m.orphan_stores
+                        .get_or_create(&label("worker", &*worker.address))
+                        .inc();
+                }
+                if outcome.unknown_removals > 0 {
+                    m.unknown_removals.inc_by(outcome.unknown_removals as u64);
+                }
+            }
+            Happened::Holds { worker, blocks } => {
+                m.index_blocks
+                    .get_or_create(&label("worker", &*worker.address))
+                    .set(*blocks as i64);
+            }
+            Happened::Sequence {
+                worker,
+                verdict,
+                seq,
+                delivery,
+            } => match verdict {
+                Verdict::Gap { from, to } => {
+                    sequence(&worker.address, "gap", 1);
+                    if *delivery == Delivery::Live {
+                        tracing::warn!(worker = %worker.address, %subject, from, to, "event sequence gap: events lost and not replayable here; a few entries may be stale until evicted");
+                    }
+                }
+                Verdict::Restarted => {
+                    sequence(&worker.address, "restart", 1);
+                    tracing::warn!(worker = %worker.address, %subject, seq, "event sequence went back: the engine restarted with an empty cache");
+                }
+                Verdict::Duplicate => sequence(&worker.address, "duplicate", 1),
+                Verdict::First | Verdict::Next => {}
+            },
+            Happened::Held { .. } => {}
+            Happened::Forgot {
+                worker,
+                blocks,
+                why,
+            } => match why {
+                Forgot::Restarted => {
+                    tracing::warn!(worker = %worker.address, dropped = blocks, "restarted engine: its index entries dropped");
+                }
+                Forgot::PublisherGone => {
+                    sequence(&worker.address, "disconnect", 1);
+                    tracing::warn!(worker = %worker.address, endpoint = %subject, dropped = blocks, "KV-event publisher went away (engine stopped or restarted): its index entries dropped; reconnecting");
+                }
+                Forgot::Resync => {
+                    sequence(&worker.address, "resync", 1);
+                    tracing::warn!(worker = %worker.address, endpoint = %subject, dropped = blocks, "event gap not replayable: worker resynced (index entries dropped)");
+                }
+                Forgot::WarmStart => sequence(&worker.address, "warm_start", 1),
+                Forgot::Unusable => {
+                    tracing::warn!(worker = %worker.address, blocks, "unusable past the grace period: index entries dropped");
+                }
+            },
+            Happened::Refused { worker, problem } => match problem {
+                VllmEventProblem::BlockSize { .. } => {
+                    let counter = m
+                        .block_size_mismatches
+                        .get_or_create(&label("worker", &*worker.address));
+                    if counter.get() == 0 {
+                        tracing::error!(worker = %worker.address, %problem, "block-size mismatch: this worker's KV events can never match a request; fix [[models]] block_size or the engine's --block-size");
+                    }
+                    counter.inc();
+                }
+                VllmEventProblem::Medium(_) => {
+                    m.skipped_events
+                        .get_or_create(&label("source", "zmq"))
+                        .inc();
+                }
+                VllmEventProblem::Tokens { .. } => {
+                    tracing::warn!(worker = %worker.address, %problem, "malformed vLLM store event");
+                    m.decode_errors.get_or_create(&label("source", "zmq")).inc();
+                }
+            },
+            Happened::UnknownPublisher { name } => {
+                // Names come from the network: past the plane's bound they fold into one series.
+                let known = self.plane().unknown_worker(name);
+                let counter = m
+                    .unknown_worker_events
+                    .get_or_create(&label("worker_id", if known { name } else { "other" }));
+                if counter.get() == 0 {
+                    tracing::warn!(publisher = %name, %subject, "KV events from a worker that is neither in [[workers]] nor discovered (yet), or of another model/component: ignored");
+                }
+                counter.inc();
+            }
+            Happened::Scanned { model, roles } => {
+                for (role, n) in roles {
+                    m.discovered_instances
+                        .get_or_create(&vec![
+                            ("model", model.clone()),
+                            ("role", role.label().to_owned()),
+                        ])
+                        .set(*n as i64);
+                }
+            }
+            Happened::Added {
+                worker,
+                instance_id,
+                role,
+            } => {
+                tracing::info!(instance_id, worker = %worker.address, role = role.label(), "Dynamo instance discovered: hinted by instance id");
+            }
+            Happened::Usable {
+                worker,
+                usable,
+                changed,
+                why,
+            } => {
+                m.worker_usable
+                    .get_or_create(&label("worker", &*worker.address))
+                    .set(i64::from(*usable));
+                match (changed, usable) {
+                    (true, true) => tracing::info!(worker = %worker.address, "worker usable again"),
+                    (true, false) => {
+                        tracing::warn!(worker = %worker.address, "{why}: no more hints to it")
+                    }
+                    _ => {}
+                }
+            }
+            Happened::Tickets { how, n } => {
+                m.tickets
+                    .get_or_create(&label("how", how.label()))
+                    .inc_by(*n);
+            }
+            Happened::Load {
+                worker,
+                load,
+                from_dynamo,
+            } => {
+                let labels = label("worker", &*worker.address);
+                m.in_flight
+                    .get_or_create(&labels)
+                    .set(load.hinted_in_flight as i64);
+                if *from_dynamo {
+                    m.queued_prefill_blocks
+                        .get_or_create(&labels)
+                        .set(load.queued_prefill_blocks as i64);
+                    m.kv_used_blocks
+                        .get_or_create(&labels)
+                        .set(load.kv_used_blocks as i64);
+                }
+            }
+        }
+    }
+
+    /// Answer a hint request at `now` (`None`: unknown model).
+    pub fn hint(&self, req: &HintRequest, now: Instant) -> Option<HintResponse> {
+        let hint = self.core().hint(req, now);
+        let Ok(hint) = hint else {
+            self.metrics
+                .hints
+                .get_or_create(&label("result", "unknown_model"))
+                .inc();
+            return None;
+        };
+        for h in &hint.happened {
+            self.record(None, h, now);
+        }
+        let mut resp = HintResponse {
+            matched_blocks: hint.decision.matched_blocks,
+            ticket: hint.ticket,
+            ..HintResponse::default()
+        };
+        match &hint.target {
+            Target::None => {}
+            Target::Addresses(a) => resp.workers = a.iter().map(|a| a.to_string()).collect(),
+            Target::Instance(i) => resp.instance_id = Some(*i),
+            Target::Prefill(i) => resp.prefill_instance_id = Some(*i),
+        }
+        let result = match hint.decision.rule {
+            _ if !resp.has_target() => "no_worker",
+            Rule::NoMatch => "no_match",
+            Rule::LongestMatch | Rule::LeastLoaded => {
+                self.metrics
+                    .hint_matched_blocks
+                    .inc_by(u64::from(resp.matched_blocks));
+                "hinted"
+            }
+        };
+        self.metrics
+            .hints
+            .get_or_create(&label("result", result))
+            .inc();
+        self.explain(req, &resp, &hint.decision);
+        Some(resp)
+    }
+
+    fn explain(&self, req: &HintRequest, resp: &HintResponse, decision: &Decision) {
+        let entry = serde_json::json!({
+            "model": req.model,
+            "prompt_blocks": req.hashes.len(),
+            "first_block": req.hashes.first().map(|h| format!("{:016x}", h.0)),
+            // The prefix hash of the whole hashed prompt: equal to `kvroute-sidecar tokenize`'s
+            // `last_block` exactly when the filter saw the same tokens.
+            "last_block": req.hashes.last().map(|h| format!("{:016x}", h.0)),
+            "decision": {
+                "hint": resp,
+                "rule": decision.rule,
+                "candidates": decision.candidates,
+            },
+        });
+        let mut recent = lock(&self.explained);
+        if recent.len() == EXPLAINED {
+            recent.pop_back();
+        }
+        recent.push_front(entry);
+    }
+
+    /// The recent decisions, newest first.
+    pub fn explained(&self) -> Vec<serde_json::Value> {
+        lock(&self.explained).iter().cloned().collect()
+    }
+
+    /// The configured workers, whose engines are scraped: (id, address).
+    pub fn scraped_workers(&self) -> Vec<(WorkerId, Arc<str>)> {
+        self.core()
+            .fleet()
+            .iter()
+            .filter(|w| !w.pinned())
+            .map(|w| (w.id, Arc::clone(&w.address)))
+            .collect()
+    }
+
+    fn activity(&self) -> Activity {
+        let core = self.core();
+        let (last_hint, last_request) = core.last_hints();
+        Activity {
+            last_hint,
+            last_request,
+            workers: core
+                .fleet()
+                .iter()
+                .map(|w| {
+                    (
+                        w.address.to_string(),
+                        w.hints_without_event,
+                        w.last_event.is_some(),
+                    )
+                })
+                .collect(),
+        }
+    }
+
+    /// The `no_events` condition at `now` (see [`EventPlane::silent_while_hinting`]).
+    pub fn silent_while_hinting(&self, now: Instant) -> bool {
+        let (last_hint, _) = self.core().last_hints();
+        self.plane()
+            .silent_while_hinting(&self.alarms, last_hint, now)
+    }
+
+    /// The alarms that are on at `now`.
+    pub fn alarms_on(&self, now: Instant) -> Vec<Alarm> {
+        let activity = self.activity();
+        self.plane().alarms(&self.alarms, &activity, now)
+    }
+
+    /// Check the alarms every few seconds, forever: a log line when one starts or stops, and
+    /// the `kvroute_alarm{alarm,subject}` gauges.
+    pub async fn watch_alarms(self: Arc<Self>) {
+        let every = Duration::from_secs((self.alarms.silence_s / 3).clamp(1, 10));
+        let mut on: BTreeSet<(&'static str, String)> = BTreeSet::new();
+        loop {
+            tokio::time::sleep(every).await;
+            let alarms = self.alarms_on(Instant::now());
+            let now: BTreeSet<_> = alarms.iter().map(|a| (a.name, a.subject.clone())).collect();
+            for a in &alarms {
+                if !on.contains(&(a.name, a.subject.clone())) {
+                    tracing::warn!(alarm = a.name, subject = %a.subject, "{}", a.message);
+                }
+            }
+            for (name, subject) in on.difference(&now) {
+                tracing::info!(alarm = name, %subject, "alarm cleared");
+            }
+            for (name, subject) in on.union(&now) {
+                self.metrics
+                    .alarm
+                    .get_or_create(&vec![
+                        ("alarm", name.to_string()),
+                        ("subject", subject.clone()),
+                    ])
+                    .set(i64::from(now.contains(&(name, subject.clone()))));
+            }
+            on = now;
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// A sidecar with one model (block size 16) and worker `127.0.0.1:9000`, Dynamo id of the
+    /// captured samples.
+    pub(crate) fn sidecar() -> Sidecar {
+        let model = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/models/tiny-llama");
+        let text = format!(
+            "[[models]]\nname = \"m\"\ndir = \"{model}\"\nblock_size = 16\n[[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\ndynamo_worker_id = 13140558925506144034\n"
+        );
+        let config: Config = toml::from_str(&text).unwrap();
+        Sidecar::from_config(&config).unwrap()
+    }
+
+    /// vLLM events with another block size than the model's are refused, counted per worker,
+    /// and do not reach the index.
+    #[test]
+    fn block_size_mismatch_is_counted_not_indexed() {
+        use kvroute_protocol::vllm::{EngineBlockHash, EventBatch, VllmEvent};
+        let sidecar = sidecar();
+        let batch = EventBatch {
+            events: vec![VllmEvent::BlockStored {
+                block_hashes: vec![EngineBlockHash(1)],
+                parent: None,
+                token_ids: (0..32).collect(),
+                block_size: 32,
+                lora_name: None,
+                medium: None,
+                has_extra_keys: vec![],
+            }],
+            ..EventBatch::default()
+        };
+        let now = Instant::now();
+        for seq in 0..2 {
+            let message = crate::core::Message::vllm(
+                "127.0.0.1:9000",
+                seq,
+                Delivery::LiveHoldingGaps,
+                &batch,
+            );
+            sidecar.ingest(None, Input::Message(message), now);
+        }
+        let text = sidecar.metrics.render();
+        assert!(
+            text.contains("kvroute_block_size_mismatches_total{worker=\"127.0.0.1:9000\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvroute_index_blocks{worker=\"127.0.0.1:9000\"} 0"),
+            "{text}"
+        );
+    }
+
+    /// Publisher names come from the network: past a bound they share one series.
+    #[test]
+    fn unknown_publishers_fold_into_one_series() {
+        let sidecar = sidecar();
+        let batch = kvroute_protocol::vllm::EventBatch::default();
+        let now = Instant::now();
+        let names: Vec<String> = (0..200).map(|i| format!("10.0.0.{i}:8000")).collect();
+        for name in &names {
+            let message = crate::core::Message::vllm(name, 0, Delivery::LiveHoldingGaps, &batch);
+            sidecar.ingest(None, Input::Message(message), now);
+        }
+        let text = sidecar.metrics.render();
+        let series = text
+            .lines()
+            .filter(|l| l.starts_with("kvroute_unknown_worker_events_total{"))
+            .count();
+        assert!(series <= 65, "{series} series");
+        assert!(
+            text.contains("kvroute_unknown_worker_events_total{worker_id=\"other\"}"),
+            "{text}"
+        );
+    }
+}

@@ -1,0 +1,5 @@
+//! Where KV events come from: each transport decodes its wire messages and hands them to
+//! [`crate::sidecar::Sidecar::ingest`].
+
+pub mod nats;
+pub mod zmq;
