@@ -58,6 +58,7 @@ lint: toolchain
 	cargo fmt --all -- --check
 	cargo clippy --release --workspace --all-targets -- -D warnings
 	cargo clippy --release -p kvroute-filter --target wasm32-wasip1 -- -D warnings
+	RUSTDOCFLAGS="-D warnings" cargo doc --release --no-deps --workspace
 
 # The fast loop: formatting, clippy, every crate's unit tests and the module-graph check; no
 # processes are started (no venv needed).

@@ -112,7 +112,7 @@ pub struct DiscoveryConfig {
     #[serde(default = "default_dynamo_namespace")]
     pub namespace: String,
     /// Only this component's instances (default: every component; roles come from the model
-    /// cards or the component names, see [`crate::sources::discovery::scan`]).
+    /// cards or the component names, see [`crate::observers::discovery::scan`]).
     #[serde(default)]
     pub component: Option<String>,
     /// Its endpoint.
@@ -283,7 +283,7 @@ pub struct RoutingConfig {
     pub max_waiting: f64,
     /// A worker whose KV cache is this full (0..1) is saturated.
     pub max_kv_usage: f64,
-    /// A worker with this many requests (see [`crate::load::Load::busy`]) is saturated.
+    /// A worker with this many requests (see [`crate::core::load::Load::busy`]) is saturated.
     pub max_in_flight: f64,
     /// Cost of one request in flight on a worker, in blocks of prefill: how many cached blocks
     /// are worth waiting behind one more request.

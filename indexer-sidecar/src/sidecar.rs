@@ -2,7 +2,7 @@
 //! bookkeeping, the recent decisions, the bundles and the metrics. Every edge — the HTTP API,
 //! the event transports, the observers — calls [`Sidecar::ingest`] or [`Sidecar::hint`]; what
 //! the core says happened is turned into metrics and log lines in one place,
-//! [`Sidecar::record`].
+//! `Sidecar::record`.
 //!
 //! # Lock model
 //! - `core` (`Mutex<Core>`): the fleet table and the indexes. The hint path's only lock. Held

@@ -126,7 +126,7 @@ impl Preprocessor {
     }
 
     /// Tokens and block hashes of a request. A chat with non-text parts (images…) is hashed
-    /// only up to the first one ([`ChatInput::text_prefix`]), less its last full block: text
+    /// only up to the first one ([`request::ChatInput::text_prefix`]), less its last full block: text
     /// tokenized without what follows it may end differently at the cut.
     pub fn hashes(&self, req: &LlmRequest) -> Result<PromptHashes, PromptError> {
         let seed = HashSeed::for_request(req.lora.as_deref(), req.cache_salt.as_deref());

@@ -17,7 +17,7 @@
 //! - [`queue`]: the engines' waiting queues sampled during a run.
 //! - [`prometheus`]: a metric family summed out of Prometheus text.
 //! - [`report`]: per-mode hit rate, TTFT percentiles, requests per engine; markdown and JSON.
-//! - [`bench`], [`datapath`], [`peers`], [`plot`]: the routing and data-path benchmarks.
+//! - [`mod@bench`], [`datapath`], [`peers`], [`plot`]: the routing and data-path benchmarks.
 //! - [`bench_dynamo`]: kvroute against Dynamo's own KV router on a real Dynamo fleet.
 //! - [`bench_vllm`]: kvroute against ring hash alone and round robin on real vLLM engines.
 

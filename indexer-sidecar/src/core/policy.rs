@@ -5,7 +5,7 @@
 //! hold, plus the prompt blocks already queued for prefill there (when the engine reports them:
 //! Dynamo's `kv_metrics`), plus `load_penalty_blocks` × its requests (those the sidecar hinted to
 //! it that have not finished, and those its engine reported beyond them at the last scrape; see
-//! [`crate::load`]). So a long match wins over a short queue, but a two-block match does not pin
+//! [`crate::core::load`]). So a long match wins over a short queue, but a two-block match does not pin
 //! traffic to a busy worker while another idles, and a burst spreads out at once. A worker is
 //! saturated when its queue, its KV usage or its requests reach the configured thresholds;
 //! saturated workers are used only when every worker is. When no worker holds a useful match,

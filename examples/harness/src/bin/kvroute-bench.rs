@@ -42,7 +42,7 @@ enum Command {
         /// once); the default is what real vLLM showed under load.
         #[arg(long, default_value = bench::REAL_EVENT_DELAY_MS)]
         event_delay_ms: String,
-        /// Extra sidecar configuration, e.g. "[routing]\nhome_slack = 2".
+        /// Extra sidecar configuration, e.g. `"[routing]\nhome_slack = 2"`.
         #[arg(long, default_value = "")]
         sidecar_toml: String,
         /// Cache capacity per engine in blocks, for every workload (default: each workload's).
@@ -71,7 +71,7 @@ enum Command {
         /// Conversations in flight.
         #[arg(long, default_value_t = 8)]
         concurrency: usize,
-        /// Extra sidecar configuration, e.g. "[routing]\nmax_kv_usage = 2.0".
+        /// Extra sidecar configuration, e.g. `"[routing]\nmax_kv_usage = 2.0"`.
         #[arg(long, default_value = "")]
         sidecar_toml: String,
     },
@@ -89,7 +89,7 @@ enum Command {
         /// Users in flight.
         #[arg(long, default_value_t = 16)]
         concurrency: usize,
-        /// Extra sidecar configuration, e.g. "[routing]\nload_penalty_blocks = 2".
+        /// Extra sidecar configuration, e.g. `"[routing]\nload_penalty_blocks = 2"`.
         #[arg(long, default_value = "")]
         sidecar_toml: String,
         /// Only these modes (comma-separated: kvroute, ring_hash, round_robin).
