@@ -1,5 +1,6 @@
 //! proxy-wasm glue: a root context (config, metrics, bundle refresh) and one HTTP context per
-//! request. All decisions are in [`crate::plan`]; this file only moves bytes to and from Envoy.
+//! request. The decisions are in [`crate::plan`] and [`crate::flow`]; this file reads what Envoy
+//! hands over, calls them, and executes what they return.
 //!
 //! Host calls go through `hostcalls` with their errors handled: the SDK's convenience wrappers
 //! panic when a call fails, and a panic kills the VM (every later request on that worker thread
@@ -8,20 +9,19 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
-use kvroute_protocol::bundle::{bundle_path, Catalog, CATALOG_PATH};
-use kvroute_protocol::hint::{
-    encode_finished, HintResponse, HintTarget, Ticket, FINISHED_PATH, HINT_CONTENT_TYPE, HINT_PATH,
-};
+use kvroute_protocol::bundle::Catalog;
+use kvroute_protocol::hint::Ticket;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
 
 use crate::config::FilterConfig;
+use crate::flow::{self, Call, OnBody, OnHeaders, OnHint, Unreported};
 use crate::metrics::{Counter, FallbackReason};
 use crate::models::ModelRegistry;
-use crate::plan::{plan, wants_body, warm_up};
+use crate::plan::{plan, warm_up, Next};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -37,18 +37,27 @@ struct Shared {
     models: ModelRegistry,
     metrics: HashMap<Counter, u32>,
     /// Tickets of hinted requests that finished, not yet reported to the sidecar.
-    finished: Vec<Ticket>,
+    finished: Unreported,
 }
-
-/// Reports beyond this wait are dropped (the sidecar reclaims their tickets from its scrapes);
-/// it bounds the VM's memory while the sidecar is unreachable.
-const MAX_UNREPORTED: usize = 4096;
 
 impl Shared {
     fn bump(&self, counter: Counter, by: u64) {
         if let Some(&id) = self.metrics.get(&counter) {
             let _ = hostcalls::increment_metric(id, by as i64);
         }
+    }
+
+    /// Send `call` to the sidecar; its token, or `None` when Envoy refused it.
+    fn dispatch(&self, call: &Call) -> Option<u32> {
+        let config = &self.config;
+        hostcalls::dispatch_http_call(
+            &config.sidecar_cluster,
+            call.headers(config),
+            call.body.as_deref(),
+            vec![],
+            call.timeout,
+        )
+        .ok()
     }
 }
 
@@ -66,53 +75,31 @@ struct Root {
     catalog_loaded: bool,
 }
 
-const FIRST_FETCH: Duration = Duration::from_millis(200);
-const RETRY_FETCH: Duration = Duration::from_secs(1);
-
 impl Root {
-    fn fetch(&mut self, path: &str, what: Fetch) {
-        let config = Rc::clone(&self.shared.borrow().config);
-        let cluster = &config.sidecar_cluster;
-        let headers = vec![
-            (":method", "GET"),
-            (":path", path),
-            (":authority", config.sidecar_authority.as_str()),
-        ];
-        let timeout = Duration::from_secs(5);
-        match hostcalls::dispatch_http_call(cluster, headers, None, vec![], timeout) {
-            Ok(token) => {
+    fn fetch(&mut self, call: Call, what: Fetch) {
+        let shared = self.shared.borrow();
+        match shared.dispatch(&call) {
+            Some(token) => {
                 self.pending.insert(token, what);
             }
-            Err(status) => {
-                log::warn!("kvroute: cannot call sidecar cluster {cluster} for {path}: {status:?}");
-                self.shared.borrow().bump(Counter::BundleErrors, 1);
+            None => {
+                log::warn!(
+                    "kvroute: cannot call sidecar cluster {} for {}",
+                    shared.config.sidecar_cluster,
+                    call.path
+                );
+                shared.bump(Counter::BundleErrors, 1);
             }
         }
     }
 
     /// Report finished tickets that no hint request carried (traffic paused, or unhinted).
     fn report_finished(&mut self) {
-        let tickets = std::mem::take(&mut self.shared.borrow_mut().finished);
-        if tickets.is_empty() {
-            return;
-        }
-        let config = Rc::clone(&self.shared.borrow().config);
-        let headers = vec![
-            (":method", "POST"),
-            (":path", FINISHED_PATH),
-            (":authority", config.sidecar_authority.as_str()),
-            ("content-type", HINT_CONTENT_TYPE),
-        ];
-        let body = encode_finished(&tickets);
-        let timeout = Duration::from_secs(1);
-        if let Ok(token) = hostcalls::dispatch_http_call(
-            &config.sidecar_cluster,
-            headers,
-            Some(&body),
-            vec![],
-            timeout,
-        ) {
-            self.pending.insert(token, Fetch::Finished);
+        let tickets = self.shared.borrow_mut().finished.take();
+        if let Some(call) = Call::finished(&tickets) {
+            if let Some(token) = self.shared.borrow().dispatch(&call) {
+                self.pending.insert(token, Fetch::Finished);
+            }
         }
     }
 
@@ -135,7 +122,7 @@ impl Root {
                         .values()
                         .any(|f| matches!(f, Fetch::Bundle(m) if *m == model));
                     if !in_flight {
-                        self.fetch(&bundle_path(&model), Fetch::Bundle(model));
+                        self.fetch(Call::bundle(&model), Fetch::Bundle(model));
                     }
                 }
             }
@@ -220,7 +207,7 @@ impl RootContext for Root {
                 }
             }
         }
-        let _ = hostcalls::set_tick_period(FIRST_FETCH);
+        let _ = hostcalls::set_tick_period(flow::FIRST_FETCH);
         true
     }
 
@@ -232,17 +219,17 @@ impl RootContext for Root {
         let Ok(now) = hostcalls::get_current_time() else {
             return;
         };
-        let every = if self.catalog_loaded {
-            Duration::from_millis(self.shared.borrow().config.bundle_refresh_ms)
-        } else {
-            RETRY_FETCH
-        };
-        let due = self
+        let since_last = self
             .last_catalog
-            .is_none_or(|t| now.duration_since(t).unwrap_or_default() >= every);
+            .map(|t| now.duration_since(t).unwrap_or_default());
+        let due = flow::catalog_due(
+            since_last,
+            self.catalog_loaded,
+            &self.shared.borrow().config,
+        );
         if due {
             self.last_catalog = Some(now);
-            self.fetch(CATALOG_PATH, Fetch::Catalog);
+            self.fetch(Call::catalog(), Fetch::Catalog);
         }
     }
 
@@ -312,50 +299,25 @@ impl Request {
             .ok()
             .flatten()
             .unwrap_or_default();
-        // Envoy 1.40 answers a call that ran out of time with a local 504, not with zero
-        // headers as older hosts did; both count as timeouts.
-        let hint = match status.as_deref() {
-            None | Some("504") => {
-                self.shared.borrow().bump(Counter::SidecarTimeouts, 1);
-                None
+        let config = Rc::clone(&self.shared.borrow().config);
+        match flow::on_hint(status.as_deref(), &body, &config) {
+            OnHint::Route {
+                header,
+                value,
+                ticket,
+                matched_blocks,
+            } => {
+                self.ticket = ticket;
+                self.set_header(&header, Some(&value));
+                let shared = self.shared.borrow();
+                shared.bump(Counter::Hinted, 1);
+                shared.bump(Counter::MatchedBlocks, u64::from(matched_blocks));
             }
-            Some("200") => {
-                let parsed = serde_json::from_slice::<HintResponse>(&body).ok();
-                if parsed.is_none() {
-                    self.shared.borrow().bump(Counter::SidecarErrors, 1);
+            OnHint::Fallback { reason, problem } => {
+                if let Some(problem) = problem {
+                    self.shared.borrow().bump(problem, 1);
                 }
-                parsed
-            }
-            Some(_) => {
-                self.shared.borrow().bump(Counter::SidecarErrors, 1);
-                None
-            }
-        };
-        match hint {
-            None => {
-                self.fall_back(FallbackReason::Sidecar);
-            }
-            Some(hint) => {
-                let config = Rc::clone(&self.shared.borrow().config);
-                let header = hint.target().map(|target| match target {
-                    HintTarget::Instance(id) => (&config.instance_header, id.to_string()),
-                    HintTarget::PrefillInstance(id) => {
-                        (&config.prefill_instance_header, id.to_string())
-                    }
-                    HintTarget::Hosts(hosts) => (&config.worker_header, hosts),
-                });
-                match header {
-                    None => {
-                        self.fall_back(FallbackReason::NoWorker);
-                    }
-                    Some((name, value)) => {
-                        self.ticket = hint.ticket;
-                        self.set_header(name, Some(&value));
-                        let shared = self.shared.borrow();
-                        shared.bump(Counter::Hinted, 1);
-                        shared.bump(Counter::MatchedBlocks, u64::from(hint.matched_blocks));
-                    }
-                }
+                self.fall_back(reason);
             }
         }
         self.state = State::Passing;
@@ -375,95 +337,70 @@ impl Context for Request {
 
 impl HttpContext for Request {
     fn on_http_request_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
-        let method = self.header(":method");
-        let path = self.header(":path");
-        if !wants_body(method.as_deref(), path.as_deref()) {
+        let config = Rc::clone(&self.shared.borrow().config);
+        let step = flow::on_headers(
+            self.header(":method").as_deref(),
+            self.header(":path").as_deref(),
+            self.header("content-length").as_deref(),
+            end_of_stream,
+            &config,
+        );
+        if step == OnHeaders::NotOurs {
             return Action::Continue;
         }
-        let config = {
-            let s = self.shared.borrow();
-            s.bump(Counter::Requests, 1);
-            Rc::clone(&s.config)
-        };
-        // Only kvroute decides these; a client must not be able to pick a worker.
-        self.set_header(&config.worker_header, None);
-        self.set_header(&config.key_header, None);
-        self.set_header(&config.instance_header, None);
-        self.set_header(&config.prefill_instance_header, None);
+        self.shared.borrow().bump(Counter::Requests, 1);
+        for name in flow::routing_headers(&config) {
+            self.set_header(name, None);
+        }
         if !config.session_header.is_empty() {
             self.session = self.header(&config.session_header);
         }
-        let too_large = self
-            .header("content-length")
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .is_some_and(|len| len > config.max_body_bytes);
-        if too_large {
-            return self.fall_back(FallbackReason::TooLarge);
+        match step {
+            OnHeaders::Fallback(reason) => self.fall_back(reason),
+            OnHeaders::NotOurs | OnHeaders::Buffer => {
+                self.state = State::Buffering;
+                Action::Pause
+            }
         }
-        if end_of_stream {
-            return self.fall_back(FallbackReason::BadRequest);
-        }
-        self.state = State::Buffering;
-        Action::Pause
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         if self.state != State::Buffering {
             return Action::Continue;
         }
-        if body_size > self.shared.borrow().config.max_body_bytes {
-            return self.fall_back(FallbackReason::TooLarge);
-        }
-        if !end_of_stream {
-            return Action::Pause;
+        let config = Rc::clone(&self.shared.borrow().config);
+        match flow::on_body(body_size, end_of_stream, &config) {
+            OnBody::Wait => return Action::Pause,
+            OnBody::TooLarge => return self.fall_back(FallbackReason::TooLarge),
+            OnBody::Read => {}
         }
         let Ok(Some(body)) = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size)
         else {
             self.shared.borrow().bump(Counter::HostErrors, 1);
             return self.fall_back(FallbackReason::BadRequest);
         };
-        let (decision, config) = {
+        let planned = {
             let s = self.shared.borrow();
-            (
-                plan(&body, &s.models, &s.config, self.session.as_deref()),
-                Rc::clone(&s.config),
-            )
+            plan(&body, &s.models, &config, self.session.as_deref())
         };
-        if let Some(key) = &decision.key {
+        if let Some(key) = &planned.key {
             self.set_header(&config.key_header, Some(key));
         }
         self.shared
             .borrow()
-            .bump(Counter::PromptBlocks, decision.blocks as u64);
-        if let Some(reason) = decision.fallback {
-            return self.fall_back(reason);
-        }
-        let Some(mut hint) = decision.hint else {
-            return self.fall_back(FallbackReason::BadRequest);
+            .bump(Counter::PromptBlocks, planned.blocks as u64);
+        let mut hint = match planned.next {
+            Next::Fallback(reason) => return self.fall_back(reason),
+            Next::Ask(hint) => hint,
         };
-        hint.finished = std::mem::take(&mut self.shared.borrow_mut().finished);
-        let headers = vec![
-            (":method", "POST"),
-            (":path", HINT_PATH),
-            (":authority", config.sidecar_authority.as_str()),
-            ("content-type", HINT_CONTENT_TYPE),
-        ];
-        let timeout = Duration::from_millis(config.hint_timeout_ms);
-        match hostcalls::dispatch_http_call(
-            &config.sidecar_cluster,
-            headers,
-            Some(&hint.encode()),
-            vec![],
-            timeout,
-        ) {
-            Ok(_) => {
-                self.state = State::AwaitingHint;
-                Action::Pause
-            }
-            Err(_) => {
-                self.shared.borrow().bump(Counter::SidecarErrors, 1);
-                self.fall_back(FallbackReason::Sidecar)
-            }
+        hint.finished = self.shared.borrow_mut().finished.take();
+        let sent = self.shared.borrow().dispatch(&Call::hint(&hint, &config));
+        if sent.is_some() {
+            self.state = State::AwaitingHint;
+            Action::Pause
+        } else {
+            self.shared.borrow().bump(Counter::SidecarErrors, 1);
+            self.fall_back(FallbackReason::Sidecar)
         }
     }
 
@@ -471,10 +408,7 @@ impl HttpContext for Request {
     /// loads its worker.
     fn on_log(&mut self) {
         if let Some(ticket) = self.ticket.take() {
-            let mut shared = self.shared.borrow_mut();
-            if shared.finished.len() < MAX_UNREPORTED {
-                shared.finished.push(ticket);
-            }
+            self.shared.borrow_mut().finished.push(ticket);
         }
     }
 }

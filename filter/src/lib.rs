@@ -7,11 +7,15 @@
 //!
 //! - [`config`]: the plugin configuration (JSON in Envoy's `PluginConfig`).
 //! - [`plan`]: which requests to handle and what to do with a body — pure, tested natively.
+//! - [`flow`]: every other decision of the callbacks (headers, body limits, the sidecar's
+//!   answer, calls and their timeouts, polling, the ticket buffer) — pure, tested natively.
 //! - [`models`]: the bundles this VM has loaded, refreshed from the sidecar's catalog.
 //! - [`metrics`]: names of the counters Envoy exports as `wasmcustom.kvroute.*`.
-//! - `glue` (wasm32 only): the thin proxy-wasm context structs that call the above.
+//! - `glue` (wasm32 only): the proxy-wasm context structs: they read what Envoy hands them,
+//!   call [`plan`] and [`flow`], and execute what those return.
 
 pub mod config;
+pub mod flow;
 pub mod metrics;
 pub mod models;
 pub mod plan;

@@ -27,12 +27,37 @@ pub fn wants_body(method: Option<&str>, path: Option<&str>) -> bool {
 pub struct Plan {
     /// Value for the fallback key header (what ring hash / maglev hash on), if any.
     pub key: Option<String>,
-    /// The hint request to send, when the sidecar should be asked.
-    pub hint: Option<HintRequest>,
-    /// Why no hint will be asked for, when it will not.
-    pub fallback: Option<FallbackReason>,
+    /// Ask the sidecar, or go on unhinted: always exactly one of them.
+    pub next: Next,
     /// Full blocks in the prompt (0 when it was not tokenized).
     pub blocks: usize,
+}
+
+/// What a planned request does next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Next {
+    /// Send this hint request to the sidecar.
+    Ask(HintRequest),
+    /// Go on unhinted, for this reason.
+    Fallback(FallbackReason),
+}
+
+impl Plan {
+    /// The hint request, when the sidecar is asked.
+    pub fn hint(&self) -> Option<&HintRequest> {
+        match &self.next {
+            Next::Ask(h) => Some(h),
+            Next::Fallback(_) => None,
+        }
+    }
+
+    /// Why no hint is asked for, when it is not.
+    pub fn fallback(&self) -> Option<FallbackReason> {
+        match self.next {
+            Next::Ask(_) => None,
+            Next::Fallback(r) => Some(r),
+        }
+    }
 }
 
 /// Decide what to do with a complete request body; `session` is the session header's value.
@@ -44,8 +69,7 @@ pub fn plan(
 ) -> Plan {
     let unhinted = |key, reason| Plan {
         key,
-        hint: None,
-        fallback: Some(reason),
+        next: Next::Fallback(reason),
         blocks: 0,
     };
     let req = match LlmRequest::parse(body) {
@@ -100,12 +124,11 @@ pub fn plan(
     }
     Plan {
         key,
-        hint: Some(HintRequest {
+        next: Next::Ask(HintRequest {
             model: base,
             hashes: hashed.hashes,
             finished: Vec::new(),
         }),
-        fallback: None,
         blocks,
     }
 }
@@ -124,7 +147,7 @@ pub fn warm_up(models: &ModelRegistry, cfg: &FilterConfig, model: &str) -> usize
         "messages": [{"role": "user", "content": text}],
     });
     let planned = plan(body.to_string().as_bytes(), models, cfg, None);
-    if let Some(hint) = &planned.hint {
+    if let Some(hint) = planned.hint() {
         let _ = hint.encode();
     }
     let answer = HintResponse {
@@ -216,15 +239,15 @@ mod tests {
         let explicit = plan(&body("tiny", Some("tiny-sql")), &reg, &cfg, None);
         let base = plan(&body("tiny", None), &reg, &cfg, None);
         let (a, e, b) = (
-            adapter.hint.unwrap(),
-            explicit.hint.unwrap(),
-            base.hint.unwrap(),
+            adapter.hint().unwrap().clone(),
+            explicit.hint().unwrap().clone(),
+            base.hint().unwrap().clone(),
         );
         assert_eq!(a.model, "tiny", "the hint asks the base model's index");
         assert_eq!(a.hashes, e.hashes);
         assert_ne!(a.hashes, b.hashes, "the adapter seed separates its blocks");
         assert_eq!(
-            plan(&body("other-sql", None), &reg, &cfg, None).fallback,
+            plan(&body("other-sql", None), &reg, &cfg, None).fallback(),
             Some(FallbackReason::NoBundle)
         );
     }
@@ -260,8 +283,8 @@ mod tests {
             &cfg,
             None,
         );
-        assert_eq!(p.fallback, None);
-        let hint = p.hint.unwrap();
+        assert_eq!(p.fallback(), None);
+        let hint = p.hint().unwrap().clone();
         assert_eq!(hint.model, "tiny");
         assert_eq!(hint.hashes.len(), p.blocks);
         assert!(p.blocks > cfg.fallback_key_blocks);
@@ -293,7 +316,7 @@ mod tests {
         let by_header = plan(&body, &reg, &cfg, Some("s-1"));
         assert_eq!(by_header.key, Some(hex(xxh3_64(b"s-1"))));
         assert!(
-            by_header.hint.is_some(),
+            by_header.hint().is_some(),
             "the session changes the key, not the hint"
         );
         let mut with_user: serde_json::Value = serde_json::from_slice(&body).unwrap();
@@ -310,17 +333,17 @@ mod tests {
         let reg = registry(16);
         let cfg = FilterConfig::default();
         assert_eq!(
-            plan(b"{oops", &reg, &cfg, None).fallback,
+            plan(b"{oops", &reg, &cfg, None).fallback(),
             Some(FallbackReason::BadRequest)
         );
         assert_eq!(plan(b"{oops", &reg, &cfg, None).key, None);
         let other = br#"{"model":"other","messages":[{"role":"user","content":"x"}]}"#;
         let p = plan(other, &reg, &cfg, None);
-        assert_eq!(p.fallback, Some(FallbackReason::NoBundle));
+        assert_eq!(p.fallback(), Some(FallbackReason::NoBundle));
         assert!(p.key.is_some(), "unknown models still get a stable key");
         let short = br#"{"model":"tiny","prompt":"hi"}"#;
         assert_eq!(
-            plan(short, &reg, &cfg, None).fallback,
+            plan(short, &reg, &cfg, None).fallback(),
             Some(FallbackReason::NoBlocks)
         );
         let no_hints = FilterConfig {
@@ -333,7 +356,7 @@ mod tests {
             &no_hints,
             None,
         );
-        assert_eq!(p.fallback, Some(FallbackReason::HintsDisabled));
-        assert!(p.hint.is_none() && p.key.is_some());
+        assert_eq!(p.fallback(), Some(FallbackReason::HintsDisabled));
+        assert!(p.hint().is_none() && p.key.is_some());
     }
 }

@@ -19,7 +19,7 @@ use axum::{Json, Router};
 use kvroute_protocol::hint::{decode_finished, HintRequest, FINISHED_PATH, HINT_PATH};
 
 use crate::core::Input;
-use crate::metrics::label;
+use crate::metrics::{HintLabels, HintResult};
 use crate::sidecar::Sidecar;
 
 /// The API router.
@@ -44,7 +44,9 @@ async fn hint(State(state): State<Arc<Sidecar>>, body: Bytes) -> Response {
             state
                 .metrics
                 .hints
-                .get_or_create(&label("result", "bad_request"))
+                .get_or_create(&HintLabels {
+                    result: HintResult::BadRequest,
+                })
                 .inc();
             return (StatusCode::BAD_REQUEST, e.to_string()).into_response();
         }

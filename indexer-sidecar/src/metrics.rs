@@ -1,58 +1,241 @@
 //! Prometheus metrics of the sidecar, served as text on `/metrics`.
 
 use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-type Labels = Vec<(&'static str, String)>;
+/// A closed set of label values, each with its text.
+macro_rules! label_values {
+    ($(#[$doc:meta])* $name:ident { $($(#[$vdoc:meta])* $variant:ident => $text:literal),* $(,)? }) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum $name {
+            $($(#[$vdoc])* $variant),*
+        }
+
+        impl EncodeLabelValue for $name {
+            fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+                std::fmt::Write::write_str(encoder, match self {
+                    $($name::$variant => $text),*
+                })
+            }
+        }
+    };
+}
+
+label_values!(
+    /// What a hint request came to.
+    HintResult {
+        /// A match decided.
+        Hinted => "hinted",
+        /// Nothing matched: the prompt's home or the least loaded.
+        NoMatch => "no_match",
+        /// No usable worker: no hint.
+        NoWorker => "no_worker",
+        /// A model without an index.
+        UnknownModel => "unknown_model",
+        /// The body did not decode.
+        BadRequest => "bad_request",
+    }
+);
+
+label_values!(
+    /// A KV event's kind.
+    EventType {
+        /// Blocks stored.
+        Stored => "stored",
+        /// Blocks removed.
+        Removed => "removed",
+        /// A cache cleared.
+        Cleared => "cleared",
+    }
+);
+
+label_values!(
+    /// A KV-event transport.
+    Transport {
+        /// NATS (Dynamo).
+        Nats => "nats",
+        /// ZMQ (vLLM).
+        Zmq => "zmq",
+    }
+);
+
+label_values!(
+    /// Sequence trouble on an event stream.
+    SequenceKind {
+        /// Messages missing.
+        Gap => "gap",
+        /// Messages fetched from a replay socket.
+        Replayed => "replayed",
+        /// A gap not replayable: the worker started over.
+        Resync => "resync",
+        /// The counter went back: the engine restarted.
+        Restart => "restart",
+        /// The publisher's connection closed.
+        Disconnect => "disconnect",
+        /// Rebuilt from a replay buffer at (re)connection.
+        WarmStart => "warm_start",
+        /// A live copy of a message a warm start applied.
+        Duplicate => "duplicate",
+    }
+);
+
+label_values!(
+    /// How a ticket was closed.
+    TicketHow {
+        /// Reported finished.
+        Finished => "finished",
+        /// Reported but not open.
+        Unknown => "unknown",
+        /// A scrape showed fewer requests.
+        Reclaimed => "reclaimed",
+        /// Past its lifetime.
+        Expired => "expired",
+    }
+);
+
+label_values!(
+    /// A Dynamo worker's role.
+    RoleValue {
+        /// Prefill and decode.
+        Aggregated => "aggregated",
+        /// Disaggregated prefill.
+        Prefill => "prefill",
+        /// Disaggregated decode.
+        Decode => "decode",
+    }
+);
+
+/// `{worker}`: a worker's address (from the configuration or discovery, never from an event).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct WorkerLabel {
+    /// The worker's address.
+    pub worker: String,
+}
+
+impl WorkerLabel {
+    /// The label of the worker at `address`.
+    pub fn new(address: &str) -> Self {
+        WorkerLabel {
+            worker: address.to_owned(),
+        }
+    }
+}
+
+/// `{result}` of `kvroute_hints_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct HintLabels {
+    /// What the request came to.
+    pub result: HintResult,
+}
+
+/// `{subject, type}` of `kvroute_events_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct EventLabels {
+    /// The NATS subject or ZMQ endpoint.
+    pub subject: String,
+    /// The event's kind.
+    pub r#type: EventType,
+}
+
+/// `{source}`: which transport.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct SourceLabel {
+    /// The transport.
+    pub source: Transport,
+}
+
+/// `{worker_id}` of `kvroute_unknown_worker_events_total`: how an unknown publisher named
+/// itself, bounded (see `Sidecar::record`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct PublisherLabel {
+    /// The publisher's name, or `other`.
+    pub worker_id: String,
+}
+
+/// `{worker, kind}` of `kvroute_sequence_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct SequenceLabels {
+    /// The worker's address.
+    pub worker: String,
+    /// What happened.
+    pub kind: SequenceKind,
+}
+
+/// `{alarm, subject}` of `kvroute_alarm`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct AlarmLabels {
+    /// The alarm's name.
+    pub alarm: String,
+    /// What it is about.
+    pub subject: String,
+}
+
+/// `{how}` of `kvroute_tickets_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct TicketLabel {
+    /// How the ticket closed.
+    pub how: TicketHow,
+}
+
+/// `{model, role}` of `kvroute_discovered_instances`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct RoleLabels {
+    /// The model.
+    pub model: String,
+    /// The role.
+    pub role: RoleValue,
+}
 
 /// Every metric the sidecar exports.
 pub struct Metrics {
     registry: Registry,
     /// Hint requests by result: `hinted` (a match decided), `no_match` (least loaded, cold),
     /// `no_worker` (none usable: no hint), `unknown_model`, `bad_request`.
-    pub hints: Family<Labels, Counter>,
+    pub hints: Family<HintLabels, Counter>,
     /// Sum of matched blocks over hinted requests.
     pub hint_matched_blocks: Counter,
     /// Blocks the index holds per worker.
-    pub index_blocks: Family<Labels, Gauge>,
+    pub index_blocks: Family<WorkerLabel, Gauge>,
     /// Events applied, by subject (or endpoint) and type.
-    pub events: Family<Labels, Counter>,
+    pub events: Family<EventLabels, Counter>,
     /// Messages that did not decode, by source.
-    pub decode_errors: Family<Labels, Counter>,
+    pub decode_errors: Family<SourceLabel, Counter>,
     /// Array elements of a message that were not events we know, by source.
-    pub skipped_events: Family<Labels, Counter>,
+    pub skipped_events: Family<SourceLabel, Counter>,
     /// Events from a worker id that is not configured.
-    pub unknown_worker_events: Family<Labels, Counter>,
+    pub unknown_worker_events: Family<PublisherLabel, Counter>,
     /// Stores whose parent block was unknown, by worker.
-    pub orphan_stores: Family<Labels, Counter>,
+    pub orphan_stores: Family<WorkerLabel, Counter>,
     /// Removals of blocks the index did not hold.
     pub unknown_removals: Counter,
     /// Engine `/metrics` scrapes that failed, by worker.
-    pub scrape_errors: Family<Labels, Counter>,
+    pub scrape_errors: Family<WorkerLabel, Counter>,
     /// 1 when Envoy lists the worker as healthy (only with `[envoy]` configured).
-    pub worker_usable: Family<Labels, Gauge>,
+    pub worker_usable: Family<WorkerLabel, Gauge>,
     /// Stored events whose block size differs from the model's, by worker.
-    pub block_size_mismatches: Family<Labels, Counter>,
+    pub block_size_mismatches: Family<WorkerLabel, Counter>,
     /// Sequence trouble on an event stream, by worker and kind (`gap`, `replayed`, `resync`,
     /// `restart`, `disconnect`, `warm_start`).
-    pub sequence: Family<Labels, Counter>,
+    pub sequence: Family<SequenceLabels, Counter>,
     /// 1 while an event-plane alarm is on (`alarm`: `no_events`, `silent_worker`).
-    pub alarm: Family<Labels, Gauge>,
+    pub alarm: Family<AlarmLabels, Gauge>,
     /// Hinted requests not finished yet, by worker.
-    pub in_flight: Family<Labels, Gauge>,
+    pub in_flight: Family<WorkerLabel, Gauge>,
     /// Prompt blocks queued for prefill, by worker (Dynamo `kv_metrics`).
-    pub queued_prefill_blocks: Family<Labels, Gauge>,
+    pub queued_prefill_blocks: Family<WorkerLabel, Gauge>,
     /// KV blocks in use, by worker (Dynamo `kv_metrics`).
-    pub kv_used_blocks: Family<Labels, Gauge>,
+    pub kv_used_blocks: Family<WorkerLabel, Gauge>,
     /// Tickets closed, by how: finished (reported), unknown (reported but not open),
     /// reclaimed (a scrape showed fewer requests), expired.
-    pub tickets: Family<Labels, Counter>,
+    pub tickets: Family<TicketLabel, Counter>,
     /// Dynamo instances with a discovery record, by model and role (`aggregated`, `prefill`,
     /// `decode`).
-    pub discovered_instances: Family<Labels, Gauge>,
+    pub discovered_instances: Family<RoleLabels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -84,9 +267,9 @@ impl Default for Metrics {
 }
 
 /// A labelled family, registered as it is created: a metric cannot exist unregistered.
-fn family<M>(r: &mut Registry, name: &str, help: &str) -> Family<Labels, M>
+fn family<L, M>(r: &mut Registry, name: &str, help: &str) -> Family<L, M>
 where
-    Family<Labels, M>: prometheus_client::registry::Metric + Clone + Default,
+    Family<L, M>: prometheus_client::registry::Metric + Clone + Default,
 {
     let f = Family::default();
     r.register(name, help, f.clone());
@@ -108,9 +291,4 @@ impl Metrics {
         let _ = encode(&mut out, &self.registry);
         out
     }
-}
-
-/// One label pair, for the families above.
-pub fn label(key: &'static str, value: impl Into<String>) -> Labels {
-    vec![(key, value.into())]
 }

@@ -29,12 +29,19 @@ use kvroute_protocol::hint::{HintRequest, HintResponse};
 
 use crate::config::{AlarmConfig, Config};
 use crate::core::cursor::Verdict;
+use crate::core::event::EventTag;
 use crate::core::event::VllmEventProblem;
+use crate::core::fleet::Role;
 use crate::core::fleet::WorkerId;
 use crate::core::policy::{Decision, Rule};
+use crate::core::TicketClosed;
 use crate::core::{Core, Delivery, Forgot, Happened, Input, Target};
 use crate::event_plane::{Activity, Alarm, EventPlane};
-use crate::metrics::{label, Metrics};
+use crate::metrics::{
+    AlarmLabels, EventLabels, EventType, HintLabels, HintResult, Metrics, PublisherLabel,
+    RoleLabels, RoleValue, SequenceKind, SequenceLabels, SourceLabel, TicketHow, TicketLabel,
+    Transport, WorkerLabel,
+};
 
 /// How many recent decisions `/debug/explain` keeps.
 const EXPLAINED: usize = 100;
@@ -109,7 +116,7 @@ impl Sidecar {
             sidecar
                 .metrics
                 .index_blocks
-                .get_or_create(&label("worker", &*w.address))
+                .get_or_create(&WorkerLabel::new(&w.address))
                 .set(0);
         }
         Ok(sidecar)
@@ -144,13 +151,17 @@ impl Sidecar {
     fn record(&self, source: Option<SourceRef<'_>>, h: &Happened, now: Instant) {
         let m = &self.metrics;
         let subject = source.map_or("", |s| s.subject);
-        let sequence = |worker: &str, kind: &str, n: u64| {
+        let sequence = |worker: &str, kind: SequenceKind| {
             m.sequence
-                .get_or_create(&vec![
-                    ("worker", worker.to_owned()),
-                    ("kind", kind.to_owned()),
-                ])
-                .inc_by(n);
+                .get_or_create(&SequenceLabels {
+                    worker: worker.to_owned(),
+                    kind,
+                })
+                .inc();
+        };
+        let worker_label = |worker: &crate::core::Name| WorkerLabel::new(&worker.address);
+        const ZMQ: SourceLabel = SourceLabel {
+            source: Transport::Zmq,
         };
         match h {
             Happened::Applied {
@@ -162,19 +173,21 @@ impl Sidecar {
                     self.plane().event(s.index, now);
                 }
                 m.events
-                    .get_or_create(&vec![
-                        ("subject", subject.to_owned()),
-                        ("type", (*kind).to_owned()),
-                    ])
+                    .get_or_create(&EventLabels {
+                        subject: subject.to_owned(),
+                        r#type: match kind {
+                            EventTag::Stored => EventType::Stored,
+                            EventTag::Removed => EventType::Removed,
+                            EventTag::Cleared => EventType::Cleared,
+                        },
+                    })
                     .inc();
                 if outcome.too_many_caches {
                     tracing::warn!(worker = %worker.address, "index full: more than 65535 caches; event dropped");
                 }
                 if outcome.orphan {
                     tracing::debug!(worker = %worker.address, "stored event with unknown parent dropped");
-                    m.orphan_stores
-                        .get_or_create(&label("worker", &*worker.address))
-                        .inc();
+                    m.orphan_stores.get_or_create(&worker_label(worker)).inc();
                 }
                 if outcome.unknown_removals > 0 {
                     m.unknown_removals.inc_by(outcome.unknown_removals as u64);
@@ -182,7 +195,7 @@ impl Sidecar {
             }
             Happened::Holds { worker, blocks } => {
                 m.index_blocks
-                    .get_or_create(&label("worker", &*worker.address))
+                    .get_or_create(&worker_label(worker))
                     .set(*blocks as i64);
             }
             Happened::Sequence {
@@ -192,16 +205,16 @@ impl Sidecar {
                 delivery,
             } => match verdict {
                 Verdict::Gap { from, to } => {
-                    sequence(&worker.address, "gap", 1);
+                    sequence(&worker.address, SequenceKind::Gap);
                     if *delivery == Delivery::Live {
                         tracing::warn!(worker = %worker.address, %subject, from, to, "event sequence gap: events lost and not replayable here; a few entries may be stale until evicted");
                     }
                 }
                 Verdict::Restarted => {
-                    sequence(&worker.address, "restart", 1);
+                    sequence(&worker.address, SequenceKind::Restart);
                     tracing::warn!(worker = %worker.address, %subject, seq, "event sequence went back: the engine restarted with an empty cache");
                 }
-                Verdict::Duplicate => sequence(&worker.address, "duplicate", 1),
+                Verdict::Duplicate => sequence(&worker.address, SequenceKind::Duplicate),
                 Verdict::First | Verdict::Next => {}
             },
             Happened::Held { .. } => {}
@@ -214,44 +227,40 @@ impl Sidecar {
                     tracing::warn!(worker = %worker.address, dropped = blocks, "restarted engine: its index entries dropped");
                 }
                 Forgot::PublisherGone => {
-                    sequence(&worker.address, "disconnect", 1);
+                    sequence(&worker.address, SequenceKind::Disconnect);
                     tracing::warn!(worker = %worker.address, endpoint = %subject, dropped = blocks, "KV-event publisher went away (engine stopped or restarted): its index entries dropped; reconnecting");
                 }
                 Forgot::Resync => {
-                    sequence(&worker.address, "resync", 1);
+                    sequence(&worker.address, SequenceKind::Resync);
                     tracing::warn!(worker = %worker.address, endpoint = %subject, dropped = blocks, "event gap not replayable: worker resynced (index entries dropped)");
                 }
-                Forgot::WarmStart => sequence(&worker.address, "warm_start", 1),
+                Forgot::WarmStart => sequence(&worker.address, SequenceKind::WarmStart),
                 Forgot::Unusable => {
                     tracing::warn!(worker = %worker.address, blocks, "unusable past the grace period: index entries dropped");
                 }
             },
             Happened::Refused { worker, problem } => match problem {
                 VllmEventProblem::BlockSize { .. } => {
-                    let counter = m
-                        .block_size_mismatches
-                        .get_or_create(&label("worker", &*worker.address));
+                    let counter = m.block_size_mismatches.get_or_create(&worker_label(worker));
                     if counter.get() == 0 {
                         tracing::error!(worker = %worker.address, %problem, "block-size mismatch: this worker's KV events can never match a request; fix [[models]] block_size or the engine's --block-size");
                     }
                     counter.inc();
                 }
                 VllmEventProblem::Medium(_) => {
-                    m.skipped_events
-                        .get_or_create(&label("source", "zmq"))
-                        .inc();
+                    m.skipped_events.get_or_create(&ZMQ).inc();
                 }
                 VllmEventProblem::Tokens { .. } => {
                     tracing::warn!(worker = %worker.address, %problem, "malformed vLLM store event");
-                    m.decode_errors.get_or_create(&label("source", "zmq")).inc();
+                    m.decode_errors.get_or_create(&ZMQ).inc();
                 }
             },
             Happened::UnknownPublisher { name } => {
                 // Names come from the network: past the plane's bound they fold into one series.
                 let known = self.plane().unknown_worker(name);
-                let counter = m
-                    .unknown_worker_events
-                    .get_or_create(&label("worker_id", if known { name } else { "other" }));
+                let counter = m.unknown_worker_events.get_or_create(&PublisherLabel {
+                    worker_id: if known { name.clone() } else { "other".into() },
+                });
                 if counter.get() == 0 {
                     tracing::warn!(publisher = %name, %subject, "KV events from a worker that is neither in [[workers]] nor discovered (yet), or of another model/component: ignored");
                 }
@@ -260,10 +269,14 @@ impl Sidecar {
             Happened::Scanned { model, roles } => {
                 for (role, n) in roles {
                     m.discovered_instances
-                        .get_or_create(&vec![
-                            ("model", model.clone()),
-                            ("role", role.label().to_owned()),
-                        ])
+                        .get_or_create(&RoleLabels {
+                            model: model.clone(),
+                            role: match role {
+                                Role::Aggregated => RoleValue::Aggregated,
+                                Role::Prefill => RoleValue::Prefill,
+                                Role::Decode => RoleValue::Decode,
+                            },
+                        })
                         .set(*n as i64);
                 }
             }
@@ -281,7 +294,7 @@ impl Sidecar {
                 why,
             } => {
                 m.worker_usable
-                    .get_or_create(&label("worker", &*worker.address))
+                    .get_or_create(&worker_label(worker))
                     .set(i64::from(*usable));
                 match (changed, usable) {
                     (true, true) => tracing::info!(worker = %worker.address, "worker usable again"),
@@ -292,16 +305,20 @@ impl Sidecar {
                 }
             }
             Happened::Tickets { how, n } => {
-                m.tickets
-                    .get_or_create(&label("how", how.label()))
-                    .inc_by(*n);
+                let how = match how {
+                    TicketClosed::Finished => TicketHow::Finished,
+                    TicketClosed::Unknown => TicketHow::Unknown,
+                    TicketClosed::Reclaimed => TicketHow::Reclaimed,
+                    TicketClosed::Expired => TicketHow::Expired,
+                };
+                m.tickets.get_or_create(&TicketLabel { how }).inc_by(*n);
             }
             Happened::Load {
                 worker,
                 load,
                 from_dynamo,
             } => {
-                let labels = label("worker", &*worker.address);
+                let labels = worker_label(worker);
                 m.in_flight
                     .get_or_create(&labels)
                     .set(load.hinted_in_flight as i64);
@@ -323,7 +340,9 @@ impl Sidecar {
         let Ok(hint) = hint else {
             self.metrics
                 .hints
-                .get_or_create(&label("result", "unknown_model"))
+                .get_or_create(&HintLabels {
+                    result: HintResult::UnknownModel,
+                })
                 .inc();
             return None;
         };
@@ -342,18 +361,18 @@ impl Sidecar {
             Target::Prefill(i) => resp.prefill_instance_id = Some(*i),
         }
         let result = match hint.decision.rule {
-            _ if !resp.has_target() => "no_worker",
-            Rule::NoMatch => "no_match",
+            _ if !resp.has_target() => HintResult::NoWorker,
+            Rule::NoMatch => HintResult::NoMatch,
             Rule::LongestMatch | Rule::LeastLoaded => {
                 self.metrics
                     .hint_matched_blocks
                     .inc_by(u64::from(resp.matched_blocks));
-                "hinted"
+                HintResult::Hinted
             }
         };
         self.metrics
             .hints
-            .get_or_create(&label("result", result))
+            .get_or_create(&HintLabels { result })
             .inc();
         self.explain(req, &resp, &hint.decision);
         Some(resp)
@@ -448,10 +467,10 @@ impl Sidecar {
             for (name, subject) in on.union(&now) {
                 self.metrics
                     .alarm
-                    .get_or_create(&vec![
-                        ("alarm", name.to_string()),
-                        ("subject", subject.clone()),
-                    ])
+                    .get_or_create(&AlarmLabels {
+                        alarm: name.to_string(),
+                        subject: subject.clone(),
+                    })
                     .set(i64::from(now.contains(&(name, subject.clone()))));
             }
             on = now;

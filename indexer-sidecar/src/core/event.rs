@@ -37,13 +37,24 @@ pub enum KvEventKind {
     Cleared,
 }
 
+/// Which kind of event, without its blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventTag {
+    /// [`KvEventKind::Stored`].
+    Stored,
+    /// [`KvEventKind::Removed`].
+    Removed,
+    /// [`KvEventKind::Cleared`].
+    Cleared,
+}
+
 impl KvEventKind {
-    /// Label for metrics.
-    pub fn label(&self) -> &'static str {
+    /// Which kind it is.
+    pub fn tag(&self) -> EventTag {
         match self {
-            KvEventKind::Stored { .. } => "stored",
-            KvEventKind::Removed { .. } => "removed",
-            KvEventKind::Cleared => "cleared",
+            KvEventKind::Stored { .. } => EventTag::Stored,
+            KvEventKind::Removed { .. } => EventTag::Removed,
+            KvEventKind::Cleared => EventTag::Cleared,
         }
     }
 }

@@ -29,7 +29,7 @@ use kvroute_protocol::vllm::EventBatch;
 use crate::config::Config;
 use crate::config::RoutingConfig;
 use cursor::Verdict;
-use event::{KvEvent, VllmEventProblem};
+use event::{EventTag, KvEvent, VllmEventProblem};
 use fleet::{Fleet, Role, WorkerId};
 use index::{ApplyOutcome, RadixIndex};
 use load::{Load, Reclaimed};
@@ -229,8 +229,8 @@ pub enum Happened {
     Applied {
         /// The worker.
         worker: Name,
-        /// `stored`, `removed` or `cleared`.
-        kind: &'static str,
+        /// Stored, removed or cleared.
+        kind: EventTag,
         /// What the index did.
         outcome: ApplyOutcome,
     },
@@ -559,7 +559,7 @@ impl Core {
         };
         out.push(Happened::Applied {
             worker: worker.clone(),
-            kind: event.kind.label(),
+            kind: event.kind.tag(),
             outcome: index.apply(worker.id, event),
         });
     }

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use crate::core::load::parse_vllm_metrics;
 use crate::core::Input;
-use crate::metrics::label;
+use crate::metrics::WorkerLabel;
 use crate::sidecar::Sidecar;
 
 /// Scrape every worker every `routing.scrape_interval_ms`, forever.
@@ -44,7 +44,7 @@ pub async fn run(state: Arc<Sidecar>) {
                 state
                     .metrics
                     .scrape_errors
-                    .get_or_create(&label("worker", &**address))
+                    .get_or_create(&WorkerLabel::new(address))
                     .inc();
             }
             let scrape = Input::Scrape { worker: id, load };

@@ -13,8 +13,12 @@ use kvroute_protocol::dynamo::{
 
 use crate::config::NatsConfig;
 use crate::core::{Input, Message};
-use crate::metrics::label;
+use crate::metrics::{SourceLabel, Transport};
 use crate::sidecar::{Sidecar, SourceRef};
+
+const NATS: SourceLabel = SourceLabel {
+    source: Transport::Nats,
+};
 
 /// Subscribe to every configured subject and apply events until the connection ends.
 ///
@@ -144,11 +148,7 @@ pub fn handle(state: &Sidecar, source: usize, subject: &str, body: &[u8]) {
             }
             Err(e) => {
                 tracing::warn!(%subject, error = %e, bytes = body.len(), "undecodable kv_metrics message");
-                state
-                    .metrics
-                    .decode_errors
-                    .get_or_create(&label("source", "nats"))
-                    .inc();
+                state.metrics.decode_errors.get_or_create(&NATS).inc();
             }
         }
         return;
@@ -161,7 +161,7 @@ pub fn handle(state: &Sidecar, source: usize, subject: &str, body: &[u8]) {
                 state
                     .metrics
                     .skipped_events
-                    .get_or_create(&label("source", "nats"))
+                    .get_or_create(&NATS)
                     .inc_by(decoded.skipped as u64);
             }
             let from = SourceRef {
@@ -175,11 +175,7 @@ pub fn handle(state: &Sidecar, source: usize, subject: &str, body: &[u8]) {
         }
         Err(e) => {
             tracing::warn!(%subject, error = %e, bytes = body.len(), "undecodable KV event message");
-            state
-                .metrics
-                .decode_errors
-                .get_or_create(&label("source", "nats"))
-                .inc();
+            state.metrics.decode_errors.get_or_create(&NATS).inc();
         }
     }
 }

@@ -30,8 +30,12 @@ use kvroute_protocol::vllm::{decode_batch, decode_seq, EventBatch, REPLAY_END};
 
 use crate::config::ZmqConfig;
 use crate::core::{Delivery, Happened, Input, Message, Publisher};
-use crate::metrics::label;
+use crate::metrics::{SequenceKind, SequenceLabels, SourceLabel, Transport};
 use crate::sidecar::{Sidecar, SourceRef};
+
+const ZMQ: SourceLabel = SourceLabel {
+    source: Transport::Zmq,
+};
 
 /// How long a replay may take before it is given up (a gap then resyncs the worker).
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
@@ -260,7 +264,7 @@ impl Subscriber<'_> {
         };
         tracing::info!(endpoint = %self.config.endpoint, messages = messages.len(), first, last, "warm start from the replay buffer: {lost}");
         for address in replayed {
-            self.bump(&address, "replayed", messages.len() as u64);
+            self.replayed(&address, messages.len() as u64);
             self.seen.insert(address);
         }
     }
@@ -285,7 +289,7 @@ impl Subscriber<'_> {
                     self.state
                         .metrics
                         .skipped_events
-                        .get_or_create(&label("source", "zmq"))
+                        .get_or_create(&ZMQ)
                         .inc_by(batch.skipped as u64);
                 }
                 batch
@@ -335,7 +339,7 @@ impl Subscriber<'_> {
         match missed {
             Ok(missed) => {
                 tracing::info!(worker = %address, from, to, "filled an event gap from the replay socket");
-                self.bump(&address, "replayed", missed.len() as u64);
+                self.replayed(&address, missed.len() as u64);
                 for (_, seq, payload) in &missed {
                     let batch = self.decode(payload);
                     let message = Message::vllm(&address, *seq, Delivery::Replayed, &batch);
@@ -355,15 +359,15 @@ impl Subscriber<'_> {
         )));
     }
 
-    fn bump(&self, worker: &str, kind: &str, by: u64) {
+    fn replayed(&self, worker: &str, messages: u64) {
         self.state
             .metrics
             .sequence
-            .get_or_create(&vec![
-                ("worker", worker.to_owned()),
-                ("kind", kind.to_owned()),
-            ])
-            .inc_by(by);
+            .get_or_create(&SequenceLabels {
+                worker: worker.to_owned(),
+                kind: SequenceKind::Replayed,
+            })
+            .inc_by(messages);
     }
 }
 
@@ -378,11 +382,7 @@ fn receive(socket: &zmq::Socket) -> anyhow::Result<Option<Vec<Vec<u8>>>> {
 
 fn count_bad(state: &Sidecar, why: &str, source: &str) {
     tracing::warn!(%source, error = %why, "undecodable vLLM KV-event message");
-    state
-        .metrics
-        .decode_errors
-        .get_or_create(&label("source", "zmq"))
-        .inc();
+    state.metrics.decode_errors.get_or_create(&ZMQ).inc();
 }
 
 /// Ask a replay socket for its buffered messages from `from` (up to `to`, exclusive, when
