@@ -14,7 +14,7 @@
 //! Orphan stores, sequence gaps, restarts and block-size mismatches have their own counters
 //! and log lines where they happen.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -65,7 +65,13 @@ pub struct EventPlane {
     /// Dynamo worker ids whose KV events arrived but name no known worker (bounded), with
     /// counts: events that do arrive, so `no_events` must say so rather than "none".
     unknown_workers: BTreeMap<String, u64>,
+    /// Subjects (or endpoints) events were applied from, as metrics label them.
+    event_subjects: BTreeSet<String>,
 }
+
+/// Distinct subjects `kvroute_events_total` names; events on any further subject share
+/// `subject="other"`.
+const MAX_EVENT_SUBJECTS: usize = 256;
 
 /// What one `[[dynamo_discovery]]` entry found, for `/debug/sources` and `no_instances`.
 #[derive(Debug, Clone, Serialize)]
@@ -111,6 +117,7 @@ impl EventPlane {
             sources: Vec::new(),
             discovery: Vec::new(),
             unknown_workers: BTreeMap::new(),
+            event_subjects: BTreeSet::new(),
         }
     }
 
@@ -167,13 +174,22 @@ impl EventPlane {
         }
     }
 
-    /// A KV event from `source` was applied at `now`.
-    pub fn event(&mut self, source: usize, now: Instant) {
+    /// A KV event from `source`, on `subject`, was applied at `now`. Whether `subject` is one
+    /// of the (bounded) subjects metrics may name: subjects come from the network.
+    pub fn event(&mut self, source: usize, subject: &str, now: Instant) -> bool {
         if let Some(s) = self.sources.get_mut(source) {
             s.events += 1;
             s.state = "receiving";
             s.last_event = Some(now);
         }
+        if self.event_subjects.contains(subject) {
+            return true;
+        }
+        if self.event_subjects.len() < MAX_EVENT_SUBJECTS {
+            self.event_subjects.insert(subject.to_owned());
+            return true;
+        }
+        false
     }
 
     /// A KV event arrived from a publisher (Dynamo worker id, vLLM topic) no configured or
@@ -397,7 +413,7 @@ mod tests {
             "events from unknown workers are named: {}",
             alarms[0].message
         );
-        plane.event(src, now);
+        plane.event(src, "a.kv-events", now);
         assert!(plane.alarms(&quiet, &hinting(now), now).is_empty());
         assert_eq!(plane.sources(now)[0].state, "receiving");
     }

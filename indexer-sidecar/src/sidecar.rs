@@ -169,12 +169,10 @@ impl Sidecar {
                 kind,
                 outcome,
             } => {
-                if let Some(s) = source {
-                    self.plane().event(s.index, now);
-                }
+                let named = source.is_none_or(|s| self.plane().event(s.index, subject, now));
                 m.events
                     .get_or_create(&EventLabels {
-                        subject: subject.to_owned(),
+                        subject: if named { subject } else { "other" }.to_owned(),
                         r#type: match kind {
                             EventTag::Stored => EventType::Stored,
                             EventTag::Removed => EventType::Removed,
@@ -551,6 +549,41 @@ pub(crate) mod tests {
         assert!(series <= 65, "{series} series");
         assert!(
             text.contains("kvroute_unknown_worker_events_total{worker_id=\"other\"}"),
+            "{text}"
+        );
+    }
+
+    /// Subjects come from the network too: past a bound, events share `subject="other"`.
+    #[test]
+    fn event_subjects_are_bounded() {
+        let sidecar = sidecar();
+        let samples = kvroute_protocol::samples_dir().join("dynamo");
+        let body = std::fs::read(samples.join("kv-events_stored_prompt_4blocks.msgpack")).unwrap();
+        let events = kvroute_protocol::dynamo::decode_message(&body)
+            .unwrap()
+            .events;
+        let subjects: Vec<String> = (0..300)
+            .map(|i| format!("namespace.n{i}.kv-events"))
+            .collect();
+        let now = Instant::now();
+        for subject in &subjects {
+            let source = SourceRef { index: 0, subject };
+            for e in &events {
+                sidecar.ingest(
+                    Some(source),
+                    Input::Message(crate::core::Message::dynamo(e)),
+                    now,
+                );
+            }
+        }
+        let text = sidecar.metrics.render();
+        let series = text
+            .lines()
+            .filter(|l| l.starts_with("kvroute_events_total{"))
+            .count();
+        assert_eq!(series, 257, "256 subjects and other");
+        assert!(
+            text.contains("kvroute_events_total{subject=\"other\",type=\"stored\"}"),
             "{text}"
         );
     }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use common::*;
 use kvroute_harness::process::wait_for;
+use kvroute_harness::prometheus::series;
 use kvroute_harness::{Mode, Stack, StackOptions};
 
 const FAST_ALARMS: &str = "[alarms]\nsilence_s = 1\nmin_hints = 3\n";
@@ -35,9 +36,7 @@ async fn wrong_subject_raises_no_events_and_silent_workers() {
     let on = "kvroute_alarm{alarm=\"no_events\",subject=\"all\"}";
     wait_for("both alarms", Duration::from_secs(10), || async {
         let m = stack.sidecar_metrics().await.ok()?;
-        let silent = m
-            .lines()
-            .any(|l| l.starts_with("kvroute_alarm{alarm=\"silent_worker\"") && l.ends_with(" 1"));
+        let silent = series(&m, "kvroute_alarm{alarm=\"silent_worker\"").any(|(_, v)| v == 1.0);
         (metric(&m, on)? == 1.0 && silent).then_some(())
     })
     .await
@@ -89,11 +88,7 @@ async fn healthy_event_plane_stays_quiet() {
         tokio::time::sleep(Duration::from_millis(700)).await;
     }
     let m = stack.sidecar_metrics().await.unwrap();
-    assert!(
-        !m.lines()
-            .any(|l| l.starts_with("kvroute_alarm{") && l.ends_with(" 1")),
-        "{m}"
-    );
+    assert!(!series(&m, "kvroute_alarm{").any(|(_, v)| v == 1.0), "{m}");
     let sources = sidecar_json(&stack, "/debug/sources").await;
     assert_eq!(sources[0]["state"], "receiving", "{sources}");
     assert!(sources[0]["last_event_age_s"].as_f64().unwrap() < 5.0);

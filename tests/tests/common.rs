@@ -45,8 +45,7 @@ pub async fn direct(stack: &Stack, engine: usize, body: &Value) -> Outcome {
 
 /// A sample's value from Prometheus text: the first line starting with `series`.
 pub fn metric(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+    kvroute_harness::prometheus::value(text, series)
 }
 
 /// Wait until the sidecar's index holds at least `blocks` blocks of engine `engine`.

@@ -141,9 +141,9 @@ async fn disaggregated_dynamo_pins_the_prefill_worker_and_alarms_stay_quiet() {
         cold += 1;
     }
     let text = stack.sidecar_metrics().await.unwrap();
-    let on: Vec<&str> = text
-        .lines()
-        .filter(|l| l.starts_with("kvroute_alarm{") && l.ends_with(" 1"))
+    let on: Vec<&str> = kvroute_harness::prometheus::series(&text, "kvroute_alarm{")
+        .filter(|(_, v)| *v == 1.0)
+        .map(|(s, _)| s)
         .collect();
     assert!(on.is_empty(), "alarms on: {on:?}");
 }

@@ -1,5 +1,15 @@
-//! Reading Prometheus text the way the benchmarks and tests need it: a metric family summed over
-//! its label sets.
+//! Reading Prometheus text the way the benchmarks and tests need it — one parser for all of
+//! them: a metric family summed over its label sets, one series' value, the series of a family.
+
+/// Every sample line: (series with its labels, value).
+fn samples(text: &str) -> impl Iterator<Item = (&str, f64)> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            Some((series, value.trim().parse::<f64>().ok()?))
+        })
+}
 
 /// The sum of every sample on a line `keep` accepts (the value is the line's last field).
 pub fn sum_where(text: &str, keep: impl Fn(&str) -> bool) -> f64 {
@@ -7,6 +17,16 @@ pub fn sum_where(text: &str, keep: impl Fn(&str) -> bool) -> f64 {
         .filter(|l| !l.starts_with('#') && keep(l))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
+}
+
+/// The value of exactly this series (`name{labels}` as exported, or a bare name).
+pub fn value(text: &str, series: &str) -> Option<f64> {
+    samples(text).find_map(|(s, v)| (s == series).then_some(v))
+}
+
+/// Every series starting with `prefix` (e.g. `"kvroute_alarm{"`), with its value.
+pub fn series<'a>(text: &'a str, prefix: &'a str) -> impl Iterator<Item = (&'a str, f64)> + 'a {
+    samples(text).filter(move |(s, _)| s.starts_with(prefix))
 }
 
 /// The sum of every sample whose series starts with `prefix` (e.g. `"vllm:request_success_total{"`
@@ -23,5 +43,18 @@ mod tests {
         assert_eq!(super::sum(text, "x_total{"), 5.5);
         assert_eq!(super::sum(text, "y{"), 0.0);
         assert_eq!(super::sum_where(text, |l| l.contains("a=\"2\"")), 3.5);
+        assert_eq!(super::value(text, "x_total{a=\"2\"}"), Some(3.5));
+        assert_eq!(super::value(text, "x_total{a=\"3\"}"), None, "not a number");
+        assert_eq!(super::value(text, "x_other"), Some(9.0));
+        assert_eq!(
+            super::value(text, "x_oth"),
+            None,
+            "the whole series, not a prefix"
+        );
+        let on: Vec<_> = super::series(text, "x_total{").collect();
+        assert_eq!(
+            on,
+            vec![("x_total{a=\"1\"}", 2.0), ("x_total{a=\"2\"}", 3.5)]
+        );
     }
 }

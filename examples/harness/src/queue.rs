@@ -88,12 +88,9 @@ async fn waiting(http: &reqwest::Client, address: &str) -> Option<f64> {
         .text()
         .await
         .ok()?;
-    text.lines()
-        .find(|l| l.starts_with("vllm:num_requests_waiting{"))?
-        .rsplit(' ')
-        .next()?
-        .parse()
-        .ok()
+    crate::prometheus::series(&text, "vllm:num_requests_waiting{")
+        .map(|(_, v)| v)
+        .reduce(|a, b| a + b)
 }
 
 #[cfg(test)]

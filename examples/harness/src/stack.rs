@@ -354,9 +354,8 @@ impl Stack {
                     return Some(());
                 }
                 let text = stack_ref.sidecar_metrics().await.ok()?;
-                let usable = text
-                    .lines()
-                    .filter(|l| l.starts_with("kvroute_worker_usable{") && l.ends_with(" 1"))
+                let usable = crate::prometheus::series(&text, "kvroute_worker_usable{")
+                    .filter(|(_, v)| *v == 1.0)
                     .count() as u64;
                 (usable >= engines).then_some(())
             },
