@@ -136,9 +136,9 @@ pub fn plan(
 /// Run one synthetic chat request for `model` through the whole request path (parse, template,
 /// tokenizer, hashes, the hint request, a hint answer) and return its planned block count.
 ///
-/// Measured in Envoy, the first request through a freshly loaded bundle took 1.3–1.5 ms to
-/// prepare and later ones ~0.1 ms: first-use costs that the first real requests would otherwise
-/// pay while a burst queues behind them on the worker thread (0.3 ms with this warm-up).
+/// The first request through a freshly loaded bundle pays first-use costs (allocations, caches)
+/// that the first real requests would otherwise pay while a burst queues behind them on the
+/// worker thread (docs/benchmarks.md, "A synchronized cold burst").
 pub fn warm_up(models: &ModelRegistry, cfg: &FilterConfig, model: &str) -> usize {
     // One user turn: the one conversation shape every chat template accepts.
     let text = "kvroute warm-up: exercise the template and the tokenizer once. ".repeat(32);

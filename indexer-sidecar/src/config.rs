@@ -241,6 +241,15 @@ pub struct ZmqConfig {
     /// engines may publish into one bound socket (tell them apart by topic).
     #[serde(default)]
     pub bind: bool,
+    /// Larger messages close the connection instead of being read (a peer announcing a huge
+    /// frame must not make the sidecar allocate it).
+    #[serde(default = "default_max_message_bytes")]
+    pub max_message_bytes: u64,
+}
+
+/// 16 MiB: a vLLM batch of several thousand 16-token blocks fits many times over.
+pub fn default_max_message_bytes() -> u64 {
+    16 << 20
 }
 
 /// One served model.

@@ -30,8 +30,13 @@ pub struct SourceStatus {
     pub name: String,
     /// What it subscribes to.
     pub subscriptions: Vec<String>,
-    /// `connecting`, `subscribed`, `receiving`, `disconnected` (ZMQ: the publisher went away).
+    /// `connecting`, `subscribed`, `receiving`, `disconnected` (ZMQ: the publisher went away),
+    /// `retrying` (the connection or the subscription keeps failing; see `last_error`).
     pub state: &'static str,
+    /// Failures so far (connection attempts, handshakes, sessions).
+    pub errors: u64,
+    /// What the last failure was.
+    pub last_error: Option<String>,
     /// Messages received.
     pub messages: u64,
     /// KV events applied.
@@ -133,6 +138,8 @@ impl EventPlane {
             name: name.to_owned(),
             subscriptions,
             state: "connecting",
+            errors: 0,
+            last_error: None,
             messages: 0,
             events: 0,
             decode_errors: 0,
@@ -151,6 +158,23 @@ impl EventPlane {
         if let Some(s) = self.sources.get_mut(source) {
             s.state = "subscribed";
         }
+    }
+
+    /// The source failed (`error` says how) and is retrying. Whether it was neither failing nor
+    /// disconnected before: the edges log the first failure of a streak, not every retry.
+    pub fn failed(&mut self, source: usize, error: String) -> bool {
+        let Some(s) = self.sources.get_mut(source) else {
+            return false;
+        };
+        // A publisher that went away stays `disconnected` while reconnecting fails: that was
+        // logged when it left.
+        let first = !matches!(s.state, "retrying" | "disconnected");
+        if s.state != "disconnected" {
+            s.state = "retrying";
+        }
+        s.errors += 1;
+        s.last_error = Some(error);
+        first
     }
 
     /// The source's publisher went away (its connection closed); the next one sets it back.

@@ -7,6 +7,7 @@ use anyhow::Context as _;
 use axum::serve::ListenerExt as _;
 use clap::{Parser, Subcommand};
 use kvroute_sidecar::config::Config;
+use kvroute_sidecar::core::Input;
 use kvroute_sidecar::sidecar::Sidecar;
 use kvroute_sidecar::{envoy_config, http_api, inspect, observers, transports};
 
@@ -250,6 +251,17 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         async move {
             state.watch_alarms().await;
             Ok(())
+        }
+    });
+    tasks.spawn({
+        let state = state.clone();
+        async move {
+            // Tickets expire on their own clock, scraped workers or not.
+            let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+            loop {
+                tick.tick().await;
+                state.ingest(None, Input::Tick, std::time::Instant::now());
+            }
         }
     });
     if config.nats.is_none() && config.zmq.is_empty() {

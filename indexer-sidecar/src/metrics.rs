@@ -205,6 +205,8 @@ pub struct Metrics {
     pub events: Family<EventLabels, Counter>,
     /// Messages that did not decode, by source.
     pub decode_errors: Family<SourceLabel, Counter>,
+    /// Event-source failures (connection attempts, handshakes, sessions), by transport.
+    pub source_errors: Family<SourceLabel, Counter>,
     /// Array elements of a message that were not events we know, by source.
     pub skipped_events: Family<SourceLabel, Counter>,
     /// Events from a worker id that is not configured.
@@ -247,6 +249,11 @@ impl Default for Metrics {
             index_blocks: family(&mut r, "index_blocks", "Blocks indexed per worker"),
             events: family(&mut r, "events", "KV events applied by subject and type"),
             decode_errors: family(&mut r, "decode_errors", "Messages that did not decode"),
+            source_errors: family(
+                &mut r,
+                "source_errors",
+                "Event source failures: connection attempts, handshakes, sessions",
+            ),
             skipped_events: family(&mut r, "skipped_events", "Elements of a message that were not known events"),
             unknown_worker_events: family(&mut r, "unknown_worker_events", "Events from workers not in the configuration"),
             orphan_stores: family(&mut r, "orphan_stores", "Stored events whose parent block is unknown"),

@@ -432,6 +432,18 @@ impl Sidecar {
         }
     }
 
+    /// Event source `index` (of `transport`) failed: count it, mark it `retrying` with `error`,
+    /// and log the first failure of a streak (later ones only count).
+    pub fn source_failed(&self, index: usize, name: &str, transport: Transport, error: &str) {
+        self.metrics
+            .source_errors
+            .get_or_create(&SourceLabel { source: transport })
+            .inc();
+        if self.plane().failed(index, error.to_owned()) {
+            tracing::warn!(source = %name, %error, "event source failing; retrying (hints go on without its events)");
+        }
+    }
+
     /// The `no_events` condition at `now` (see [`EventPlane::silent_while_hinting`]).
     pub fn silent_while_hinting(&self, now: Instant) -> bool {
         let (last_hint, _) = self.core().last_hints();
@@ -566,15 +578,16 @@ pub(crate) mod tests {
             .map(|i| format!("namespace.n{i}.kv-events"))
             .collect();
         let now = Instant::now();
-        for subject in &subjects {
+        for (i, subject) in subjects.iter().enumerate() {
             let source = SourceRef { index: 0, subject };
-            for e in &events {
-                sidecar.ingest(
-                    Some(source),
-                    Input::Message(crate::core::Message::dynamo(e)),
-                    now,
-                );
-            }
+            // Each its own event: the same one again would be a duplicate.
+            let mut e = events[0].clone();
+            e.event.event_id = i as u64 + 1;
+            sidecar.ingest(
+                Some(source),
+                Input::Message(crate::core::Message::dynamo(&e)),
+                now,
+            );
         }
         let text = sidecar.metrics.render();
         let series = text

@@ -35,6 +35,25 @@ const CAPTURES: &[(&str, &str)] = &[
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn captured_dynamo_events_through_real_nats() {
+    captures_through_nats(None).await;
+}
+
+/// `namespace.>` on top of the default subjects: NATS delivers every KV event twice, once per
+/// matching subscription. Each is applied once; nothing is taken for a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_subscriptions_apply_each_event_once() {
+    let text = captures_through_nats(Some("namespace.>")).await;
+    for kind in ["restart", "duplicate", "gap"] {
+        let n = kvroute_harness::prometheus::sum_where(&text, |l| {
+            l.starts_with("kvroute_sequence_total{") && l.contains(&format!("kind=\"{kind}\""))
+        });
+        assert_eq!(n, 0.0, "{kind}: {text}");
+    }
+}
+
+/// Publish the captures to a real nats-server, check what the sidecar made of them, and return
+/// its metrics. `extra` is a subject subscribed on top of the defaults.
+async fn captures_through_nats(extra: Option<&str>) -> String {
     let samples = kvroute_protocol::samples_dir().join("dynamo");
     let dir = paths::run_dir("dynamo-captures").unwrap();
     let nats_port = free_port().unwrap();
@@ -57,8 +76,16 @@ async fn captured_dynamo_events_through_real_nats() {
     }
     assert_eq!(worker_ids.len(), 3);
     let port = free_port().unwrap();
+    let subjects = match extra {
+        Some(extra) => {
+            let mut all = kvroute_sidecar_subjects();
+            all.push(extra.to_owned());
+            format!("subjects = {all:?}\n")
+        }
+        None => String::new(),
+    };
     let mut config = format!(
-        "listen = \"127.0.0.1:{port}\"\n[nats]\nurl = \"{nats_url}\"\n[[models]]\nname = \"m\"\ndir = \"{}\"\nblock_size = 16\n",
+        "listen = \"127.0.0.1:{port}\"\n[nats]\nurl = \"{nats_url}\"\n{subjects}[[models]]\nname = \"m\"\ndir = \"{}\"\nblock_size = 16\n",
         paths::model_dir().display()
     );
     for (i, id) in worker_ids.iter().enumerate() {
@@ -110,7 +137,18 @@ async fn captured_dynamo_events_through_real_nats() {
                 .text()
                 .await
                 .ok()?;
-            (metric(&text, "kvroute_decode_errors_total{source=\"nats\"}")? >= 1.0).then_some(text)
+            let n = |s: &str| metric(&text, s).unwrap_or(0.0);
+            let all = n("kvroute_decode_errors_total{source=\"nats\"}") >= 1.0
+                && n(&format!(
+                    "kvroute_events_total{{subject=\"{BACKEND}\",type=\"stored\"}}"
+                )) >= 4.0
+                && n(&format!(
+                    "kvroute_events_total{{subject=\"{BACKEND}\",type=\"removed\"}}"
+                )) >= 2.0
+                && n(&format!(
+                    "kvroute_events_total{{subject=\"{PREFILL}\",type=\"stored\"}}"
+                )) >= 1.0;
+            all.then_some(text)
         },
     )
     .await
@@ -125,6 +163,11 @@ async fn captured_dynamo_events_through_real_nats() {
     assert_eq!(events(BACKEND, "stored"), 4.0, "{text}");
     assert_eq!(events(BACKEND, "removed"), 2.0, "{text}");
     assert_eq!(events(PREFILL, "stored"), 1.0, "{text}");
+    assert_eq!(
+        metric(&text, "kvroute_decode_errors_total{source=\"nats\"}"),
+        Some(1.0),
+        "one bad body, and no other subject taken for KV events: {text}"
+    );
     assert!(
         !text.contains("kv_metrics\",type") && !text.contains("forward-pass-metrics"),
         "only KV-event subjects count as events: {text}"
@@ -174,4 +217,16 @@ async fn captured_dynamo_events_through_real_nats() {
         .await
         .unwrap();
     assert_eq!(bad.status(), 400);
+    text
+}
+
+/// The sidecar's default NATS subjects, as its configuration documents them.
+fn kvroute_sidecar_subjects() -> Vec<String> {
+    [
+        "namespace.*.component.*.kv-events",
+        "namespace.*.component.*.endpoint.*.kv-events",
+        "namespace.*.component.*.endpoint.*.kv_metrics",
+    ]
+    .map(String::from)
+    .to_vec()
 }

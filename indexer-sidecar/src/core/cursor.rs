@@ -16,7 +16,8 @@ pub enum Verdict {
         /// This message's.
         to: u64,
     },
-    /// A live copy of a message a warm start already applied.
+    /// A message already applied: the last one again (a redelivery, or two subscriptions
+    /// matching one subject), or a live copy of one a warm start applied.
     Duplicate,
     /// The counter went back: the publisher restarted, with an empty cache.
     Restarted,
@@ -47,6 +48,7 @@ impl Cursor {
         match self.last {
             None => Verdict::First,
             Some(last) if seq == last.wrapping_add(1) => Verdict::Next,
+            Some(last) if seq == last => Verdict::Duplicate,
             Some(last) if seq > last => Verdict::Gap {
                 from: last + 1,
                 to: seq,
@@ -87,7 +89,12 @@ mod tests {
         assert_eq!(at(5).check(6), Verdict::Next);
         assert_eq!(at(5).check(9), Verdict::Gap { from: 6, to: 9 });
         assert_eq!(at(5).check(0), Verdict::Restarted);
-        assert_eq!(at(5).check(5), Verdict::Restarted);
+        assert_eq!(
+            at(5).check(5),
+            Verdict::Duplicate,
+            "a repeat is not a restart"
+        );
+        assert_eq!(at(5).check(4), Verdict::Restarted);
         assert_eq!(at(u64::MAX - 1).check(u64::MAX), Verdict::Next);
     }
 

@@ -107,7 +107,11 @@ impl RadixIndex {
                 };
                 for b in blocks {
                     let node = chain(prefix, b.local_hash);
-                    cache.insert(b.engine_hash, node);
+                    // An engine hash stored again for other tokens (a hash reused after a
+                    // removal we missed): the old node is no longer held through it.
+                    if let Some(old) = cache.insert(b.engine_hash, node).filter(|&o| o != node) {
+                        Self::unhold(&mut self.holders, old, slot);
+                    }
                     let holders = self.holders.entry(node).or_default();
                     if let Err(at) = holders.binary_search(&slot) {
                         holders.insert(at, slot);
@@ -133,12 +137,20 @@ impl RadixIndex {
     }
 
     fn drop_holder(&mut self, node: PrefixHash, slot: Slot) {
-        if let Some(holders) = self.holders.get_mut(&node) {
-            if let Ok(at) = holders.binary_search(&slot) {
-                holders.remove(at);
+        Self::unhold(&mut self.holders, node, slot);
+    }
+
+    fn unhold(
+        holders: &mut FastMap<PrefixHash, SmallVec<[Slot; 8]>>,
+        node: PrefixHash,
+        slot: Slot,
+    ) {
+        if let Some(h) = holders.get_mut(&node) {
+            if let Ok(at) = h.binary_search(&slot) {
+                h.remove(at);
             }
-            if holders.is_empty() {
-                self.holders.remove(&node);
+            if h.is_empty() {
+                holders.remove(&node);
             }
         }
     }
@@ -284,6 +296,32 @@ mod tests {
         let out = idx.apply(W0, &stored(Some(a[1].0 ^ 7), &a[2..], 7));
         assert_eq!(out.stored, 2);
         assert_eq!(idx.find_matches(&prefix_hashes(&a), 8), vec![(W0, 4)]);
+    }
+
+    /// An engine hash stored again for other tokens leaves no match behind for the old ones.
+    #[test]
+    fn a_restored_engine_hash_moves_its_holder() {
+        let mut idx = RadixIndex::default();
+        let (a, b) = (locals(0, 1), locals(100, 1));
+        idx.apply(W0, &stored(None, &a, 0));
+        let reused = KvEvent {
+            dp_rank: 0,
+            kind: KvEventKind::Stored {
+                parent: None,
+                blocks: vec![StoredBlock {
+                    engine_hash: EngineHash(a[0].0),
+                    local_hash: b[0],
+                }],
+            },
+        };
+        idx.apply(W0, &reused);
+        assert!(
+            idx.find_matches(&prefix_hashes(&a), 8).is_empty(),
+            "stale match"
+        );
+        assert_eq!(idx.find_matches(&prefix_hashes(&b), 8), vec![(W0, 1)]);
+        assert_eq!(idx.len(), 1);
+        assert_eq!(idx.blocks_of(W0), 1);
     }
 
     #[test]

@@ -49,7 +49,7 @@ impl Load {
 
 /// Tickets never reported nor reclaimed (no scrapes) are dropped after this long: the shipped
 /// route timeout, so no request still running is forgotten.
-const TICKET_LIFETIME: Duration = Duration::from_secs(600);
+pub const TICKET_LIFETIME: Duration = Duration::from_secs(600);
 
 /// Tickets a scrape closed without a report.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -94,6 +94,19 @@ impl WorkerLoad {
         self.open.remove(&seq).is_some()
     }
 
+    /// Close the tickets older than their lifetime at `now`; how many.
+    pub fn expire(&mut self, now: Instant) -> u64 {
+        let mut expired = 0;
+        while let Some(entry) = self.open.first_entry() {
+            if now.saturating_duration_since(*entry.get()) < TICKET_LIFETIME {
+                break;
+            }
+            entry.remove();
+            expired += 1;
+        }
+        expired
+    }
+
     /// Record a Dynamo `kv_metrics` message of data-parallel rank `dp_rank`.
     pub fn dynamo_metrics(
         &mut self,
@@ -113,16 +126,12 @@ impl WorkerLoad {
     /// Record a scrape (`None`: it failed) taken at `now` of an engine scraped every `settle`,
     /// and close the tickets the scrape shows have finished, and those past their lifetime.
     pub fn scraped(&mut self, load: Option<Load>, now: Instant, settle: Duration) -> Reclaimed {
-        let mut out = Reclaimed::default();
+        let mut out = Reclaimed {
+            expired: self.expire(now),
+            ..Reclaimed::default()
+        };
         self.scraped = load;
         let open = &mut self.open;
-        while let Some(entry) = open.first_entry() {
-            if now.saturating_duration_since(*entry.get()) < TICKET_LIFETIME {
-                break;
-            }
-            entry.remove();
-            out.expired += 1;
-        }
         if let (Some(load), Some(slot)) = (load, self.scraped.as_mut()) {
             let reported = (load.running + load.waiting).max(0.0);
             let settled_before = now.checked_sub(settle).unwrap_or(now);

@@ -171,6 +171,9 @@ pub enum Input<'a> {
     },
     /// Hinted requests that finished.
     Finished(&'a [Ticket]),
+    /// Time passed: tickets past their lifetime expire, whether or not their worker is ever
+    /// scraped (a lost finished-report must not load a worker forever).
+    Tick,
 }
 
 /// A worker as outcomes name it: cheap to copy around, readable in logs.
@@ -470,6 +473,7 @@ impl Core {
                 unreachable,
             } => self.discovery(model, instances, unreachable, now, &mut out),
             Input::Finished(tickets) => self.finished(tickets, &mut out),
+            Input::Tick => self.expire(now, &mut out),
         }
         out
     }
@@ -742,6 +746,31 @@ impl Core {
         self.indexes.get(&w.model).map_or(0, |i| i.blocks_of(id))
     }
 
+    fn expire(&mut self, now: Instant, out: &mut Vec<Happened>) {
+        let mut expired = 0;
+        let mut changed = Vec::new();
+        for w in self.fleet.iter_mut() {
+            let n = w.load.expire(now);
+            if n > 0 {
+                expired += n;
+                changed.push((w.id, w.current_load()));
+            }
+        }
+        if expired > 0 {
+            out.push(Happened::Tickets {
+                how: TicketClosed::Expired,
+                n: expired,
+            });
+        }
+        for (id, load) in changed {
+            out.push(Happened::Load {
+                worker: self.name(id),
+                load,
+                from_dynamo: false,
+            });
+        }
+    }
+
     fn finished(&mut self, tickets: &[Ticket], out: &mut Vec<Happened>) {
         let (mut finished, mut unknown) = (0, 0);
         let mut changed = BTreeSet::new();
@@ -787,10 +816,12 @@ impl Core {
             0 => None,
             n => Some(req.hashes[n - 1].0),
         };
+        // Only workers serving the request's model: the filter names the base model of an
+        // adapter, and every worker of a base model serves its adapters.
         let workers = self
             .fleet
             .iter()
-            .filter(|w| w.usable())
+            .filter(|w| w.usable() && w.model == req.model)
             .map(|w| (w.id, &*w.address, w.current_load()));
         let decision = policy::choose(
             req.hashes.len() as u32,

@@ -381,3 +381,91 @@ fn envoy_decides_who_is_usable() {
         Target::Addresses(_)
     ));
 }
+
+/// A hint names only workers of the request's model, cold prompt or warm.
+#[test]
+fn hints_name_only_workers_of_the_requested_model() {
+    let model = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/models/tiny-llama");
+    let mut core = Core::new(&config(&format!(
+        "[[models]]\nname = \"b\"\ndir = \"{model}\"\nblock_size = 16\n\
+         [[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\n\
+         [[workers]]\naddress = \"127.0.0.1:9001\"\nmodel = \"b\"\n"
+    )));
+    let b_worker: std::sync::Arc<str> = "127.0.0.1:9001".into();
+    // Model b's worker holds the prompt; model m's request must not go there.
+    let batch = store(None, 0, 2);
+    let m = Message::vllm("127.0.0.1:9001", 0, Delivery::LiveHoldingGaps, &batch);
+    core.ingest(Input::Message(m), Instant::now());
+    let warm = token_prefix_hashes(&(0..32).collect::<Vec<u32>>(), 16, HashSeed::default());
+    for hashes in [warm.clone(), vec![PrefixHash(7)], vec![PrefixHash(8)]] {
+        let req = HintRequest {
+            model: "m".into(),
+            hashes: hashes.clone(),
+            finished: Vec::new(),
+        };
+        let hint = core.hint(&req, Instant::now()).unwrap();
+        assert_eq!(
+            hint.target,
+            Target::Addresses(vec!["127.0.0.1:9000".into()]),
+            "{hashes:?}"
+        );
+        let for_b = HintRequest {
+            model: "b".into(),
+            ..req
+        };
+        let hint = core.hint(&for_b, Instant::now()).unwrap();
+        assert_eq!(hint.target, Target::Addresses(vec![b_worker.clone()]));
+    }
+}
+
+/// A discovered worker is never scraped: its tickets expire on the clock alone.
+#[test]
+fn tickets_expire_without_scrapes() {
+    let (mut core, _, req) = pin_fixture();
+    let now = Instant::now();
+    discover(
+        &mut core,
+        &instances(&[(5, 40051, Role::Aggregated)]),
+        &[],
+        now,
+    );
+    for _ in 0..3 {
+        core.hint(&req, now).unwrap();
+    }
+    let busy = |core: &Core| core.fleet().get(WorkerId(0)).unwrap().current_load().busy();
+    assert_eq!(busy(&core), 3.0);
+    assert!(core.ingest(Input::Tick, now).is_empty(), "nothing old yet");
+    let later = now + load::TICKET_LIFETIME;
+    let happened = core.ingest(Input::Tick, later);
+    assert!(happened.contains(&Happened::Tickets {
+        how: TicketClosed::Expired,
+        n: 3
+    }));
+    assert_eq!(busy(&core), 0.0);
+}
+
+/// The same Dynamo event twice (a redelivery, overlapping subscriptions) is a duplicate:
+/// dropped and counted, the worker's entries kept.
+#[test]
+fn a_repeated_event_is_a_duplicate_not_a_restart() {
+    let (mut core, evs, req) = pin_fixture();
+    let now = Instant::now();
+    discover(
+        &mut core,
+        &instances(&[(evs[0].worker_id, 40051, Role::Aggregated)]),
+        &[],
+        now,
+    );
+    for e in &evs {
+        for _ in 0..2 {
+            let happened = core.ingest(Input::Message(Message::dynamo(e)), now);
+            assert!(
+                !happened
+                    .iter()
+                    .any(|h| matches!(h, Happened::Forgot { .. })),
+                "{happened:?}"
+            );
+        }
+    }
+    assert_eq!(core.hint(&req, now).unwrap().decision.matched_blocks, 4);
+}

@@ -53,12 +53,80 @@ pub async fn run(config: NatsConfig, state: Arc<Sidecar>) -> anyhow::Result<()> 
         state.clone(),
         source,
     ));
+    let overlapping = overlaps(&config.subjects);
+    if let Some((a, b)) = &overlapping {
+        tracing::info!(%a, %b, "NATS subjects overlap: a message matching both arrives once per subscription; the copies are dropped");
+    }
+    let mut recent = overlapping.map(|_| Recent::default());
     let mut messages = futures::stream::select_all(subscriptions);
     while let Some(msg) = messages.next().await {
+        if let Some(recent) = &mut recent {
+            if !recent.first_time(msg.subject.as_str(), &msg.payload) {
+                continue;
+            }
+        }
         handle(&state, source, msg.subject.as_str(), &msg.payload);
     }
     anyhow::bail!("NATS subscription to {} ended", config.url)
 }
+
+/// The first pair of `subjects` that some subject matches both of.
+pub fn overlaps(subjects: &[String]) -> Option<(String, String)> {
+    subjects.iter().enumerate().find_map(|(i, a)| {
+        subjects[i + 1..]
+            .iter()
+            .find(|b| subjects_overlap(a, b))
+            .map(|b| (a.clone(), b.clone()))
+    })
+}
+
+/// Whether some subject matches both NATS patterns (`*`: one token, `>`: one or more).
+pub fn subjects_overlap(a: &str, b: &str) -> bool {
+    fn go(a: &[&str], b: &[&str]) -> bool {
+        match (a.first(), b.first()) {
+            (None, None) => true,
+            (Some(&">"), Some(_)) | (Some(_), Some(&">")) => true,
+            (Some(x), Some(y)) if x == y || *x == "*" || *y == "*" => go(&a[1..], &b[1..]),
+            _ => false,
+        }
+    }
+    let (a, b): (Vec<&str>, Vec<&str>) = (a.split('.').collect(), b.split('.').collect());
+    go(&a, &b)
+}
+
+/// How many recent messages the copy filter remembers: more than two overlapping
+/// subscriptions can deliver out of step.
+const RECENT: usize = 4096;
+
+/// The hashes of the last [`RECENT`] messages (subject and body): a copy of one is dropped.
+/// Dynamo's bodies carry their `event_id`, so two different events never look alike.
+#[derive(Default)]
+struct Recent {
+    seen: std::collections::HashSet<u64>,
+    order: std::collections::VecDeque<u64>,
+}
+
+impl Recent {
+    fn first_time(&mut self, subject: &str, body: &[u8]) -> bool {
+        let h = xxhash_rust::xxh3::xxh3_64_with_seed(
+            body,
+            xxhash_rust::xxh3::xxh3_64(subject.as_bytes()),
+        );
+        if !self.seen.insert(h) {
+            return false;
+        }
+        self.order.push_back(h);
+        if self.order.len() > RECENT {
+            if let Some(old) = self.order.pop_front() {
+                self.seen.remove(&old);
+            }
+        }
+        true
+    }
+}
+
+/// The last token of a KV-event subject, in every Dynamo layout.
+const KV_EVENTS_TOPIC: &str = "kv-events";
 
 /// How long one look at the whole bus lasts.
 const PROBE_WINDOW: Duration = Duration::from_secs(2);
@@ -153,6 +221,11 @@ pub fn handle(state: &Sidecar, source: usize, subject: &str, body: &[u8]) {
         }
         return;
     }
+    if subject.rsplit('.').next() != Some(KV_EVENTS_TOPIC) {
+        // A broad subscription (`namespace.>`) sees the whole bus: only KV events are ours.
+        seen(true);
+        return;
+    }
     let decoded = decode_message(body);
     seen(decoded.is_ok());
     match decoded {
@@ -184,6 +257,29 @@ pub fn handle(state: &Sidecar, source: usize, subject: &str, body: &[u8]) {
 mod tests {
     use super::*;
     use crate::sidecar::tests::sidecar as state;
+
+    #[test]
+    fn overlapping_subjects_are_found() {
+        assert!(subjects_overlap(
+            "namespace.>",
+            "namespace.*.component.*.kv-events"
+        ));
+        assert!(subjects_overlap("a.*.c", "a.b.*"));
+        assert!(!subjects_overlap(
+            "namespace.*.component.*.kv-events",
+            "namespace.*.component.*.endpoint.*.kv-events"
+        ));
+        assert!(!subjects_overlap("a.>", "a"), "> needs a token");
+        assert!(!subjects_overlap("a.b", "a.c"));
+        assert_eq!(overlaps(&crate::config::default_subjects()), None);
+        let mut r = Recent::default();
+        assert!(r.first_time("s", b"x"));
+        assert!(!r.first_time("s", b"x"));
+        assert!(
+            r.first_time("t", b"x"),
+            "another subject is another message"
+        );
+    }
 
     #[test]
     fn kv_metrics_feed_the_load_not_the_index() {

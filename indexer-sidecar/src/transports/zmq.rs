@@ -85,12 +85,14 @@ pub fn run(config: ZmqConfig, state: Arc<Sidecar>) {
         source,
         context: zmq::Context::new(),
         seen: BTreeSet::new(),
+        handshaken: false,
     };
     let mut delay = RETRY_DELAY;
     loop {
         let started = Instant::now();
         if let Err(e) = subscriber.session() {
-            tracing::error!(endpoint = %config.endpoint, error = format!("{e:#}"), retry_in = ?delay, "ZMQ subscriber failed; starting over");
+            let error = format!("{e:#}; starting over in {delay:?}");
+            subscriber.failed(&error);
         }
         // A session that worked for a while starts the backoff over.
         if started.elapsed() > RETRY_DELAY_MAX {
@@ -109,6 +111,9 @@ struct Subscriber<'a> {
     context: zmq::Context,
     /// Publishers (worker addresses) whose events arrived here.
     seen: BTreeSet<String>,
+    /// Whether the current connection completed its handshake: only such a connection closing
+    /// means an engine went away (one reset mid-handshake is a failed attempt, not a restart).
+    handshaken: bool,
 }
 
 impl Subscriber<'_> {
@@ -117,6 +122,7 @@ impl Subscriber<'_> {
         let config = self.config;
         let socket = self.context.socket(zmq::SUB)?;
         socket.set_rcvhwm(RECEIVE_HWM)?;
+        socket.set_maxmsgsize(i64::try_from(config.max_message_bytes).unwrap_or(i64::MAX))?;
         socket.set_reconnect_ivl(RECONNECT_IVL_MS)?;
         socket.set_reconnect_ivl_max(RECONNECT_IVL_MAX_MS)?;
         // A publisher whose host vanished sends no FIN; keepalive finds it within ~16 s.
@@ -125,11 +131,16 @@ impl Subscriber<'_> {
         socket.set_tcp_keepalive_intvl(2)?;
         socket.set_tcp_keepalive_cnt(3)?;
         let monitor_address = format!("inproc://kvroute-zmq-monitor-{}", self.source);
-        socket.monitor(
-            &monitor_address,
-            (zmq::SocketEvent::HANDSHAKE_SUCCEEDED as u16 | zmq::SocketEvent::DISCONNECTED as u16)
-                .into(),
-        )?;
+        let events = [
+            zmq::SocketEvent::HANDSHAKE_SUCCEEDED,
+            zmq::SocketEvent::DISCONNECTED,
+            zmq::SocketEvent::CONNECT_RETRIED,
+            zmq::SocketEvent::HANDSHAKE_FAILED_NO_DETAIL,
+            zmq::SocketEvent::HANDSHAKE_FAILED_PROTOCOL,
+            zmq::SocketEvent::HANDSHAKE_FAILED_AUTH,
+        ];
+        let mask = events.iter().fold(0u16, |m, e| m | *e as u16);
+        socket.monitor(&monitor_address, mask.into())?;
         let monitor = self.context.socket(zmq::PAIR)?;
         monitor.connect(&monitor_address)?;
         if config.bind {
@@ -183,11 +194,31 @@ impl Subscriber<'_> {
             .map(|p| String::from_utf8_lossy(p).into_owned())
             .unwrap_or_default();
         match event {
-            zmq::SocketEvent::DISCONNECTED if self.one_publisher() => self.publisher_gone(&peer),
+            zmq::SocketEvent::DISCONNECTED if !self.handshaken => {
+                self.failed(&format!(
+                    "{peer}: connection closed before its ZMTP handshake completed"
+                ));
+            }
+            zmq::SocketEvent::DISCONNECTED if self.one_publisher() => {
+                self.handshaken = false;
+                self.publisher_gone(&peer);
+            }
             zmq::SocketEvent::DISCONNECTED => {
+                self.handshaken = false;
                 tracing::info!(endpoint = %self.config.endpoint, "a vLLM publisher disconnected from the bound socket; a restart shows when its sequence starts over");
             }
+            zmq::SocketEvent::CONNECT_RETRIED => {
+                self.failed("connection attempt failed (name not resolved, refused, or reset); libzmq retries every <= 1 s");
+            }
+            zmq::SocketEvent::HANDSHAKE_FAILED_NO_DETAIL
+            | zmq::SocketEvent::HANDSHAKE_FAILED_PROTOCOL
+            | zmq::SocketEvent::HANDSHAKE_FAILED_AUTH => {
+                self.failed(&format!(
+                    "{peer}: ZMTP handshake failed ({event:?}): not a ZMQ publisher, or a hostile or oversized frame"
+                ));
+            }
             zmq::SocketEvent::HANDSHAKE_SUCCEEDED => {
+                self.handshaken = true;
                 tracing::info!(endpoint = %self.config.endpoint, %peer, "vLLM KV-event publisher connected");
                 self.state.plane().subscribed(self.source);
                 if self.one_publisher() {
@@ -196,6 +227,11 @@ impl Subscriber<'_> {
             }
             _ => {}
         }
+    }
+
+    fn failed(&self, error: &str) {
+        self.state
+            .source_failed(self.source, &self.config.endpoint, Transport::Zmq, error);
     }
 
     /// The engine's connection closed: it stopped, and its cache with it.
