@@ -35,6 +35,10 @@ pub struct FilterConfig {
     pub bundle_refresh_ms: u64,
 }
 
+/// The largest body the filter may buffer: the shipped routes' `request_body_buffer_limit`
+/// (16 MiB) less one socket read, so a body still being buffered never hits Envoy's 413.
+pub const MAX_BODY_BYTES: usize = (16 << 20) - (1 << 20);
+
 impl Default for FilterConfig {
     fn default() -> Self {
         FilterConfig {
@@ -55,18 +59,75 @@ impl Default for FilterConfig {
 }
 
 impl FilterConfig {
-    /// Parse the plugin configuration; empty means all defaults.
-    pub fn parse(bytes: &[u8]) -> Result<Self, serde_json::Error> {
+    /// Parse the plugin configuration (empty means all defaults) and refuse values that would
+    /// hang or fail requests, naming the field.
+    pub fn parse(bytes: &[u8]) -> Result<Self, String> {
         if bytes.iter().all(u8::is_ascii_whitespace) {
             return Ok(FilterConfig::default());
         }
-        serde_json::from_slice(bytes)
+        let config: FilterConfig = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        // Envoy reads a zero call timeout as none: a hung sidecar would hang every request.
+        if !(1..=10_000).contains(&self.hint_timeout_ms) {
+            return Err(format!(
+                "hint_timeout_ms = {}: must be 1..=10000",
+                self.hint_timeout_ms
+            ));
+        }
+        if self.max_body_bytes > MAX_BODY_BYTES {
+            return Err(format!(
+                "max_body_bytes = {}: the shipped routes buffer at most {} bytes \
+                 (request_body_buffer_limit, 16 MiB, less a socket read); above it Envoy answers 413",
+                self.max_body_bytes, MAX_BODY_BYTES
+            ));
+        }
+        if self.fallback_key_blocks == 0 {
+            return Err("fallback_key_blocks must be at least 1".into());
+        }
+        if self.bundle_refresh_ms < 100 {
+            return Err(format!(
+                "bundle_refresh_ms = {}: must be at least 100",
+                self.bundle_refresh_ms
+            ));
+        }
+        for (name, header) in [
+            ("worker_header", &self.worker_header),
+            ("key_header", &self.key_header),
+            ("instance_header", &self.instance_header),
+            ("prefill_instance_header", &self.prefill_instance_header),
+        ] {
+            if header.is_empty() || header.chars().any(|c| c.is_ascii_uppercase()) {
+                return Err(format!(
+                    "{name} = {header:?}: must be a non-empty lowercase header name"
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn values_that_would_hang_or_fail_requests_are_refused() {
+        for (json, field) in [
+            (r#"{"hint_timeout_ms": 0}"#, "hint_timeout_ms"),
+            (r#"{"max_body_bytes": 17000000}"#, "max_body_bytes"),
+            (r#"{"fallback_key_blocks": 0}"#, "fallback_key_blocks"),
+            (r#"{"bundle_refresh_ms": 0}"#, "bundle_refresh_ms"),
+            (r#"{"worker_header": ""}"#, "worker_header"),
+            (r#"{"key_header": "X-Key"}"#, "key_header"),
+        ] {
+            let e = FilterConfig::parse(json.as_bytes()).unwrap_err();
+            assert!(e.contains(field), "{json}: {e}");
+        }
+    }
 
     #[test]
     fn defaults_and_overrides() {

@@ -251,8 +251,9 @@ impl Unreported {
     }
 }
 
-/// Whether the catalog is due `since_last` after the last fetch (`None`: never fetched): every
-/// `bundle_refresh_ms` once one arrived, every [`RETRY_FETCH`] until then.
+/// Whether the catalog is due `since_last` after the last fetch (`None`: never fetched, or the
+/// clock went back since — fetch rather than stall): every `bundle_refresh_ms` once one
+/// arrived, every [`RETRY_FETCH`] until then.
 pub fn catalog_due(since_last: Option<Duration>, loaded: bool, cfg: &FilterConfig) -> bool {
     let every = if loaded {
         Duration::from_millis(cfg.bundle_refresh_ms)

@@ -219,9 +219,7 @@ impl RootContext for Root {
         let Ok(now) = hostcalls::get_current_time() else {
             return;
         };
-        let since_last = self
-            .last_catalog
-            .map(|t| now.duration_since(t).unwrap_or_default());
+        let since_last = self.last_catalog.and_then(|t| now.duration_since(t).ok());
         let due = flow::catalog_due(
             since_last,
             self.catalog_loaded,

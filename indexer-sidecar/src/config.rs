@@ -204,11 +204,95 @@ fn default_listen() -> SocketAddr {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NatsConfig {
-    /// NATS server URL.
+    /// NATS server URL (`nats://`, `tls://`; `user:password@` in it works, but is better in
+    /// the fields below: the URL is shown with its secret masked).
     pub url: String,
     /// Subjects to subscribe to (wildcards allowed).
     #[serde(default = "default_subjects")]
     pub subjects: Vec<String>,
+    /// A `.creds` file (JWT and NKey seed), as `nsc` writes it.
+    #[serde(default)]
+    pub credentials_file: Option<PathBuf>,
+    /// A file holding an NKey seed (`SU…`).
+    #[serde(default)]
+    pub nkey_seed_file: Option<PathBuf>,
+    /// User name, with `password_file`.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// A file holding the user's password.
+    #[serde(default)]
+    pub password_file: Option<PathBuf>,
+    /// A file holding an authentication token.
+    #[serde(default)]
+    pub token_file: Option<PathBuf>,
+    /// Refuse a connection that is not TLS.
+    #[serde(default)]
+    pub require_tls: bool,
+    /// CA certificate(s) (PEM) to verify the server with.
+    #[serde(default)]
+    pub tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM), with `tls_key`, for servers that verify clients.
+    #[serde(default)]
+    pub tls_cert: Option<PathBuf>,
+    /// The client certificate's key (PEM).
+    #[serde(default)]
+    pub tls_key: Option<PathBuf>,
+}
+
+impl NatsConfig {
+    /// The URL with any `user:password@` masked: what logs and `/debug/sources` show.
+    pub fn redacted_url(&self) -> String {
+        redact_url(&self.url)
+    }
+
+    fn resolve_paths(&mut self, base: &Path) {
+        for p in [
+            &mut self.credentials_file,
+            &mut self.nkey_seed_file,
+            &mut self.password_file,
+            &mut self.token_file,
+            &mut self.tls_ca,
+            &mut self.tls_cert,
+            &mut self.tls_key,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        }
+    }
+
+    fn validate(&self) -> anyhow::Result<()> {
+        let methods = [
+            self.credentials_file.is_some(),
+            self.nkey_seed_file.is_some(),
+            self.user.is_some() || self.password_file.is_some(),
+            self.token_file.is_some(),
+        ];
+        if methods.iter().filter(|&&m| m).count() > 1 {
+            bail!("[nats]: set one of credentials_file, nkey_seed_file, user + password_file, token_file");
+        }
+        if self.user.is_some() != self.password_file.is_some() {
+            bail!("[nats]: user and password_file go together");
+        }
+        if self.tls_cert.is_some() != self.tls_key.is_some() {
+            bail!("[nats]: tls_cert and tls_key go together");
+        }
+        Ok(())
+    }
+}
+
+/// `scheme://user:secret@host` → `scheme://***@host` (any userinfo, whole).
+pub fn redact_url(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    match authority.rsplit_once('@') {
+        Some((_, host)) if scheme.is_empty() => format!("***@{host}{path}"),
+        Some((_, host)) => format!("{scheme}://***@{host}{path}"),
+        None => url.to_owned(),
+    }
 }
 
 /// KV events in both Dynamo subject layouts (1.2 and 1.6), and 1.6's per-worker KV usage;
@@ -341,6 +425,9 @@ impl Config {
                 d.dir = base.join(&d.dir);
             }
         }
+        if let Some(nats) = &mut config.nats {
+            nats.resolve_paths(base);
+        }
         config.validate()?;
         Ok(config)
     }
@@ -399,6 +486,33 @@ impl Config {
             if !z.endpoint.starts_with("tcp://") && !z.endpoint.starts_with("ipc://") {
                 bail!("[[zmq]] endpoint {} is not tcp:// or ipc://", z.endpoint);
             }
+            if z.max_message_bytes == 0 {
+                bail!("[[zmq]] {}: max_message_bytes must be positive", z.endpoint);
+            }
+        }
+        if let Some(nats) = &self.nats {
+            nats.validate()?;
+        }
+        let r = &self.routing;
+        if !(10..=60_000).contains(&r.scrape_interval_ms) {
+            bail!(
+                "[routing] scrape_interval_ms = {}: must be 10..=60000",
+                r.scrape_interval_ms
+            );
+        }
+        if r.max_hinted_workers == 0 {
+            bail!("[routing] max_hinted_workers must be at least 1");
+        }
+        for (name, v) in [
+            ("load_penalty_blocks", r.load_penalty_blocks),
+            ("home_slack", r.home_slack),
+            ("max_waiting", r.max_waiting),
+            ("max_kv_usage", r.max_kv_usage),
+            ("max_in_flight", r.max_in_flight),
+        ] {
+            if !v.is_finite() || v < 0.0 {
+                bail!("[routing] {name} = {v}: must be a finite number >= 0");
+            }
         }
         Ok(())
     }
@@ -440,6 +554,44 @@ address = "127.0.0.1:8001"
 model = "tiny"
 dynamo_worker_id = 18446744073709551615
 "#;
+
+    #[test]
+    fn secrets_in_urls_are_masked() {
+        assert_eq!(
+            redact_url("nats://u:p4ss@10.0.0.1:4222"),
+            "nats://***@10.0.0.1:4222"
+        );
+        assert_eq!(
+            redact_url("tls://tok3n@nats:4222/x"),
+            "tls://***@nats:4222/x"
+        );
+        assert_eq!(redact_url("nats://10.0.0.1:4222"), "nats://10.0.0.1:4222");
+        assert_eq!(redact_url("u:p@h:1"), "***@h:1");
+        let both =
+            "[nats]\nurl = \"nats://h\"\ntoken_file = \"t\"\nuser = \"u\"\npassword_file = \"p\"\n";
+        let c: Config = toml::from_str(both).unwrap();
+        assert!(c.validate().unwrap_err().to_string().contains("one of"));
+    }
+
+    #[test]
+    fn bad_numbers_are_refused_naming_the_field() {
+        for (extra, field) in [
+            ("[routing]\nscrape_interval_ms = 0\n", "scrape_interval_ms"),
+            (
+                "[routing]\nscrape_interval_ms = 18446744073709551615\n",
+                "scrape_interval_ms",
+            ),
+            (
+                "[routing]\nload_penalty_blocks = -1.0\n",
+                "load_penalty_blocks",
+            ),
+            ("[routing]\nmax_hinted_workers = 0\n", "max_hinted_workers"),
+        ] {
+            let c: Config = toml::from_str(extra).unwrap();
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains(field), "{extra}: {e}");
+        }
+    }
 
     #[test]
     fn parses_and_resolves_dirs() {

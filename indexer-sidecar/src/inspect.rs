@@ -169,7 +169,11 @@ pub async fn tap(targets: TapTargets) -> anyhow::Result<()> {
         for subject in &targets.subjects {
             subs.push(client.subscribe(subject.clone()).await?);
         }
-        eprintln!("tap: NATS {url}, subjects {:?}", targets.subjects);
+        eprintln!(
+            "tap: NATS {}, subjects {:?}",
+            crate::config::redact_url(url),
+            targets.subjects
+        );
         let tx = tx.clone();
         tokio::spawn(async move {
             let mut messages = futures::stream::select_all(subs);
@@ -224,8 +228,12 @@ pub async fn tap(targets: TapTargets) -> anyhow::Result<()> {
             got = rx.recv() => {
                 let Some((subject, lines)) = got else { return Ok(()) };
                 *per_subject.entry(subject).or_default() += 1;
+                let mut out = std::io::stdout().lock();
                 for line in lines {
-                    println!("{line}");
+                    // `tap … | head`: the reader went away, so the tap is done.
+                    if std::io::Write::write_fmt(&mut out, format_args!("{line}\n")).is_err() {
+                        return Ok(());
+                    }
                 }
             }
             _ = tick.tick() => {

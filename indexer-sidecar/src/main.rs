@@ -146,8 +146,8 @@ async fn main() -> anyhow::Result<()> {
         } => {
             let mut body = Vec::new();
             std::io::Read::read_to_end(&mut std::io::stdin(), &mut body)?;
-            println!("{}", inspect::tokenize(&model_dir, block_size, &body)?);
-            Ok(())
+            let out = inspect::tokenize(&model_dir, block_size, &body)?;
+            print_lines(std::iter::once(out.to_string()))
         }
         Command::EnvoyConfig {
             template,
@@ -175,13 +175,30 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Command::Decode { format, files } => {
+            let mut lines = Vec::new();
             for file in files {
-                for line in inspect::decode_file(format, &file)? {
-                    println!("{line}");
-                }
+                lines.extend(inspect::decode_file(format, &file)?);
             }
-            Ok(())
+            print_lines(lines.into_iter().map(|l| l.to_string()))
         }
+    }
+}
+
+/// Write lines to stdout; a reader that went away (`| head`) ends the output quietly instead of
+/// the panic `println!` would raise.
+fn print_lines(lines: impl Iterator<Item = String>) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    for line in lines {
+        match writeln!(out, "{line}") {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(()),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    match out.flush() {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
     }
 }
 

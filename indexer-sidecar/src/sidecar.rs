@@ -184,8 +184,15 @@ impl Sidecar {
                     tracing::warn!(worker = %worker.address, "index full: more than 65535 caches; event dropped");
                 }
                 if outcome.orphan {
-                    tracing::debug!(worker = %worker.address, "stored event with unknown parent dropped");
-                    m.orphan_stores.get_or_create(&worker_label(worker)).inc();
+                    let counter = m.orphan_stores.get_or_create(&worker_label(worker));
+                    // One line per worker, then the counter: a sidecar that started late sees
+                    // many, and each says the same.
+                    if counter.get() == 0 {
+                        tracing::warn!(worker = %worker.address, "stored event whose parent block is unknown here dropped (events lost, or stored before this sidecar listened); kvroute_orphan_stores_total counts the rest");
+                    } else {
+                        tracing::debug!(worker = %worker.address, "stored event with unknown parent dropped");
+                    }
+                    counter.inc();
                 }
                 if outcome.unknown_removals > 0 {
                     m.unknown_removals.inc_by(outcome.unknown_removals as u64);

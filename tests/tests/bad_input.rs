@@ -103,3 +103,38 @@ fn chunked(body: String) -> impl futures::Stream<Item = Result<Vec<u8>, std::io:
         .collect();
     futures::stream::iter(chunks)
 }
+
+/// `kvroute-sidecar decode … | head -1`: the reader goes away after one line; the command ends
+/// quietly instead of panicking on the closed pipe.
+#[test]
+fn decode_into_a_closed_pipe_does_not_panic() {
+    use std::io::BufRead as _;
+    let raw = kvroute_protocol::samples_dir().join("vllm/run1-sha256-default/raw");
+    let files: Vec<_> = std::fs::read_dir(&raw)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.to_string_lossy().ends_with(".payload.msgpack"))
+        .collect();
+    let mut args = vec!["decode".into(), "--format".into(), "vllm-zmq".into()];
+    // The same files many times over: far more output than a pipe buffer holds.
+    for _ in 0..200 {
+        args.extend(files.iter().map(|p| p.clone().into_os_string()));
+    }
+    let mut child =
+        std::process::Command::new(kvroute_harness::paths::binary("kvroute-sidecar").unwrap())
+            .args(&args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+    let mut first = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert!(first.starts_with('{'), "{first}");
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}: {stderr}", out.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}

@@ -80,6 +80,9 @@ pub async fn run(config: EnvoyConfig, state: Arc<Sidecar>) {
             .and_then(|d| parse_clusters(&d, &config.cluster));
         match hosts {
             Some(hosts) => {
+                if warned {
+                    tracing::info!(%url, cluster = %config.cluster, "reading Envoy's view of the workers cluster again");
+                }
                 warned = false;
                 state.ingest(None, Input::EnvoyView(&hosts), std::time::Instant::now());
             }

@@ -24,15 +24,17 @@ const NATS: SourceLabel = SourceLabel {
 ///
 /// A plain subscription (no queue group): every sidecar replica must see every event.
 pub async fn run(config: NatsConfig, state: Arc<Sidecar>) -> anyhow::Result<()> {
-    let client = async_nats::ConnectOptions::new()
+    let url = config.redacted_url();
+    let client = connect_options(&config)
+        .await?
         .retry_on_initial_connect()
         .name("kvroute-sidecar")
         .connect(config.url.as_str())
         .await
-        .with_context(|| format!("connecting to NATS at {}", config.url))?;
+        .with_context(|| format!("connecting to NATS at {url}"))?;
     let source = state
         .plane()
-        .register("nats", &config.url, config.subjects.clone());
+        .register("nats", &url, config.subjects.clone());
     let mut subscriptions = Vec::new();
     for subject in &config.subjects {
         let sub = client
@@ -44,7 +46,7 @@ pub async fn run(config: NatsConfig, state: Arc<Sidecar>) -> anyhow::Result<()> 
     // A round trip to the server: once it returns, the subscriptions are in place.
     client.flush().await.context("flushing subscriptions")?;
     for subject in &config.subjects {
-        tracing::info!(%subject, url = %config.url, "subscribed to Dynamo KV events");
+        tracing::info!(%subject, %url, "subscribed to Dynamo KV events");
     }
     state.plane().subscribed(source);
     tokio::spawn(probe_bus(
@@ -67,7 +69,54 @@ pub async fn run(config: NatsConfig, state: Arc<Sidecar>) -> anyhow::Result<()> 
         }
         handle(&state, source, msg.subject.as_str(), &msg.payload);
     }
-    anyhow::bail!("NATS subscription to {} ended", config.url)
+    anyhow::bail!("NATS subscription to {url} ended")
+}
+
+/// Authentication and TLS as configured; secrets are read from their files, never logged.
+pub async fn connect_options(config: &NatsConfig) -> anyhow::Result<async_nats::ConnectOptions> {
+    let secret = |path: &std::path::Path, what: &str| -> anyhow::Result<String> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("[nats] {what}: reading {}", path.display()))?;
+        Ok(text.trim().to_owned())
+    };
+    let mut options = async_nats::ConnectOptions::new();
+    if let Some(path) = &config.credentials_file {
+        options = options
+            .credentials_file(path)
+            .await
+            .with_context(|| format!("[nats] credentials_file {}", path.display()))?;
+    }
+    if let Some(path) = &config.nkey_seed_file {
+        options = options.nkey(secret(path, "nkey_seed_file")?);
+    }
+    if let (Some(user), Some(path)) = (&config.user, &config.password_file) {
+        options = options.user_and_password(user.clone(), secret(path, "password_file")?);
+    }
+    if let Some(path) = &config.token_file {
+        options = options.token(secret(path, "token_file")?);
+    }
+    // `nats://user:password@host` or `nats://token@host`: the client library does not read
+    // them from the URL itself.
+    let explicit = config.credentials_file.is_some()
+        || config.nkey_seed_file.is_some()
+        || config.user.is_some()
+        || config.token_file.is_some();
+    if !explicit {
+        if let Ok(addr) = config.url.parse::<async_nats::ServerAddr>() {
+            options = match (addr.username(), addr.password()) {
+                (Some(user), Some(pass)) => options.user_and_password(user.into(), pass.into()),
+                (Some(token), None) => options.token(token.into()),
+                _ => options,
+            };
+        }
+    }
+    if let Some(ca) = &config.tls_ca {
+        options = options.add_root_certificates(ca.clone());
+    }
+    if let (Some(cert), Some(key)) = (&config.tls_cert, &config.tls_key) {
+        options = options.add_client_certificate(cert.clone(), key.clone());
+    }
+    Ok(options.require_tls(config.require_tls))
 }
 
 /// The first pair of `subjects` that some subject matches both of.
