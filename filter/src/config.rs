@@ -1,5 +1,6 @@
 //! The filter's plugin configuration.
 
+use kvroute_protocol::headers;
 use serde::Deserialize;
 
 /// Plugin configuration, given as JSON in Envoy's wasm `PluginConfig.configuration`.
@@ -46,10 +47,10 @@ impl Default for FilterConfig {
             sidecar_authority: "kvroute-sidecar".into(),
             hint_timeout_ms: 50,
             hints: true,
-            worker_header: "x-kvroute-worker".into(),
-            key_header: "x-kvroute-key".into(),
-            instance_header: "x-worker-instance-id".into(),
-            prefill_instance_header: "x-prefill-instance-id".into(),
+            worker_header: headers::WORKER.into(),
+            key_header: headers::KEY.into(),
+            instance_header: headers::INSTANCE.into(),
+            prefill_instance_header: headers::PREFILL_INSTANCE.into(),
             max_body_bytes: 4 << 20,
             fallback_key_blocks: 8,
             session_header: "x-session-id".into(),

@@ -8,12 +8,17 @@
 //!   mode), one `- endpoint:` line each;
 //! - `SIDECAR_ADDRESS`: the sidecar's address (`socket_address` or `pipe`);
 //! - `FILTER_CONFIG`: the filter's JSON configuration (`filter/src/config.rs`);
-//! - `WASM_PATH`: the filter module (`kvroute_filter.wasm`).
+//! - `WASM_PATH`: the filter module (`kvroute_filter.wasm`);
+//! - `WORKER_HEADER`, `KEY_HEADER`: the headers `override_host` and the hash policy read, and
+//!   `STRIPPED_HEADERS`: the `remove:` lines that drop every routing header a client sent — all
+//!   three from the filter configuration's header names (defaults: `kvroute_protocol::headers`),
+//!   so the filter, the router and the stripping cannot disagree.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context as _};
+use kvroute_protocol::headers;
 
 /// A shipped template.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -91,6 +96,33 @@ pub fn render(template: &str, p: &EnvoyParams) -> anyhow::Result<String> {
         SidecarAddress::Unix(path) => format!("{{ pipe: {{ path: {} }} }}", path.display()),
     };
     // The filter configuration sits in single quotes in YAML: a quote inside is doubled.
+    let header = |field: &str, default: &'static str| -> String {
+        p.filter_config
+            .get(field)
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or(default)
+            .to_owned()
+    };
+    let worker_header = header("worker_header", headers::WORKER);
+    let key_header = header("key_header", headers::KEY);
+    let mut stripped = vec![
+        worker_header.clone(),
+        key_header.clone(),
+        header("instance_header", headers::INSTANCE),
+        header("prefill_instance_header", headers::PREFILL_INSTANCE),
+    ];
+    stripped.extend(headers::DYNAMO_ROUTING.map(String::from));
+    let mut seen = std::collections::HashSet::new();
+    stripped.retain(|h| seen.insert(h.clone()));
+    for name in &stripped {
+        if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-') {
+            bail!("header name {name:?} in the filter configuration is not a plain header name");
+        }
+    }
+    let stripped: Vec<String> = stripped
+        .iter()
+        .map(|h| format!("                - remove: {h}"))
+        .collect();
     let filter_config = p.filter_config.to_string().replace('\'', "''");
     let out = template
         .replace("${ADMIN_PORT}", &p.admin_port.to_string())
@@ -98,7 +130,10 @@ pub fn render(template: &str, p: &EnvoyParams) -> anyhow::Result<String> {
         .replace("${SIDECAR_ADDRESS}", &sidecar)
         .replace("${WORKER_ENDPOINTS}", &endpoints.join("\n"))
         .replace("${FILTER_CONFIG}", &filter_config)
-        .replace("${WASM_PATH}", &p.wasm.display().to_string());
+        .replace("${WASM_PATH}", &p.wasm.display().to_string())
+        .replace("${WORKER_HEADER}", &worker_header)
+        .replace("${KEY_HEADER}", &key_header)
+        .replace("${STRIPPED_HEADERS}", &stripped.join("\n"));
     if let Some(at) = out.find("${") {
         let name: String = out[at..].chars().take_while(|c| *c != '}').collect();
         bail!("the template has a placeholder this version does not fill: {name}}}");
@@ -131,6 +166,38 @@ mod tests {
             filter_config: serde_json::json!({"hint_timeout_ms": 50, "x": "it's"}),
             wasm: "/opt/kvroute/kvroute_filter.wasm".into(),
         }
+    }
+
+    /// The filter's header names are the ones the router reads and the stripping drops.
+    #[test]
+    fn header_names_come_from_the_filter_configuration() {
+        let p = EnvoyParams {
+            filter_config: serde_json::json!({"worker_header": "x-my-worker", "key_header": "x-my-key"}),
+            ..params()
+        };
+        let yaml = render(Template::Kvroute.text(), &p).unwrap();
+        assert!(yaml.contains("- header: x-my-worker"), "{yaml}");
+        assert!(yaml.contains("header_name: x-my-key"), "{yaml}");
+        for h in [
+            "x-my-worker",
+            "x-my-key",
+            headers::INSTANCE,
+            headers::PREFILL_INSTANCE,
+            "x-dp-rank",
+        ] {
+            assert!(yaml.contains(&format!("- remove: {h}\n")), "{h}: {yaml}");
+        }
+        assert!(
+            yaml.lines()
+                .filter(|l| !l.trim_start().starts_with('#'))
+                .all(|l| !l.contains(headers::WORKER)),
+            "only comments name the default: {yaml}"
+        );
+        let bad = EnvoyParams {
+            filter_config: serde_json::json!({"worker_header": "x: y"}),
+            ..params()
+        };
+        assert!(render(Template::Kvroute.text(), &bad).is_err());
     }
 
     #[test]

@@ -9,7 +9,9 @@
 //!   (`silence_s` after start): events disabled on that engine, or a wrong `dynamo_worker_id` /
 //!   `[[zmq]]` entry;
 //! - `no_instances`: a `[[dynamo_discovery]]` entry finds no instance to pin requests to while
-//!   hint requests arrive: every request is left to the frontend's own routing.
+//!   hint requests arrive: every request is left to the frontend's own routing;
+//! - `worker_quiet`: a worker that did publish was hinted `min_hints` times since its last event,
+//!   `silence_s` ago, while other workers kept publishing: its event stream stopped.
 //!
 //! Orphan stores, sequence gaps, restarts and block-size mismatches have their own counters
 //! and log lines where they happen.
@@ -109,9 +111,9 @@ pub struct Activity {
     pub last_hint: Option<Instant>,
     /// When the last hint request arrived, hinted or not.
     pub last_request: Option<Instant>,
-    /// Per worker: its address, the hints it got while it never published, and whether it
-    /// ever published.
-    pub workers: Vec<(String, u64, bool)>,
+    /// Per worker: its address, the hints it got since its last event (or ever), and when it
+    /// last published.
+    pub workers: Vec<(String, u64, Option<Instant>)>,
 }
 
 impl EventPlane {
@@ -365,8 +367,24 @@ impl EventPlane {
             }
         }
         // Only "never": a worker serving prompts it fully holds rightly publishes nothing.
-        for (worker, hints, published) in &activity.workers {
-            if *hints >= config.min_hints && !published && self.quiet_since(None, now, silence) {
+        // The newest event of any worker: a worker gone quiet while others publish.
+        let fleet_event = activity.workers.iter().filter_map(|w| w.2).max();
+        for (worker, hints, last) in &activity.workers {
+            let quiet = last.is_some_and(|t| now.saturating_duration_since(t) >= silence);
+            let others_publish =
+                fleet_event.is_some_and(|t| now.saturating_duration_since(t) < silence);
+            if *hints >= config.min_hints && quiet && others_publish {
+                out.push(Alarm {
+                    name: "worker_quiet",
+                    subject: worker.clone(),
+                    message: format!(
+                        "worker {worker} was hinted {hints} times since its last KV event {:.0} s ago while other workers keep publishing: its events stopped (engine restarted with events off, its publisher or subscription broke, or it serves only prompts it fully holds)",
+                        last.map_or(0.0, |t| now.saturating_duration_since(t).as_secs_f64()),
+                    ),
+                });
+            }
+            if *hints >= config.min_hints && last.is_none() && self.quiet_since(None, now, silence)
+            {
                 out.push(Alarm {
                     name: "silent_worker",
                     subject: worker.clone(),
@@ -447,7 +465,7 @@ mod tests {
         let now = Instant::now();
         let plane = EventPlane::new(now);
         let activity = Activity {
-            workers: vec![("w0".into(), 3, true), ("w1".into(), 3, false)],
+            workers: vec![("w0".into(), 0, Some(now)), ("w1".into(), 3, None)],
             ..hinting(now)
         };
         let slow = AlarmConfig {
@@ -476,11 +494,43 @@ mod tests {
         );
         assert_eq!(silent[0].subject, "w1");
         let few = Activity {
-            workers: vec![("w1".into(), 1, false)],
+            workers: vec![("w1".into(), 1, None)],
             ..hinting(now)
         };
         let alarms = plane.alarms(&config(), &few, now);
         assert!(alarms.iter().all(|a| a.subject != "w1"), "{alarms:?}");
+    }
+
+    #[test]
+    fn a_worker_that_stops_publishing_while_others_go_on_is_named() {
+        let start = Instant::now();
+        let plane = EventPlane::new(start);
+        let config = AlarmConfig {
+            silence_s: 30,
+            min_hints: 2,
+        };
+        let now = start + Duration::from_secs(100);
+        let quiet = |hints, others: Instant| Activity {
+            workers: vec![
+                ("w0".into(), 0, Some(others)),
+                ("w1".into(), hints, Some(start + Duration::from_secs(10))),
+            ],
+            ..hinting(now)
+        };
+        let named = |a: &Activity| {
+            plane
+                .alarms(&config, a, now)
+                .into_iter()
+                .filter(|a| a.name == "worker_quiet")
+                .map(|a| a.subject)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(named(&quiet(5, now)), vec!["w1".to_owned()]);
+        assert!(named(&quiet(1, now)).is_empty(), "too few hints since");
+        assert!(
+            named(&quiet(5, start + Duration::from_secs(20))).is_empty(),
+            "everyone is quiet: that is no_events' business"
+        );
     }
 
     #[test]

@@ -428,13 +428,7 @@ impl Sidecar {
             workers: core
                 .fleet()
                 .iter()
-                .map(|w| {
-                    (
-                        w.address.to_string(),
-                        w.hints_without_event,
-                        w.last_event.is_some(),
-                    )
-                })
+                .map(|w| (w.address.to_string(), w.hints_since_event, w.last_event))
                 .collect(),
         }
     }

@@ -12,6 +12,7 @@
 pub mod bundle;
 pub mod dynamo;
 pub mod hash;
+pub mod headers;
 pub mod hint;
 pub mod vllm;
 

@@ -155,6 +155,23 @@ async fn client_sent_routing_headers_are_ignored() {
         picks.iter().all(|&p| p == picks[0]),
         "forged worker header honoured: {picks:?}"
     );
+    // On a path the filter does not handle, the header is dropped too (Envoy's header_mutation,
+    // not the filter): requests spread instead of all going to the forged worker.
+    let mut served = std::collections::HashSet::new();
+    for _ in 0..16 {
+        let resp = stack
+            .http
+            .get(format!("{}/health", stack.envoy_url))
+            .header("x-kvroute-worker", stack.engines[0].address.clone())
+            .send()
+            .await
+            .expect("response");
+        served.insert(resp.headers()["x-sim-engine"].to_str().unwrap().to_owned());
+    }
+    assert!(
+        served.len() > 1,
+        "forged worker header honoured off the chat path: {served:?}"
+    );
     // A forged fallback key does not move the request either.
     for i in 0..n {
         let body = chat(&system, &text(40 + i as u64, 10));

@@ -73,10 +73,10 @@ pub fn frontend_router(engines: Vec<(u64, Router)>) -> Router {
 }
 
 /// The header a Dynamo frontend reads to serve a request on one worker instance.
-pub const INSTANCE_HEADER: &str = "x-worker-instance-id";
+pub const INSTANCE_HEADER: &str = kvroute_protocol::headers::INSTANCE;
 /// The header a Dynamo frontend (router mode `kv`) reads to prefill a request on one prefill
 /// instance of a disaggregated fleet (the stand-in serves the whole request there).
-pub const PREFILL_INSTANCE_HEADER: &str = "x-prefill-instance-id";
+pub const PREFILL_INSTANCE_HEADER: &str = kvroute_protocol::headers::PREFILL_INSTANCE;
 
 /// Response header naming the engine that served a request (for tests and the demo).
 pub const ENGINE_HEADER: &str = "x-sim-engine";

@@ -92,13 +92,13 @@ pub struct Worker {
     pub unusable_since: Option<Instant>,
     /// Its load: open tickets, scraped metrics, Envoy's in-flight count.
     pub load: WorkerLoad,
-    /// Per event stream (Dynamo: data-parallel rank; vLLM: its one ZMQ publisher, stream 0):
-    /// the last message applied.
+    /// Per event stream (its data-parallel ranks): the last message applied.
     pub cursors: BTreeMap<u32, Cursor>,
     /// When it last published an event that was applied.
     pub last_event: Option<Instant>,
-    /// Hints it received while it has published no event (the `silent_worker` alarm).
-    pub hints_without_event: u64,
+    /// Hints it received since its last applied event (or ever, if none): the `silent_worker`
+    /// and `worker_quiet` alarms.
+    pub hints_since_event: u64,
 }
 
 impl Worker {
@@ -121,7 +121,7 @@ impl Worker {
             load: WorkerLoad::default(),
             cursors: BTreeMap::new(),
             last_event: None,
-            hints_without_event: 0,
+            hints_since_event: 0,
         }
     }
 

@@ -33,7 +33,7 @@ use event::{EventTag, KvEvent, VllmEventProblem};
 use fleet::{Fleet, Role, WorkerId};
 use index::{ApplyOutcome, RadixIndex};
 use load::{Load, Reclaimed};
-use policy::{Decision, Rule};
+use policy::Decision;
 
 /// How an event names its publisher.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,7 +85,8 @@ pub enum Body<'a> {
 pub struct Message<'a> {
     /// Who published it.
     pub from: Publisher<'a>,
-    /// Its stream of that publisher (Dynamo: data-parallel rank; vLLM: 0, one socket per rank).
+    /// Its stream of that publisher: the data-parallel rank (Dynamo numbers each rank's events,
+    /// vLLM publishes each rank on its own socket).
     pub stream: u32,
     /// Its sequence number on that stream.
     pub seq: u64,
@@ -107,11 +108,12 @@ impl<'a> Message<'a> {
         }
     }
 
-    /// A vLLM batch numbered `seq` by the publisher of `address`.
+    /// A vLLM batch numbered `seq` by the publisher of `address`. vLLM publishes each
+    /// data-parallel rank on its own socket with its own numbering: the rank is the stream.
     pub fn vllm(address: &'a str, seq: u64, delivery: Delivery, batch: &'a EventBatch) -> Self {
         Message {
             from: Publisher::Address(address),
-            stream: 0,
+            stream: batch.dp_rank,
             seq,
             delivery,
             body: Body::Vllm(batch),
@@ -533,7 +535,7 @@ impl Core {
                 cursor.applied(m.seq);
             }
             worker.last_event = Some(now);
-            worker.hints_without_event = 0;
+            worker.hints_since_event = 0;
         }
         match m.body {
             Body::Dynamo(e) => self.apply(&name, &model, &KvEvent::from_dynamo(e), out),
@@ -841,9 +843,7 @@ impl Core {
                 if ticket.is_some() {
                     w.load.open(seq, now);
                 }
-                if w.last_event.is_none() {
-                    w.hints_without_event += 1;
-                }
+                w.hints_since_event += 1;
             }
             if let Some(w) = self.fleet.get(first) {
                 target = match (w.pinned(), w.role, w.instance_id) {
@@ -873,11 +873,6 @@ impl Core {
             happened,
         })
     }
-}
-
-/// Whether a decision's rule counts as a hinted match (for `kvroute_hints_total`).
-pub fn matched(rule: Rule) -> bool {
-    matches!(rule, Rule::LongestMatch | Rule::LeastLoaded)
 }
 
 #[cfg(test)]

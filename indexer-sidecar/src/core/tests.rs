@@ -469,3 +469,27 @@ fn a_repeated_event_is_a_duplicate_not_a_restart() {
     }
     assert_eq!(core.hint(&req, now).unwrap().decision.matched_blocks, 4);
 }
+
+/// vLLM numbers each data-parallel rank's messages on its own socket: two ranks of one worker
+/// both starting at 0 are two streams, not a restart.
+#[test]
+fn each_vllm_rank_has_its_own_cursor() {
+    let mut core = vllm_core();
+    let rank = |dp_rank: u32, first: u64| EventBatch {
+        dp_rank,
+        ..store(None, first, 1)
+    };
+    for seq in 0..3 {
+        for r in 0..2 {
+            let batch = rank(r, 100 * u64::from(r) + seq * 10);
+            let happened = vllm(&mut core, seq, Delivery::LiveHoldingGaps, &batch);
+            assert!(
+                !happened
+                    .iter()
+                    .any(|h| matches!(h, Happened::Sequence { .. } | Happened::Forgot { .. })),
+                "rank {r} seq {seq}: {happened:?}"
+            );
+        }
+    }
+    assert_eq!(blocks(&core), 6);
+}
