@@ -304,11 +304,24 @@ impl EventPlane {
                 .sources
                 .iter()
                 .flat_map(|s| {
-                    s.subscriptions
-                        .iter()
-                        .map(move |x| format!("{}:{x}", s.kind))
+                    // A NATS subject names itself; a ZMQ topic needs its endpoint.
+                    s.subscriptions.iter().map(move |x| match s.kind {
+                        "zmq" => format!("zmq:{} topic {x:?}", s.name),
+                        kind => format!("{kind}:{x}"),
+                    })
                 })
                 .collect();
+            let has = |kind: &str| self.sources.iter().any(|s| s.kind == kind);
+            let mut check = Vec::new();
+            if has("nats") {
+                check.push("the NATS subjects (component names change with disaggregated prefill/decode); `kvroute-sidecar tap --nats URL` lists every subject and component on the bus");
+            }
+            if has("zmq") {
+                check.push("the ZMQ endpoints and topics (`/debug/sources` says whether each is connected); `kvroute-sidecar tap --zmq ENDPOINT` prints what one publishes");
+            }
+            if check.is_empty() {
+                check.push("the configuration: no [nats] or [[zmq]] source is set up");
+            }
             let seen: Vec<String> = self
                 .sources
                 .iter()
@@ -348,9 +361,10 @@ impl EventPlane {
                 name: "no_events",
                 subject: "all".into(),
                 message: format!(
-                    "no KV events {when} while hints are being served: routing is load-only. Subscribed: [{}]. Messages seen: [{}].{unknown}{bus} Check the engines publish KV events, the NATS subjects (component names change with disaggregated prefill/decode) or ZMQ endpoints; `kvroute-sidecar tap --nats URL` lists every subject and component on the bus.",
+                    "no KV events {when} while hints are being served: routing is load-only. Subscribed: [{}]. Messages seen: [{}].{unknown}{bus} Check the engines publish KV events, and {}.",
                     subscribed.join(", "),
                     if seen.is_empty() { "none".to_owned() } else { seen.join(", ") },
+                    check.join("; and "),
                 ),
             });
         }
@@ -458,6 +472,25 @@ mod tests {
         plane.event(src, "a.kv-events", now);
         assert!(plane.alarms(&quiet, &hinting(now), now).is_empty());
         assert_eq!(plane.sources(now)[0].state, "receiving");
+    }
+
+    /// A ZMQ-only sidecar's line names each endpoint and suggests the ZMQ tap, not the NATS one.
+    #[test]
+    fn no_events_names_zmq_endpoints() {
+        let now = Instant::now();
+        let mut plane = EventPlane::new(now);
+        plane.register("zmq", "tcp://10.0.0.5:5557", vec!["kv-events".into()]);
+        plane.register("zmq", "tcp://10.0.0.6:5557", vec!["kv-events".into()]);
+        let line = &plane.alarms(&config(), &hinting(now), now)[0].message;
+        assert!(
+            line.contains("zmq:tcp://10.0.0.5:5557 topic \"kv-events\""),
+            "{line}"
+        );
+        assert!(line.contains("zmq:tcp://10.0.0.6:5557"), "{line}");
+        assert!(
+            line.contains("tap --zmq") && !line.contains("tap --nats"),
+            "{line}"
+        );
     }
 
     #[test]

@@ -392,7 +392,8 @@ impl Sidecar {
             // `last_block` exactly when the filter saw the same tokens.
             "last_block": req.hashes.last().map(|h| format!("{:016x}", h.0)),
             "decision": {
-                "hint": resp,
+                // Without the ticket: whoever reads this must not be able to close it.
+                "hint": HintResponse { ticket: None, ..resp.clone() },
                 "rule": decision.rule,
                 "candidates": decision.candidates,
             },
@@ -541,6 +542,23 @@ pub(crate) mod tests {
             text.contains("kvroute_index_blocks{worker=\"127.0.0.1:9000\"} 0"),
             "{text}"
         );
+    }
+
+    /// `/debug/explain` shows decisions, not tickets: a reader could close them on
+    /// `/v1/finished` and hide a worker's load.
+    #[test]
+    fn explained_hints_carry_no_ticket() {
+        let sidecar = sidecar();
+        let req = HintRequest {
+            model: "m".into(),
+            hashes: vec![kvroute_protocol::PrefixHash(1)],
+            finished: vec![],
+        };
+        let resp = sidecar.hint(&req, Instant::now()).unwrap();
+        assert!(resp.ticket.is_some(), "the filter gets its ticket");
+        let shown = &sidecar.explained()[0]["decision"]["hint"];
+        assert!(shown.get("ticket").is_none(), "{shown}");
+        assert_eq!(shown["workers"][0], "127.0.0.1:9000");
     }
 
     /// Publisher names come from the network: past a bound they share one series.
