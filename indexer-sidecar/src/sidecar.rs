@@ -559,6 +559,19 @@ pub(crate) mod tests {
         let shown = &sidecar.explained()[0]["decision"]["hint"];
         assert!(shown.get("ticket").is_none(), "{shown}");
         assert_eq!(shown["workers"][0], "127.0.0.1:9000");
+        // Each candidate shows its load field by field beside its cost.
+        let candidate = &sidecar.explained()[0]["decision"]["candidates"][0];
+        for field in [
+            "worker",
+            "matched_blocks",
+            "running",
+            "hinted_in_flight",
+            "envoy_active",
+            "saturated",
+            "cost",
+        ] {
+            assert!(candidate.get(field).is_some(), "{field}: {candidate}");
+        }
     }
 
     /// Publisher names come from the network: past a bound they share one series.

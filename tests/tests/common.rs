@@ -116,13 +116,7 @@ pub fn served_by(o: &Outcome) -> usize {
 /// A series summed over its labels, from engine `engine`'s own `/metrics` (0 if absent).
 pub async fn engine_metric(stack: &Stack, engine: usize, name: &str) -> f64 {
     let url = format!("http://{}/metrics", stack.engines[engine].address);
-    let text = stack
-        .http
-        .get(url)
-        .send()
-        .await
-        .unwrap()
-        .text()
+    let text = kvroute_harness::client::get_text(&stack.http, &url)
         .await
         .unwrap();
     kvroute_harness::prometheus::sum(&text, &format!("{name}{{"))

@@ -8,6 +8,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::{hint_for_tokens, metric, spawn_sidecar};
+use kvroute_harness::client::get_text;
 use kvroute_harness::paths;
 use kvroute_harness::process::{free_port, wait_for, Process};
 use kvroute_protocol::dynamo::decode_message;
@@ -129,14 +130,7 @@ async fn captures_through_nats(extra: Option<&str>) -> String {
         "all events applied",
         Duration::from_secs(10),
         || async move {
-            let text = http_ref
-                .get(metrics_ref)
-                .send()
-                .await
-                .ok()?
-                .text()
-                .await
-                .ok()?;
+            let text = get_text(http_ref, metrics_ref).await?;
             let n = |s: &str| metric(&text, s).unwrap_or(0.0);
             let all = n("kvroute_decode_errors_total{source=\"nats\"}") >= 1.0
                 && n(&format!(
@@ -178,14 +172,7 @@ async fn captures_through_nats(extra: Option<&str>) -> String {
         "kv_metrics recorded",
         Duration::from_secs(5),
         || async move {
-            let text = http_ref
-                .get(metrics_ref)
-                .send()
-                .await
-                .ok()?
-                .text()
-                .await
-                .ok()?;
+            let text = get_text(http_ref, metrics_ref).await?;
             (metric(&text, "kvroute_kv_used_blocks{worker=\"127.0.0.1:9000\"}")? == 5.0)
                 .then_some(())
         },

@@ -9,6 +9,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::{metric, spawn_sidecar};
+use kvroute_harness::client::get_text;
 use kvroute_harness::paths;
 use kvroute_harness::process::{free_port, wait_for, Process};
 
@@ -72,26 +73,14 @@ async fn check(
         "the event indexed",
         Duration::from_secs(10),
         || async move {
-            let text = http_ref
-                .get(metrics_url)
-                .send()
-                .await
-                .ok()?
-                .text()
-                .await
-                .ok()?;
+            let text = get_text(http_ref, metrics_url).await?;
             (metric(&text, "kvroute_index_blocks{worker=\"127.0.0.1:9000\"}")? == 4.0)
                 .then_some(text)
         },
     )
     .await
     .unwrap_or_else(|e| panic!("{e}: {}", sidecar.log_tail()));
-    let sources = http
-        .get(format!("{base}/debug/sources"))
-        .send()
-        .await
-        .unwrap()
-        .text()
+    let sources = get_text(&http, &format!("{base}/debug/sources"))
         .await
         .unwrap();
     let log_text = std::fs::read_to_string(&log).unwrap();

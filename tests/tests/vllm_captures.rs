@@ -8,6 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::{hint_for_tokens, metric, spawn_sidecar, spawn_vllm_publisher};
+use kvroute_harness::client::get_text;
 use kvroute_harness::paths;
 use kvroute_harness::process::{free_port, wait_for};
 use kvroute_protocol::vllm::{decode_batch, VllmEvent};
@@ -46,7 +47,7 @@ async fn captured_vllm_stream_through_libzmq_with_a_replayed_gap() {
     let base = format!("http://127.0.0.1:{port}");
     let (http_ref, metrics) = (&http, &format!("{base}/metrics"));
     let text = wait_for("the replayed gap", Duration::from_secs(20), || async move {
-        let text = http_ref.get(metrics).send().await.ok()?.text().await.ok()?;
+        let text = get_text(http_ref, metrics).await?;
         let replayed = "kvroute_sequence_total{worker=\"127.0.0.1:9000\",kind=\"replayed\"}";
         (metric(&text, replayed)? >= 1.0).then_some(text)
     })
@@ -113,7 +114,7 @@ async fn bound_socket_learns_the_worker_from_llm_d_topics() {
         "events indexed under the topic's worker",
         Duration::from_secs(20),
         || async move {
-            let text = http_ref.get(metrics).send().await.ok()?.text().await.ok()?;
+            let text = get_text(http_ref, metrics).await?;
             (metric(&text, "kvroute_index_blocks{worker=\"127.0.0.1:9001\"}")? >= 12.0)
                 .then_some(())
         },

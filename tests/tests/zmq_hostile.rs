@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{hint_for_tokens, metric, spawn_sidecar, spawn_vllm_publisher};
+use kvroute_harness::client::get_text;
 use kvroute_harness::paths;
 use kvroute_harness::process::{free_port, wait_for};
 use kvroute_protocol::vllm::{decode_batch, VllmEvent};
@@ -188,14 +189,7 @@ async fn failing_and_hostile_zmq_sources_leave_the_sidecar_serving() {
         "the late publisher indexed",
         Duration::from_secs(30),
         || async move {
-            let text = http_ref
-                .get(metrics_ref)
-                .send()
-                .await
-                .ok()?
-                .text()
-                .await
-                .ok()?;
+            let text = get_text(http_ref, metrics_ref).await?;
             (metric(&text, "kvroute_index_blocks{worker=\"127.0.0.1:9000\"}")? > 0.0)
                 .then_some(text)
         },

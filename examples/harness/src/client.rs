@@ -9,6 +9,12 @@ use serde_json::Value;
 
 use crate::workload::Session;
 
+/// The body of `GET url` as text; `None` when the request or reading it fails (a process not
+/// up yet, a connection reset): what polling loops want.
+pub async fn get_text(http: &reqwest::Client, url: &str) -> Option<String> {
+    http.get(url).send().await.ok()?.text().await.ok()
+}
+
 /// Response header naming the simulated engine that served a request.
 pub const ENGINE_HEADER: &str = "x-sim-engine";
 

@@ -165,7 +165,7 @@ pub async fn start(
         "the Dynamo frontend to serve the model",
         Duration::from_secs(120),
         || async move {
-            let text = http.get(models).send().await.ok()?.text().await.ok()?;
+            let text = crate::client::get_text(http, models).await?;
             text.contains(MODEL).then_some(())
         },
     )

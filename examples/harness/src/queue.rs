@@ -80,14 +80,7 @@ fn stats(samples: &[(Instant, f64)], threshold: f64) -> QueueStats {
 }
 
 async fn waiting(http: &reqwest::Client, address: &str) -> Option<f64> {
-    let text = http
-        .get(format!("http://{address}/metrics"))
-        .send()
-        .await
-        .ok()?
-        .text()
-        .await
-        .ok()?;
+    let text = crate::client::get_text(http, &format!("http://{address}/metrics")).await?;
     crate::prometheus::series(&text, "vllm:num_requests_waiting{")
         .map(|(_, v)| v)
         .reduce(|a, b| a + b)

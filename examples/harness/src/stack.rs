@@ -497,7 +497,7 @@ impl Stack {
             self.admin_url,
             name.replace('.', "\\.")
         );
-        let text = self.http.get(url).send().await.ok()?.text().await.ok()?;
+        let text = crate::client::get_text(&self.http, &url).await?;
         text.lines().find_map(|l| {
             l.strip_prefix(name)?
                 .strip_prefix(": ")?

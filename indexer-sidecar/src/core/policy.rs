@@ -36,22 +36,9 @@ pub struct Candidate {
     pub worker: String,
     /// Leading blocks it holds.
     pub matched_blocks: u32,
-    /// Running requests (scraped).
-    pub running: f64,
-    /// Queued requests (scraped).
-    pub waiting: f64,
-    /// KV cache usage (scraped).
-    pub kv_usage: f64,
-    /// Requests hinted to it that have not finished.
-    pub hinted_in_flight: f64,
-    /// Requests it had at the last scrape beyond the hinted ones.
-    pub unhinted: f64,
-    /// Prompt blocks queued for prefill (Dynamo `kv_metrics`).
-    pub queued_prefill_blocks: f64,
-    /// KV blocks in use (Dynamo `kv_metrics`).
-    pub kv_used_blocks: f64,
-    /// Requests in flight from Envoy.
-    pub envoy_active: f64,
+    /// Its load as the rule weighed it (shown field by field).
+    #[serde(flatten)]
+    pub load: Load,
     /// Whether it was over a threshold.
     pub saturated: bool,
     /// Blocks to prefill + load penalty (lower is better).
@@ -113,69 +100,64 @@ pub fn choose<'a>(
 ) -> Decision {
     let min = routing.min_matched_blocks.max(1);
     let matched = |w: WorkerId| matches.iter().find(|(m, _)| *m == w).map_or(0, |&(_, n)| n);
-    let mut candidates: Vec<(WorkerId, u32, Load, bool, f64, &str)> = workers
+    let mut candidates: Vec<Candidate> = workers
         .into_iter()
         .map(|(id, address, load)| {
             let n = matched(id);
             let cost = f64::from(prompt_blocks.saturating_sub(n))
                 + load.queued_prefill_blocks
                 + routing.load_penalty_blocks * load.busy();
-            (id, n, load, saturated(&load, routing), cost, address)
+            Candidate {
+                id,
+                worker: address.to_owned(),
+                matched_blocks: n,
+                load,
+                saturated: saturated(&load, routing),
+                cost,
+            }
         })
         .collect();
     // Unsaturated first, then the cheapest, then the fewest hinted requests, the longest match.
     candidates.sort_by(|a, b| {
-        a.3.cmp(&b.3)
-            .then(a.4.total_cmp(&b.4))
-            .then(a.2.hinted_in_flight.total_cmp(&b.2.hinted_in_flight))
-            .then(b.1.cmp(&a.1))
-            .then(a.0.cmp(&b.0))
+        a.saturated
+            .cmp(&b.saturated)
+            .then(a.cost.total_cmp(&b.cost))
+            .then(a.load.hinted_in_flight.total_cmp(&b.load.hinted_in_flight))
+            .then(b.matched_blocks.cmp(&a.matched_blocks))
+            .then(a.id.cmp(&b.id))
     });
-    let longest = candidates.iter().map(|c| c.1).max().unwrap_or(0);
+    let longest = candidates
+        .iter()
+        .map(|c| c.matched_blocks)
+        .max()
+        .unwrap_or(0);
     let rule = match candidates.first() {
         _ if longest < min => Rule::NoMatch,
-        Some(first) if first.1 == longest => Rule::LongestMatch,
+        Some(first) if first.matched_blocks == longest => Rule::LongestMatch,
         _ => Rule::LeastLoaded,
     };
     if let (Rule::NoMatch, Some(key)) = (rule, home_key) {
         // Saturated workers sort last: when the first is saturated, all are. A home already
         // busier than the least loaded worker by `home_slack` requests hands over too: a burst
         // of one cold prefix spreads instead of queueing on one engine.
-        let unsaturated = candidates.iter().take_while(|c| !c.3).count();
+        let unsaturated = candidates.iter().take_while(|c| !c.saturated).count();
         let least_busy = candidates[..unsaturated]
             .iter()
-            .map(|c| c.2.busy())
+            .map(|c| c.load.busy())
             .fold(f64::INFINITY, f64::min);
         let home = (0..unsaturated)
-            .filter(|&i| candidates[i].2.busy() <= least_busy + routing.home_slack)
-            .max_by_key(|&i| home_score(key, candidates[i].5));
+            .filter(|&i| candidates[i].load.busy() <= least_busy + routing.home_slack)
+            .max_by_key(|&i| home_score(key, &candidates[i].worker));
         if let Some(home) = home {
             candidates[..=home].rotate_right(1);
         }
     }
     let chosen = &candidates[..candidates.len().min(routing.max_hinted_workers.max(1))];
     Decision {
-        workers: chosen.iter().map(|c| c.0).collect(),
-        matched_blocks: chosen.first().map_or(0, |c| c.1),
+        workers: chosen.iter().map(|c| c.id).collect(),
+        matched_blocks: chosen.first().map_or(0, |c| c.matched_blocks),
         rule,
-        candidates: candidates
-            .iter()
-            .map(|&(id, n, load, sat, cost, address)| Candidate {
-                id,
-                worker: address.to_owned(),
-                matched_blocks: n,
-                running: load.running,
-                waiting: load.waiting,
-                kv_usage: load.kv_usage,
-                hinted_in_flight: load.hinted_in_flight,
-                unhinted: load.unhinted,
-                queued_prefill_blocks: load.queued_prefill_blocks,
-                kv_used_blocks: load.kv_used_blocks,
-                envoy_active: load.envoy_active,
-                saturated: sat,
-                cost,
-            })
-            .collect(),
+        candidates,
     }
 }
 

@@ -302,23 +302,32 @@ fn warm_starts_replace_and_restarts_forget() {
     assert_eq!(blocks(&core), 1);
 }
 
+/// A request for model `m` of one block no worker holds.
+fn one_block_request() -> HintRequest {
+    HintRequest {
+        model: "m".into(),
+        hashes: vec![PrefixHash(1)],
+        finished: Vec::new(),
+    }
+}
+
+/// Requests the first worker is busy with.
+fn busy(core: &Core) -> f64 {
+    core.fleet().get(WorkerId(0)).unwrap().current_load().busy()
+}
+
 /// Tickets count against the hinted worker until reported; a report is taken once.
 #[test]
 fn tickets_follow_hints_and_reports() {
     let mut core = vllm_core();
     let now = Instant::now();
-    let req = HintRequest {
-        model: "m".into(),
-        hashes: vec![PrefixHash(1)],
-        finished: Vec::new(),
-    };
+    let req = one_block_request();
     let hint = core.hint(&req, now).unwrap();
     assert_eq!(
         hint.target,
         Target::Addresses(vec![std::sync::Arc::from("127.0.0.1:9000")])
     );
     let ticket = hint.ticket.unwrap();
-    let busy = |core: &Core| core.fleet().get(WorkerId(0)).unwrap().current_load().busy();
     assert_eq!(busy(&core), 1.0);
     let done = HintRequest {
         finished: vec![ticket, ticket],
@@ -351,11 +360,7 @@ fn tickets_follow_hints_and_reports() {
 fn envoy_decides_who_is_usable() {
     let mut core = vllm_core();
     let now = Instant::now();
-    let req = HintRequest {
-        model: "m".into(),
-        hashes: vec![PrefixHash(1)],
-        finished: Vec::new(),
-    };
+    let req = one_block_request();
     let none = std::collections::HashMap::new();
     let happened = core.ingest(Input::EnvoyView(&none), now);
     assert!(matches!(
@@ -432,7 +437,6 @@ fn tickets_expire_without_scrapes() {
     for _ in 0..3 {
         core.hint(&req, now).unwrap();
     }
-    let busy = |core: &Core| core.fleet().get(WorkerId(0)).unwrap().current_load().busy();
     assert_eq!(busy(&core), 3.0);
     assert!(core.ingest(Input::Tick, now).is_empty(), "nothing old yet");
     let later = now + load::TICKET_LIFETIME;
