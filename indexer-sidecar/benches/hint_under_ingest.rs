@@ -133,7 +133,7 @@ const SOURCE: SourceRef<'static> = SourceRef {
 fn ingest(sidecar: &Sidecar, events: &[RouterEvent]) {
     let now = Instant::now();
     for e in events {
-        sidecar.ingest(Some(SOURCE), Input::Message(Message::dynamo(e)), now);
+        sidecar.ingest(Some(SOURCE), Input::Message(Message::dynamo(e, None)), now);
     }
 }
 

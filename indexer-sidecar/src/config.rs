@@ -85,6 +85,9 @@ pub struct Config {
     /// Hint policy knobs.
     #[serde(default)]
     pub routing: RoutingConfig,
+    /// Bounds on what the event sources can make the index hold.
+    #[serde(default)]
+    pub index: IndexConfig,
     /// Envoy's admin endpoint, to learn which workers Envoy considers healthy.
     #[serde(default)]
     pub envoy: Option<EnvoyConfig>,
@@ -362,6 +365,37 @@ pub struct WorkerConfig {
     /// Its Dynamo instance id (the `worker_id` of its KV events).
     #[serde(default)]
     pub dynamo_worker_id: Option<u64>,
+    /// The Dynamo component (`namespace/component`) whose subjects carry its events and
+    /// `kv_metrics`; others naming it are refused. Unset: the first subject it is seen on.
+    #[serde(default)]
+    pub dynamo_component: Option<String>,
+    /// Blocks its KV cache holds (per data-parallel rank), when its engine does not say
+    /// (vLLM's `vllm:cache_config_info` does, and wins).
+    #[serde(default)]
+    pub capacity_blocks: Option<u64>,
+}
+
+/// What the network can make the index hold: events are not authenticated beyond their
+/// transport, and a lost removal is never seen (see docs/operations.md, "Bounds").
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct IndexConfig {
+    /// Blocks one cache (worker × data-parallel rank) may hold when neither its engine nor
+    /// `[[workers]] capacity_blocks` says: past it, the oldest go.
+    pub max_blocks_per_cache: u64,
+    /// Data-parallel ranks one worker may have; events and `kv_metrics` of further ranks are
+    /// refused.
+    pub max_ranks_per_worker: u32,
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        IndexConfig {
+            // 4 Mi blocks of 16 tokens: 64 M tokens, more than any single engine's cache.
+            max_blocks_per_cache: 1 << 22,
+            max_ranks_per_worker: 64,
+        }
+    }
 }
 
 /// Hint policy knobs (see docs/operations.md for how to tune them).
@@ -443,9 +477,26 @@ impl Config {
                 bail!("model {} is configured twice", m.name);
             }
         }
+        if self.index.max_blocks_per_cache == 0 {
+            bail!("[index] max_blocks_per_cache must be positive");
+        }
+        if self.index.max_ranks_per_worker == 0 {
+            bail!("[index] max_ranks_per_worker must be positive");
+        }
         let mut addresses = std::collections::HashSet::new();
         let mut ids = std::collections::HashSet::new();
         for w in &self.workers {
+            if w.capacity_blocks == Some(0) {
+                bail!("worker {}: capacity_blocks must be positive", w.address);
+            }
+            if let Some(c) = &w.dynamo_component {
+                if c.split('/').count() != 2 || c.split('/').any(str::is_empty) {
+                    bail!(
+                        "worker {}: dynamo_component {c:?} is not namespace/component",
+                        w.address
+                    );
+                }
+            }
             if !names.contains(w.model.as_str()) {
                 bail!(
                     "worker {} serves model {}, which is not configured",

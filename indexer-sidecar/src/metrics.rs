@@ -110,6 +110,25 @@ label_values!(
     }
 );
 
+label_values!(
+    /// Why a message naming a known worker was refused.
+    RejectReason {
+        /// On another component's subject.
+        WrongComponent => "wrong_component",
+        /// A data-parallel rank past `[index] max_ranks_per_worker`.
+        TooManyRanks => "too_many_ranks",
+    }
+);
+
+/// `{worker, reason}` of `kvroute_rejected_messages_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct RejectLabels {
+    /// The worker's address.
+    pub worker: String,
+    /// Why.
+    pub reason: RejectReason,
+}
+
 /// `{worker}`: a worker's address (from the configuration or discovery, never from an event).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct WorkerLabel {
@@ -238,6 +257,12 @@ pub struct Metrics {
     /// Dynamo instances with a discovery record, by model and role (`aggregated`, `prefill`,
     /// `decode`).
     pub discovered_instances: Family<RoleLabels, Gauge>,
+    /// Messages naming a known worker that were refused, by worker and reason.
+    pub rejected_messages: Family<RejectLabels, Counter>,
+    /// Blocks one cache of the worker holds at most (engine or configuration).
+    pub capacity_blocks: Family<WorkerLabel, Gauge>,
+    /// Blocks dropped, oldest first, from a cache holding more than its capacity, by worker.
+    pub capacity_evictions: Family<WorkerLabel, Counter>,
 }
 
 impl Default for Metrics {
@@ -268,6 +293,9 @@ impl Default for Metrics {
             kv_used_blocks: family(&mut r, "kv_used_blocks", "KV blocks in use (Dynamo kv_metrics)"),
             tickets: family(&mut r, "tickets", "Hint tickets closed, by how"),
             discovered_instances: family(&mut r, "discovered_instances", "Dynamo instances with a record in the discovery directory"),
+            rejected_messages: family(&mut r, "rejected_messages", "Messages naming a known worker refused: wrong_component, too_many_ranks"),
+            capacity_blocks: family(&mut r, "capacity_blocks", "Blocks one cache of the worker holds at most"),
+            capacity_evictions: family(&mut r, "capacity_evictions", "Blocks dropped oldest first from a cache over its capacity"),
             registry: r,
         }
     }

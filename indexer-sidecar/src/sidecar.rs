@@ -34,13 +34,12 @@ use crate::core::event::VllmEventProblem;
 use crate::core::fleet::Role;
 use crate::core::fleet::WorkerId;
 use crate::core::policy::{Decision, Rule};
-use crate::core::TicketClosed;
-use crate::core::{Core, Delivery, Forgot, Happened, Input, Target};
+use crate::core::{Core, Delivery, Forgot, Happened, Input, Rejected, Target, TicketClosed};
 use crate::event_plane::{Activity, Alarm, EventPlane};
 use crate::metrics::{
     AlarmLabels, EventLabels, EventType, HintLabels, HintResult, Metrics, PublisherLabel,
-    RoleLabels, RoleValue, SequenceKind, SequenceLabels, SourceLabel, TicketHow, TicketLabel,
-    Transport, WorkerLabel,
+    RejectLabels, RejectReason, RoleLabels, RoleValue, SequenceKind, SequenceLabels, SourceLabel,
+    TicketHow, TicketLabel, Transport, WorkerLabel,
 };
 
 /// How many recent decisions `/debug/explain` keeps.
@@ -84,6 +83,13 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// A secret for this process's tickets: the standard library's hasher keys are random per
+/// process (seeded by the OS).
+fn random_key() -> u64 {
+    use std::hash::BuildHasher as _;
+    std::collections::hash_map::RandomState::new().hash_one(std::process::id())
+}
+
 impl Sidecar {
     /// Build from a configuration, loading every model's bundle (fails on a bundle that the
     /// filter could not load, naming the model).
@@ -104,7 +110,7 @@ impl Sidecar {
         }
         bundles.catalog = serde_json::to_vec(&catalog)?;
         let sidecar = Sidecar {
-            core: Mutex::new(Core::new(config)),
+            core: Mutex::new(Core::new(config, random_key())),
             plane: Mutex::new(EventPlane::new(Instant::now())),
             explained: Mutex::new(VecDeque::with_capacity(EXPLAINED)),
             bundles,
@@ -113,11 +119,16 @@ impl Sidecar {
             scrape_interval: Duration::from_millis(config.routing.scrape_interval_ms.max(10)),
         };
         for w in sidecar.core().fleet().iter() {
-            sidecar
-                .metrics
-                .index_blocks
-                .get_or_create(&WorkerLabel::new(&w.address))
-                .set(0);
+            let label = WorkerLabel::new(&w.address);
+            sidecar.metrics.index_blocks.get_or_create(&label).set(0);
+            if let Some(blocks) = w.capacity {
+                let blocks = i64::try_from(blocks).unwrap_or(i64::MAX);
+                sidecar
+                    .metrics
+                    .capacity_blocks
+                    .get_or_create(&label)
+                    .set(blocks);
+            }
         }
         Ok(sidecar)
     }
@@ -197,6 +208,13 @@ impl Sidecar {
                 if outcome.unknown_removals > 0 {
                     m.unknown_removals.inc_by(outcome.unknown_removals as u64);
                 }
+                if outcome.evicted > 0 {
+                    let counter = m.capacity_evictions.get_or_create(&worker_label(worker));
+                    if counter.get() == 0 {
+                        tracing::warn!(worker = %worker.address, evicted = outcome.evicted, "the index holds more blocks for this worker than its cache can: removals were lost (or a publisher lies); the oldest entries are dropped, kvroute_capacity_evictions_total counts them");
+                    }
+                    counter.inc_by(outcome.evicted as u64);
+                }
             }
             Happened::Holds { worker, blocks } => {
                 m.index_blocks
@@ -260,6 +278,36 @@ impl Sidecar {
                     m.decode_errors.get_or_create(&ZMQ).inc();
                 }
             },
+            Happened::Rejected { worker, why } => {
+                let reason = match why {
+                    Rejected::WrongComponent { .. } => RejectReason::WrongComponent,
+                    Rejected::TooManyRanks { .. } => RejectReason::TooManyRanks,
+                };
+                let counter = m.rejected_messages.get_or_create(&RejectLabels {
+                    worker: worker.address.to_string(),
+                    reason,
+                });
+                if counter.get() == 0 {
+                    match why {
+                        Rejected::WrongComponent { expected, got } => {
+                            tracing::warn!(worker = %worker.address, %subject, %expected, %got, "message naming this worker on another component's subject refused (a misconfigured or hostile publisher); kvroute_rejected_messages_total counts the rest")
+                        }
+                        Rejected::TooManyRanks { rank, limit } => {
+                            tracing::warn!(worker = %worker.address, rank, limit, "message of a data-parallel rank beyond [index] max_ranks_per_worker refused; kvroute_rejected_messages_total counts the rest")
+                        }
+                    }
+                }
+                counter.inc();
+            }
+            Happened::Bound { worker, component } => {
+                tracing::info!(worker = %worker.address, %component, "worker bound to the Dynamo component its first events came on: messages naming it on other components are refused (set [[workers]] dynamo_component to choose)");
+            }
+            Happened::Capacity { worker, blocks } => {
+                m.capacity_blocks
+                    .get_or_create(&worker_label(worker))
+                    .set(i64::try_from(*blocks).unwrap_or(i64::MAX));
+                tracing::info!(worker = %worker.address, blocks, "engine cache capacity learned: the index holds at most this many blocks per cache of it");
+            }
             Happened::UnknownPublisher { name } => {
                 // Names come from the network: past the plane's bound they fold into one series.
                 let known = self.plane().unknown_worker(name);
@@ -617,7 +665,7 @@ pub(crate) mod tests {
             e.event.event_id = i as u64 + 1;
             sidecar.ingest(
                 Some(source),
-                Input::Message(crate::core::Message::dynamo(&e)),
+                Input::Message(crate::core::Message::dynamo(&e, None)),
                 now,
             );
         }

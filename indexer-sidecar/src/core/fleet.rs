@@ -13,26 +13,62 @@ use kvroute_protocol::hint::Ticket;
 use crate::config::WorkerConfig;
 use crate::core::cursor::Cursor;
 use crate::core::load::{Load, WorkerLoad};
+use crate::core::DiscoveredInstance;
 
 /// Dense index of a worker in the [`Fleet`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct WorkerId(pub u32);
 
-/// A ticket is a sequence number above the worker id, so a report names its worker.
+/// A ticket carries its worker id in the low bits and its sequence number, sealed, above.
 const WORKER_BITS: u32 = 16;
+const SEQ_BITS: u32 = 64 - WORKER_BITS;
+const HALF: u32 = SEQ_BITS / 2;
+const HALF_MASK: u64 = (1 << HALF) - 1;
 
-/// The ticket for request `seq` hinted to `worker`; `None` for a worker id a ticket cannot
-/// carry (more than 65536 workers).
-pub fn ticket(worker: WorkerId, seq: u64) -> Option<Ticket> {
-    (worker.0 >> WORKER_BITS == 0).then_some(Ticket(seq << WORKER_BITS | u64::from(worker.0)))
-}
+/// The secret that seals tickets. Anyone who reaches the sidecar's API can report tickets
+/// finished, and a closed ticket makes its worker look idle; a sealed ticket cannot be
+/// guessed (one chance in 2^48 per open ticket), where a plain counter could be swept.
+#[derive(Debug, Clone, Copy)]
+pub struct TicketKey(pub u64);
 
-/// The worker and sequence number a ticket names.
-pub fn ticket_parts(ticket: Ticket) -> (WorkerId, u64) {
-    (
-        WorkerId((ticket.0 & ((1 << WORKER_BITS) - 1)) as u32),
-        ticket.0 >> WORKER_BITS,
-    )
+impl TicketKey {
+    /// Four Feistel rounds over the sequence number's two 24-bit halves: a keyed permutation
+    /// of 48-bit values, so every sequence number has one ticket and back.
+    fn round(self, half: u64, round: u64) -> u64 {
+        let seed = self.0 ^ round.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        xxhash_rust::xxh3::xxh3_64_with_seed(&half.to_le_bytes(), seed) & HALF_MASK
+    }
+
+    fn seal(self, seq: u64) -> u64 {
+        let (mut l, mut r) = (seq >> HALF & HALF_MASK, seq & HALF_MASK);
+        for i in 0..4 {
+            (l, r) = (r, l ^ self.round(r, i));
+        }
+        l << HALF | r
+    }
+
+    fn open(self, sealed: u64) -> u64 {
+        let (mut l, mut r) = (sealed >> HALF & HALF_MASK, sealed & HALF_MASK);
+        for i in (0..4).rev() {
+            (l, r) = (r ^ self.round(l, i), l);
+        }
+        l << HALF | r
+    }
+
+    /// The ticket for request `seq` (below 2^48) hinted to `worker`; `None` for a worker id a
+    /// ticket cannot carry (more than 65536 workers).
+    pub fn ticket(self, worker: WorkerId, seq: u64) -> Option<Ticket> {
+        (worker.0 >> WORKER_BITS == 0 && seq >> SEQ_BITS == 0)
+            .then(|| Ticket(self.seal(seq) << WORKER_BITS | u64::from(worker.0)))
+    }
+
+    /// The worker and sequence number a ticket names (a forged one names a random number).
+    pub fn parts(self, ticket: Ticket) -> (WorkerId, u64) {
+        (
+            WorkerId((ticket.0 & ((1 << WORKER_BITS) - 1)) as u32),
+            self.open(ticket.0 >> WORKER_BITS),
+        )
+    }
 }
 
 /// Where a worker came from, which decides how a hint names it.
@@ -99,6 +135,11 @@ pub struct Worker {
     /// Hints it received since its last applied event (or ever, if none): the `silent_worker`
     /// and `worker_quiet` alarms.
     pub hints_since_event: u64,
+    /// The Dynamo component (`namespace/component`) whose subjects carry its events: from its
+    /// discovery record, `[[workers]] dynamo_component`, or the first subject it was seen on.
+    pub component: Option<String>,
+    /// Blocks one of its caches holds at most: what its engine says, else its configuration.
+    pub capacity: Option<u64>,
 }
 
 impl Worker {
@@ -122,6 +163,8 @@ impl Worker {
             cursors: BTreeMap::new(),
             last_event: None,
             hints_since_event: 0,
+            component: None,
+            capacity: None,
         }
     }
 
@@ -154,13 +197,16 @@ impl Fleet {
     pub fn new(configs: &[WorkerConfig]) -> Self {
         let mut fleet = Fleet::default();
         for c in configs {
-            fleet.push(
+            let id = fleet.push(
                 &c.address,
                 &c.model,
                 c.dynamo_worker_id,
                 Origin::Configured,
                 Role::Aggregated,
             );
+            let w = &mut fleet.workers[id.0 as usize];
+            w.component = c.dynamo_component.clone();
+            w.capacity = c.capacity_blocks;
         }
         fleet
     }
@@ -184,14 +230,19 @@ impl Fleet {
     }
 
     /// Append a Dynamo instance found through discovery (hinted by instance id); its new id.
-    pub fn add_discovered(
-        &mut self,
-        instance_id: u64,
-        address: &str,
-        model: &str,
-        role: Role,
-    ) -> WorkerId {
-        self.push(address, model, Some(instance_id), Origin::Discovered, role)
+    pub fn add_discovered(&mut self, instance: &DiscoveredInstance, model: &str) -> WorkerId {
+        let address = format!("{}/{:x}", instance.address, instance.instance_id);
+        let id = self.push(
+            &address,
+            model,
+            Some(instance.instance_id),
+            Origin::Discovered,
+            instance.role,
+        );
+        let w = &mut self.workers[id.0 as usize];
+        w.component = Some(instance.component.clone());
+        w.capacity = instance.capacity;
+        id
     }
 
     /// How many workers there are (ids are `0..len`).
@@ -242,11 +293,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn tickets_name_their_worker() {
-        let t = ticket(WorkerId(7), 42).unwrap();
-        assert_eq!(ticket_parts(t), (WorkerId(7), 42));
-        assert_eq!(ticket(WorkerId(1 << 16), 1), None);
-        assert_ne!(ticket(WorkerId(0), 1), ticket(WorkerId(0), 2));
+    fn tickets_name_their_worker_and_are_sealed() {
+        let key = TicketKey(0x1234_5678_9abc_def0);
+        let t = key.ticket(WorkerId(7), 42).unwrap();
+        assert_eq!(key.parts(t), (WorkerId(7), 42));
+        assert_eq!(key.ticket(WorkerId(1 << 16), 1), None);
+        assert_eq!(key.ticket(WorkerId(0), 1 << 48), None);
+        // Consecutive requests get unrelated tickets, and another key opens them to other numbers.
+        let (a, b) = (
+            key.ticket(WorkerId(0), 1).unwrap(),
+            key.ticket(WorkerId(0), 2).unwrap(),
+        );
+        assert!((a.0 >> 16).abs_diff(b.0 >> 16) > 1 << 20, "{a:?} {b:?}");
+        assert_ne!(TicketKey(1).parts(t).1, 42);
+        for seq in [0, 1, 99, (1 << 48) - 1] {
+            assert_eq!(key.parts(key.ticket(WorkerId(3), seq).unwrap()).1, seq);
+        }
     }
 
     #[test]
@@ -255,8 +317,22 @@ mod tests {
             address: "127.0.0.1:8000".into(),
             model: "m".into(),
             dynamo_worker_id: Some(7),
+            dynamo_component: None,
+            capacity_blocks: Some(80),
         }]);
-        let added = fleet.add_discovered(9, "127.0.0.1:9000/9", "m", Role::Prefill);
+        let instance = DiscoveredInstance {
+            instance_id: 9,
+            address: "127.0.0.1:9000".into(),
+            role: Role::Prefill,
+            component: "dynamo/prefill".into(),
+            capacity: None,
+        };
+        let added = fleet.add_discovered(&instance, "m");
+        assert_eq!(fleet.get(WorkerId(0)).unwrap().capacity, Some(80));
+        assert_eq!(
+            fleet.get(added).unwrap().component.as_deref(),
+            Some("dynamo/prefill")
+        );
         assert_eq!(added, WorkerId(1));
         assert_eq!(fleet.by_instance_id(7).unwrap().id, WorkerId(0));
         assert_eq!(fleet.by_address("127.0.0.1:9000/9").unwrap().id, added);

@@ -12,8 +12,13 @@
 //! costs ~10 probes per tier of workers instead of 512. If events were lost and a cache holds a
 //! block without its parent, its match can be overestimated: the request then lands on a worker
 //! with a shorter prefix than hinted — a weaker hint, never a failure.
+//!
+//! A cache never holds more blocks than its engine can ([`RadixIndex::apply_within`]): past
+//! that, removals were lost (NATS core drops, a publisher's high-water mark) or a publisher
+//! lies, and the blocks stored longest ago go first — the engine evicted them long ago, or
+//! will next.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use kvroute_protocol::hash::chain;
 use kvroute_protocol::PrefixHash;
@@ -51,12 +56,46 @@ pub struct ApplyOutcome {
     pub orphan: bool,
     /// The event came from a cache beyond the index's 65,535 caches and was dropped.
     pub too_many_caches: bool,
+    /// Blocks dropped, oldest first, because the cache held more than its capacity.
+    pub evicted: usize,
 }
 
 #[derive(Debug)]
 struct Cache {
     id: CacheId,
     blocks: FastMap<EngineHash, PrefixHash>,
+    /// Engine hashes in the order they were stored, oldest first. Removals leave their entry
+    /// behind (found stale when it comes out, compacted when they are half of it); a hash stored
+    /// again after a removal appears twice and goes out at its older place.
+    order: VecDeque<EngineHash>,
+}
+
+impl Cache {
+    fn new(id: CacheId) -> Self {
+        Cache {
+            id,
+            blocks: FastMap::default(),
+            order: VecDeque::new(),
+        }
+    }
+
+    /// Drop stale entries of `order` once they outnumber the live ones: amortised O(1) per
+    /// removal, and `order` stays within twice the cache.
+    fn compact(&mut self) {
+        if self.order.len() <= 2 * self.blocks.len() + 64 {
+            return;
+        }
+        let mut kept: HashSet<EngineHash> = HashSet::with_capacity(self.blocks.len());
+        let mut order: VecDeque<EngineHash> = self
+            .order
+            .iter()
+            .rev()
+            .filter(|h| self.blocks.contains_key(h) && kept.insert(**h))
+            .copied()
+            .collect();
+        order.make_contiguous().reverse();
+        self.order = order;
+    }
 }
 
 /// The index of one model.
@@ -74,16 +113,24 @@ impl RadixIndex {
             return Some(slot);
         }
         let slot = Slot::try_from(self.caches.len()).ok()?;
-        self.caches.push(Cache {
-            id,
-            blocks: FastMap::default(),
-        });
+        self.caches.push(Cache::new(id));
         self.slots.insert(id, slot);
         Some(slot)
     }
 
-    /// Apply one event of one worker.
+    /// Apply one event of one worker, without a capacity bound.
     pub fn apply(&mut self, worker: WorkerId, event: &KvEvent) -> ApplyOutcome {
+        self.apply_within(worker, event, usize::MAX)
+    }
+
+    /// Apply one event of one worker whose caches hold at most `capacity` blocks each: a store
+    /// beyond it drops the cache's oldest blocks.
+    pub fn apply_within(
+        &mut self,
+        worker: WorkerId,
+        event: &KvEvent,
+        capacity: usize,
+    ) -> ApplyOutcome {
         let mut out = ApplyOutcome::default();
         let Some(slot) = self.slot(CacheId {
             worker,
@@ -94,7 +141,11 @@ impl RadixIndex {
         };
         match &event.kind {
             KvEventKind::Stored { parent, blocks } => {
-                let cache = &mut self.caches[slot as usize].blocks;
+                let Cache {
+                    blocks: cache,
+                    order,
+                    ..
+                } = &mut self.caches[slot as usize];
                 let mut prefix = match parent {
                     None => None,
                     Some(p) => match cache.get(p) {
@@ -109,8 +160,13 @@ impl RadixIndex {
                     let node = chain(prefix, b.local_hash);
                     // An engine hash stored again for other tokens (a hash reused after a
                     // removal we missed): the old node is no longer held through it.
-                    if let Some(old) = cache.insert(b.engine_hash, node).filter(|&o| o != node) {
-                        Self::unhold(&mut self.holders, old, slot);
+                    match cache.insert(b.engine_hash, node) {
+                        Some(old) if old == node => {}
+                        Some(old) => {
+                            Self::unhold(&mut self.holders, old, slot);
+                            order.push_back(b.engine_hash);
+                        }
+                        None => order.push_back(b.engine_hash),
                     }
                     let holders = self.holders.entry(node).or_default();
                     if let Err(at) = holders.binary_search(&slot) {
@@ -119,6 +175,7 @@ impl RadixIndex {
                     prefix = Some(node);
                     out.stored += 1;
                 }
+                out.evicted = self.evict(slot, capacity);
             }
             KvEventKind::Removed { blocks } => {
                 for h in blocks {
@@ -130,10 +187,27 @@ impl RadixIndex {
                         None => out.unknown_removals += 1,
                     }
                 }
+                self.caches[slot as usize].compact();
             }
             KvEventKind::Cleared => out.removed = self.clear_cache(slot),
         }
         out
+    }
+
+    /// Drop the oldest blocks of a cache until it holds at most `capacity`.
+    fn evict(&mut self, slot: Slot, capacity: usize) -> usize {
+        let mut evicted = 0;
+        let cache = &mut self.caches[slot as usize];
+        while cache.blocks.len() > capacity {
+            let Some(h) = cache.order.pop_front() else {
+                break;
+            };
+            if let Some(node) = cache.blocks.remove(&h) {
+                Self::unhold(&mut self.holders, node, slot);
+                evicted += 1;
+            }
+        }
+        evicted
     }
 
     fn drop_holder(&mut self, node: PrefixHash, slot: Slot) {
@@ -156,7 +230,9 @@ impl RadixIndex {
     }
 
     fn clear_cache(&mut self, slot: Slot) -> usize {
-        let blocks = std::mem::take(&mut self.caches[slot as usize].blocks);
+        let cache = &mut self.caches[slot as usize];
+        cache.order.clear();
+        let blocks = std::mem::take(&mut cache.blocks);
         let n = blocks.len();
         for node in blocks.into_values() {
             self.drop_holder(node, slot);
@@ -422,6 +498,54 @@ mod tests {
         rank1.dp_rank = 1;
         idx.apply(W0, &rank1);
         assert_eq!(idx.find_matches(&prefix_hashes(&a), 8), vec![(W0, 3)]);
+    }
+
+    /// Past its capacity a cache loses the blocks stored longest ago, whatever was removed
+    /// (and stored again) in between.
+    #[test]
+    fn a_cache_over_capacity_drops_its_oldest_blocks() {
+        let mut idx = RadixIndex::default();
+        let (a, b, c) = (locals(0, 3), locals(100, 3), locals(200, 2));
+        idx.apply_within(W0, &stored(None, &a, 1), 6);
+        idx.apply_within(W0, &stored(None, &b, 1), 6);
+        // a[2] removed and stored again: it is now the newest block.
+        let removed = KvEvent {
+            dp_rank: 0,
+            kind: KvEventKind::Removed {
+                blocks: vec![EngineHash(a[2].0 ^ 1)],
+            },
+        };
+        idx.apply_within(W0, &removed, 6);
+        let again = stored(Some(a[1].0 ^ 1), &a[2..], 1);
+        assert_eq!(idx.apply_within(W0, &again, 6).evicted, 0);
+        let out = idx.apply_within(W0, &stored(None, &c, 1), 6);
+        assert_eq!(out.evicted, 2, "a[0] and a[1] are the oldest");
+        assert_eq!(idx.blocks_of(W0), 6);
+        assert!(idx.find_matches(&prefix_hashes(&a), 8).is_empty());
+        assert_eq!(idx.find_matches(&prefix_hashes(&b), 8), vec![(W0, 3)]);
+        assert_eq!(idx.find_matches(&prefix_hashes(&c), 8), vec![(W0, 2)]);
+        // Another worker's cache is bounded on its own.
+        assert_eq!(idx.apply_within(W1, &stored(None, &c, 2), 1).evicted, 1);
+        assert_eq!(idx.blocks_of(W0), 6);
+    }
+
+    /// Removals never let the store order grow past twice the cache.
+    #[test]
+    fn store_order_is_compacted() {
+        let mut idx = RadixIndex::default();
+        for round in 0..1000u32 {
+            let a = locals(round * 10, 1);
+            idx.apply(W0, &stored(None, &a, 0));
+            let removed = KvEvent {
+                dp_rank: 0,
+                kind: KvEventKind::Removed {
+                    blocks: vec![EngineHash(a[0].0)],
+                },
+            };
+            idx.apply(W0, &removed);
+        }
+        assert_eq!(idx.blocks_of(W0), 0);
+        assert!(idx.caches[0].order.len() <= 64 + 1);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! How busy each worker is: the requests the sidecar sent it that have not finished yet, and
 //! its engine's own metrics.
 //!
-//! Every hint issues a ticket ([`crate::core::fleet::ticket`]) counted against the chosen worker until the filter reports
+//! Every hint issues a ticket ([`crate::core::fleet::TicketKey::ticket`]) counted against the chosen worker until the filter reports
 //! the request finished (Envoy logged it). That count is exact and immediate for the traffic
 //! kvroute routes, so a burst spreads out without waiting for a scrape. Engines are also scraped
 //! (`/metrics`, vLLM names) every `scrape_interval_ms`: that covers traffic the sidecar does not
@@ -118,6 +118,11 @@ impl WorkerLoad {
             .insert(dp_rank, (queued_prefill_blocks, kv_used_blocks));
     }
 
+    /// Whether a `kv_metrics` message of this rank was recorded.
+    pub fn has_rank(&self, dp_rank: u32) -> bool {
+        self.dynamo.contains_key(&dp_rank)
+    }
+
     /// Record Envoy's in-flight count.
     pub fn envoy_active(&mut self, active: f64) {
         self.envoy_active = active;
@@ -172,6 +177,19 @@ pub fn parse_vllm_metrics(text: &str) -> Option<Load> {
     seen.then_some(load)
 }
 
+/// Blocks one KV cache of a vLLM engine holds: `num_gpu_blocks` of `vllm:cache_config_info`
+/// (the smallest, when several engines — data-parallel ranks — share one endpoint).
+pub fn parse_vllm_capacity(text: &str) -> Option<u64> {
+    text.lines()
+        .filter(|l| l.starts_with("vllm:cache_config_info{"))
+        .filter_map(|l| {
+            let (_, rest) = l.split_once("num_gpu_blocks=\"")?;
+            rest.split('"').next()?.parse::<u64>().ok()
+        })
+        .filter(|&n| n > 0)
+        .min()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -185,6 +203,17 @@ mod tests {
             (4.0, 2.0, 0.25)
         );
         assert_eq!(parse_vllm_metrics("no metrics here 1\n"), None);
+    }
+
+    #[test]
+    fn parses_vllm_cache_capacity() {
+        let text = "# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size=\"16\",cache_dtype=\"auto\",engine=\"0\",num_gpu_blocks=\"80\",num_cpu_blocks=\"None\"} 1.0\nvllm:cache_config_info{engine=\"1\",num_gpu_blocks=\"96\"} 1.0\n";
+        assert_eq!(parse_vllm_capacity(text), Some(80));
+        assert_eq!(
+            parse_vllm_capacity("vllm:cache_config_info{num_gpu_blocks=\"None\"} 1\n"),
+            None
+        );
+        assert_eq!(parse_vllm_capacity(""), None);
     }
 
     #[test]

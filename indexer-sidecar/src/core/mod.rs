@@ -26,11 +26,10 @@ use kvroute_protocol::dynamo::{KvMetrics, RouterEvent};
 use kvroute_protocol::hint::{HintRequest, Ticket};
 use kvroute_protocol::vllm::EventBatch;
 
-use crate::config::Config;
-use crate::config::RoutingConfig;
+use crate::config::{Config, IndexConfig, RoutingConfig};
 use cursor::Verdict;
 use event::{EventTag, KvEvent, VllmEventProblem};
-use fleet::{Fleet, Role, WorkerId};
+use fleet::{Fleet, Role, TicketKey, WorkerId};
 use index::{ApplyOutcome, RadixIndex};
 use load::{Load, Reclaimed};
 use policy::Decision;
@@ -94,17 +93,22 @@ pub struct Message<'a> {
     pub delivery: Delivery,
     /// What it says.
     pub body: Body<'a>,
+    /// The Dynamo component (`namespace/component`) whose subject it came on: events naming a
+    /// worker bound to another component are refused. `None` where the transport itself names
+    /// the publisher (vLLM: the connection).
+    pub component: Option<&'a str>,
 }
 
 impl<'a> Message<'a> {
-    /// A Dynamo event, live from NATS.
-    pub fn dynamo(event: &'a RouterEvent) -> Self {
+    /// A Dynamo event, live from NATS on a subject of `component`.
+    pub fn dynamo(event: &'a RouterEvent, component: Option<&'a str>) -> Self {
         Message {
             from: Publisher::Instance(event.worker_id),
             stream: event.event.dp_rank,
             seq: event.event.event_id,
             delivery: Delivery::Live,
             body: Body::Dynamo(event),
+            component,
         }
     }
 
@@ -117,6 +121,7 @@ impl<'a> Message<'a> {
             seq,
             delivery,
             body: Body::Vllm(batch),
+            component: None,
         }
     }
 }
@@ -130,6 +135,10 @@ pub struct DiscoveredInstance {
     pub address: String,
     /// Its role.
     pub role: Role,
+    /// `namespace/component` of its record: the subjects its events come on.
+    pub component: String,
+    /// Blocks its KV cache holds, from its model card.
+    pub capacity: Option<u64>,
 }
 
 /// One host of Envoy's `workers` cluster, as its admin endpoint shows it.
@@ -156,9 +165,16 @@ pub enum Input<'a> {
         worker: WorkerId,
         /// What it reported.
         load: Option<Load>,
+        /// Blocks its KV cache holds, when it says (`vllm:cache_config_info`).
+        capacity: Option<u64>,
     },
-    /// A Dynamo worker's `kv_metrics`.
-    DynamoLoad(&'a KvMetrics),
+    /// A Dynamo worker's `kv_metrics`, from a subject of `component`.
+    DynamoLoad {
+        /// The message.
+        metrics: &'a KvMetrics,
+        /// `namespace/component` of its subject.
+        component: Option<&'a str>,
+    },
     /// Envoy's view of the `workers` cluster, by `ip:port`.
     EnvoyView(&'a HashMap<String, HostView>),
     /// One scan of a `[[dynamo_discovery]]` entry: its model, the instances with a record, and
@@ -200,6 +216,26 @@ pub enum Forgot {
     WarmStart,
     /// Unusable for longer than the grace period.
     Unusable,
+}
+
+/// Why a message naming a known worker was not applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Rejected {
+    /// It came on another component's subject than the worker's: whoever published it may
+    /// publish there, not as this worker.
+    WrongComponent {
+        /// The worker's component.
+        expected: String,
+        /// The subject's.
+        got: String,
+    },
+    /// A data-parallel rank beyond the worker's first `limit`.
+    TooManyRanks {
+        /// The rank.
+        rank: u32,
+        /// `[index] max_ranks_per_worker`.
+        limit: u32,
+    },
 }
 
 /// How a ticket was closed.
@@ -281,6 +317,27 @@ pub enum Happened {
         worker: Name,
         /// Why.
         problem: VllmEventProblem,
+    },
+    /// A message naming a known worker was refused.
+    Rejected {
+        /// The worker it names.
+        worker: Name,
+        /// Why.
+        why: Rejected,
+    },
+    /// A worker without a configured component is bound to the first one its events came on.
+    Bound {
+        /// The worker.
+        worker: Name,
+        /// `namespace/component`.
+        component: String,
+    },
+    /// What a worker's engine says one of its caches holds at most, first said or changed.
+    Capacity {
+        /// The worker.
+        worker: Name,
+        /// Blocks.
+        blocks: u64,
     },
     /// A message from a publisher no configured or discovered worker is.
     UnknownPublisher {
@@ -369,6 +426,8 @@ pub struct Core {
     indexes: HashMap<String, RadixIndex>,
     block_sizes: HashMap<String, u32>,
     routing: RoutingConfig,
+    limits: IndexConfig,
+    tickets: TicketKey,
     grace_period: Duration,
     /// Engines are scraped this often: a ticket this old was at the engine when it was scraped.
     settle: Duration,
@@ -380,8 +439,9 @@ pub struct Core {
 }
 
 impl Core {
-    /// The configured workers and an empty index per model.
-    pub fn new(config: &Config) -> Self {
+    /// The configured workers and an empty index per model; tickets sealed with `ticket_key`
+    /// (random per process).
+    pub fn new(config: &Config, ticket_key: u64) -> Self {
         Core {
             fleet: Fleet::new(&config.workers),
             indexes: config
@@ -395,6 +455,8 @@ impl Core {
                 .map(|m| (m.name.clone(), m.block_size))
                 .collect(),
             routing: config.routing.clone(),
+            limits: config.index.clone(),
+            tickets: TicketKey(ticket_key),
             grace_period: Duration::from_millis(
                 config.envoy.as_ref().map_or(30_000, |e| e.grace_period_ms),
             ),
@@ -453,8 +515,13 @@ impl Core {
                 };
                 self.forget(id, why, &mut out);
             }
-            Input::Scrape { worker, load } => {
+            Input::Scrape {
+                worker,
+                load,
+                capacity,
+            } => {
                 let settle = self.settle;
+                self.learn_capacity(worker, capacity, &mut out);
                 let Some(w) = self.fleet.get_mut(worker) else {
                     return out;
                 };
@@ -467,7 +534,9 @@ impl Core {
                     from_dynamo: false,
                 });
             }
-            Input::DynamoLoad(m) => self.dynamo_load(m, &mut out),
+            Input::DynamoLoad { metrics, component } => {
+                self.dynamo_load(metrics, component, &mut out)
+            }
             Input::EnvoyView(hosts) => self.envoy_view(hosts, now, &mut out),
             Input::Discovery {
                 model,
@@ -480,11 +549,73 @@ impl Core {
         out
     }
 
-    fn message(&mut self, m: Message<'_>, now: Instant, out: &mut Vec<Happened>) {
-        let Some(id) = self.resolve(m.from) else {
-            out.push(Happened::UnknownPublisher {
-                name: m.from.name(),
+    /// The worker a Dynamo message may speak for: it names a known worker, comes on that
+    /// worker's component's subject (binding an unbound worker to it) and on one of its first
+    /// `max_ranks_per_worker` ranks.
+    fn admit(
+        &mut self,
+        from: Publisher<'_>,
+        component: Option<&str>,
+        rank: u32,
+        out: &mut Vec<Happened>,
+    ) -> Option<WorkerId> {
+        let Some(id) = self.resolve(from) else {
+            out.push(Happened::UnknownPublisher { name: from.name() });
+            return None;
+        };
+        let name = self.name(id);
+        let limit = self.limits.max_ranks_per_worker;
+        let worker = self.fleet.get_mut(id)?;
+        match (&worker.component, component) {
+            (Some(expected), Some(got)) if expected != got => {
+                out.push(Happened::Rejected {
+                    worker: name,
+                    why: Rejected::WrongComponent {
+                        expected: expected.clone(),
+                        got: got.to_owned(),
+                    },
+                });
+                return None;
+            }
+            (None, Some(got)) => {
+                worker.component = Some(got.to_owned());
+                out.push(Happened::Bound {
+                    worker: name.clone(),
+                    component: got.to_owned(),
+                });
+            }
+            _ => {}
+        }
+        let known = worker.cursors.contains_key(&rank) || worker.load.has_rank(rank);
+        if !known && rank >= limit {
+            out.push(Happened::Rejected {
+                worker: name,
+                why: Rejected::TooManyRanks { rank, limit },
             });
+            return None;
+        }
+        Some(id)
+    }
+
+    /// A worker's engine said how many blocks a cache holds.
+    fn learn_capacity(&mut self, id: WorkerId, capacity: Option<u64>, out: &mut Vec<Happened>) {
+        let Some(blocks) = capacity.filter(|&b| b > 0) else {
+            return;
+        };
+        let name = self.name(id);
+        if let Some(w) = self.fleet.get_mut(id) {
+            if w.capacity != Some(blocks) {
+                w.capacity = Some(blocks);
+                out.push(Happened::Capacity {
+                    worker: name,
+                    blocks,
+                });
+            }
+        }
+    }
+
+    fn message(&mut self, m: Message<'_>, now: Instant, out: &mut Vec<Happened>) {
+        let Some(id) = self.admit(m.from, m.component, m.stream, out) else {
             return;
         };
         let Some(worker) = self.fleet.get_mut(id) else {
@@ -560,13 +691,19 @@ impl Core {
     }
 
     fn apply(&mut self, worker: &Name, model: &str, event: &KvEvent, out: &mut Vec<Happened>) {
+        let capacity = self
+            .fleet
+            .get(worker.id)
+            .and_then(|w| w.capacity)
+            .unwrap_or(self.limits.max_blocks_per_cache);
         let Some(index) = self.indexes.get_mut(model) else {
             return;
         };
+        let capacity = usize::try_from(capacity).unwrap_or(usize::MAX);
         out.push(Happened::Applied {
             worker: worker.clone(),
             kind: event.kind.tag(),
-            outcome: index.apply(worker.id, event),
+            outcome: index.apply_within(worker.id, event, capacity),
         });
     }
 
@@ -603,11 +740,9 @@ impl Core {
         }
     }
 
-    fn dynamo_load(&mut self, m: &KvMetrics, out: &mut Vec<Happened>) {
-        let Some(id) = self.resolve(Publisher::Instance(m.worker_id)) else {
-            out.push(Happened::UnknownPublisher {
-                name: m.worker_id.to_string(),
-            });
+    fn dynamo_load(&mut self, m: &KvMetrics, component: Option<&str>, out: &mut Vec<Happened>) {
+        let Some(id) = self.admit(Publisher::Instance(m.worker_id), component, m.dp_rank, out)
+        else {
             return;
         };
         let Some(worker) = self.fleet.get_mut(id) else {
@@ -668,10 +803,7 @@ impl Core {
             if i.role == Role::Decode || self.fleet.by_instance_id(i.instance_id).is_some() {
                 continue;
             }
-            let address = format!("{}/{:x}", i.address, i.instance_id);
-            let id = self
-                .fleet
-                .add_discovered(i.instance_id, &address, model, i.role);
+            let id = self.fleet.add_discovered(i, model);
             out.push(Happened::Added {
                 worker: self.name(id),
                 instance_id: i.instance_id,
@@ -777,7 +909,7 @@ impl Core {
         let (mut finished, mut unknown) = (0, 0);
         let mut changed = BTreeSet::new();
         for &t in tickets {
-            let (id, seq) = fleet::ticket_parts(t);
+            let (id, seq) = self.tickets.parts(t);
             if self.fleet.get_mut(id).is_some_and(|w| w.load.close(seq)) {
                 finished += 1;
                 changed.insert(id);
@@ -839,7 +971,7 @@ impl Core {
             self.next_ticket += 1;
             self.last_hint = Some(now);
             if let Some(w) = self.fleet.get_mut(first) {
-                ticket = fleet::ticket(first, seq);
+                ticket = self.tickets.ticket(first, seq);
                 if ticket.is_some() {
                     w.load.open(seq, now);
                 }

@@ -32,7 +32,7 @@ fn pin_fixture() -> (Core, Vec<RouterEvent>, HintRequest) {
         hashes: token_prefix_hashes(&tokens, 16, HashSeed::default()),
         finished: Vec::new(),
     };
-    (Core::new(&config("")), events, req)
+    (Core::new(&config(""), 7), events, req)
 }
 
 fn instances(list: &[(u64, u16, Role)]) -> Vec<DiscoveredInstance> {
@@ -41,6 +41,8 @@ fn instances(list: &[(u64, u16, Role)]) -> Vec<DiscoveredInstance> {
             instance_id,
             address: format!("127.0.0.1:{port}"),
             role,
+            component: "dynamo/backend".into(),
+            capacity: None,
         })
         .collect()
 }
@@ -60,7 +62,7 @@ fn discover(core: &mut Core, found: &[DiscoveredInstance], down: &[u64], now: In
 fn events(core: &mut Core, events: &[RouterEvent], now: Instant) -> Vec<Happened> {
     events
         .iter()
-        .flat_map(|e| core.ingest(Input::Message(Message::dynamo(e)), now))
+        .flat_map(|e| core.ingest(Input::Message(Message::dynamo(e, None)), now))
         .collect()
 }
 
@@ -177,9 +179,10 @@ fn disaggregated_fleets_pin_the_prefill_worker() {
 /// A vLLM worker at `127.0.0.1:9000` and a store batch of `blocks` blocks chained after
 /// engine hash `parent` (names `first..first+blocks`).
 fn vllm_core() -> Core {
-    Core::new(&config(
-        "[[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\n",
-    ))
+    Core::new(
+        &config("[[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\n"),
+        7,
+    )
 }
 
 fn store(parent: Option<u64>, first: u64, blocks: u64) -> EventBatch {
@@ -391,11 +394,14 @@ fn envoy_decides_who_is_usable() {
 #[test]
 fn hints_name_only_workers_of_the_requested_model() {
     let model = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/models/tiny-llama");
-    let mut core = Core::new(&config(&format!(
-        "[[models]]\nname = \"b\"\ndir = \"{model}\"\nblock_size = 16\n\
+    let mut core = Core::new(
+        &config(&format!(
+            "[[models]]\nname = \"b\"\ndir = \"{model}\"\nblock_size = 16\n\
          [[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\n\
          [[workers]]\naddress = \"127.0.0.1:9001\"\nmodel = \"b\"\n"
-    )));
+        )),
+        7,
+    );
     let b_worker: std::sync::Arc<str> = "127.0.0.1:9001".into();
     // Model b's worker holds the prompt; model m's request must not go there.
     let batch = store(None, 0, 2);
@@ -462,7 +468,7 @@ fn a_repeated_event_is_a_duplicate_not_a_restart() {
     );
     for e in &evs {
         for _ in 0..2 {
-            let happened = core.ingest(Input::Message(Message::dynamo(e)), now);
+            let happened = core.ingest(Input::Message(Message::dynamo(e, None)), now);
             assert!(
                 !happened
                     .iter()
@@ -496,4 +502,154 @@ fn each_vllm_rank_has_its_own_cursor() {
         }
     }
     assert_eq!(blocks(&core), 6);
+}
+
+/// Dynamo events name their worker in the payload, which any publisher can write: a message
+/// on another component's subject than the worker's is refused, so it cannot wipe the worker
+/// (`event_id` 0 reads as a restart) or fake its prefixes. A configured worker without a
+/// component is bound to the first one it is seen on.
+#[test]
+fn events_on_another_components_subject_are_refused() {
+    let (mut core, evs, req) = pin_fixture();
+    let now = Instant::now();
+    let id = evs[0].worker_id;
+    discover(
+        &mut core,
+        &instances(&[(id, 40051, Role::Aggregated)]),
+        &[],
+        now,
+    );
+    let on = |core: &mut Core, e: &RouterEvent, component: &str| {
+        core.ingest(Input::Message(Message::dynamo(e, Some(component))), now)
+    };
+    for e in &evs {
+        on(&mut core, e, "dynamo/backend");
+    }
+    assert_eq!(core.hint(&req, now).unwrap().decision.matched_blocks, 4);
+    let mut wipe = evs[0].clone();
+    wipe.event.event_id = 0;
+    wipe.event.data = kvroute_protocol::dynamo::KvCacheEventData::Cleared;
+    let happened = on(&mut core, &wipe, "evil/backend");
+    assert!(
+        happened.iter().any(|h| matches!(
+            h,
+            Happened::Rejected { why: Rejected::WrongComponent { expected, got }, .. }
+                if expected == "dynamo/backend" && got == "evil/backend"
+        )),
+        "{happened:?}"
+    );
+    assert!(!happened
+        .iter()
+        .any(|h| matches!(h, Happened::Forgot { .. })));
+    assert_eq!(core.hint(&req, now).unwrap().decision.matched_blocks, 4);
+    let load = kvroute_protocol::dynamo::KvMetrics {
+        worker_id: id,
+        dp_rank: 0,
+        active_decode_blocks: None,
+        active_prefill_tokens: Some(1 << 40),
+        kv_used_blocks: None,
+    };
+    let forged = core.ingest(
+        Input::DynamoLoad {
+            metrics: &load,
+            component: Some("evil/backend"),
+        },
+        now,
+    );
+    assert!(forged
+        .iter()
+        .any(|h| matches!(h, Happened::Rejected { .. })));
+
+    // A configured worker: bound to its first component.
+    let mut core = Core::new(
+        &config(&format!(
+            "[[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\ndynamo_worker_id = {id}\n"
+        )),
+        7,
+    );
+    let first = on(&mut core, &evs[0], "dynamo/prefill");
+    assert!(first
+        .iter()
+        .any(|h| matches!(h, Happened::Bound { component, .. } if component == "dynamo/prefill")));
+    let mut next = evs[0].clone();
+    next.event.event_id += 1;
+    let later = on(&mut core, &next, "dynamo/backend");
+    assert!(later.iter().any(|h| matches!(h, Happened::Rejected { .. })));
+}
+
+/// A worker has at most `max_ranks_per_worker` caches: further ranks are refused, in events
+/// and in `kv_metrics`.
+#[test]
+fn ranks_per_worker_are_bounded() {
+    let mut core = Core::new(
+        &config("[index]\nmax_ranks_per_worker = 2\n[[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\n"),
+        7,
+    );
+    for r in 0..4u32 {
+        let batch = EventBatch {
+            dp_rank: r,
+            ..store(None, u64::from(r) * 10, 1)
+        };
+        let happened = vllm(&mut core, 0, Delivery::LiveHoldingGaps, &batch);
+        let refused = happened.iter().any(|h| {
+            matches!(h, Happened::Rejected { why: Rejected::TooManyRanks { rank, limit: 2 }, .. } if *rank == r)
+        });
+        assert_eq!(refused, r >= 2, "rank {r}: {happened:?}");
+    }
+    assert_eq!(blocks(&core), 2);
+    assert_eq!(core.fleet().get(WorkerId(0)).unwrap().cursors.len(), 2);
+}
+
+/// A cache never holds more than its engine's capacity: configured, then what the engine's
+/// scrape says (which wins); past it the oldest blocks go.
+#[test]
+fn caches_hold_at_most_their_capacity() {
+    let mut core = Core::new(
+        &config("[[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\ncapacity_blocks = 4\n"),
+        7,
+    );
+    let happened = vllm(&mut core, 0, Delivery::LiveHoldingGaps, &store(None, 0, 6));
+    let evicted: usize = happened
+        .iter()
+        .map(|h| match h {
+            Happened::Applied { outcome, .. } => outcome.evicted,
+            _ => 0,
+        })
+        .sum();
+    assert_eq!((evicted, blocks(&core)), (2, 4));
+    let scrape = core.ingest(
+        Input::Scrape {
+            worker: WorkerId(0),
+            load: None,
+            capacity: Some(3),
+        },
+        Instant::now(),
+    );
+    assert!(scrape.contains(&Happened::Capacity {
+        worker: core.name(WorkerId(0)),
+        blocks: 3
+    }));
+    vllm(
+        &mut core,
+        1,
+        Delivery::LiveHoldingGaps,
+        &store(None, 100, 1),
+    );
+    assert_eq!(blocks(&core), 3);
+}
+
+/// Tickets cannot be guessed: reporting made-up ones closes nothing.
+#[test]
+fn forged_tickets_close_nothing() {
+    let mut core = vllm_core();
+    let now = Instant::now();
+    let hint = core.hint(&one_block_request(), now).unwrap();
+    let real = hint.ticket.unwrap();
+    let forged: Vec<Ticket> = (0..10_000u64)
+        .flat_map(|seq| [Ticket(seq << 16), Ticket(real.0 ^ (seq + 1) << 16)])
+        .collect();
+    core.ingest(Input::Finished(&forged), now);
+    assert_eq!(busy(&core), 1.0);
+    core.ingest(Input::Finished(&[real]), now);
+    assert_eq!(busy(&core), 0.0);
 }

@@ -129,6 +129,8 @@ pub fn parse_card(bytes: &[u8]) -> Result<ModelCard, String> {
 pub struct Instance {
     /// Request-plane `ip:port`.
     pub address: String,
+    /// Its namespace.
+    pub namespace: String,
     /// Its component.
     pub component: String,
     /// Its role.
@@ -173,6 +175,8 @@ impl Scan {
                 instance_id,
                 address: i.address.clone(),
                 role: i.role,
+                component: format!("{}/{}", i.namespace, i.component),
+                capacity: i.total_kv_blocks,
             })
             .collect()
     }
@@ -272,6 +276,7 @@ pub fn scan(root: &Path, config: &DiscoveryConfig) -> std::io::Result<Scan> {
             record.instance_id,
             Instance {
                 address: record.address,
+                namespace: record.namespace,
                 component: record.component,
                 role,
                 total_kv_blocks: card.and_then(|c| c.total_kv_blocks),

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::core::load::parse_vllm_metrics;
+use crate::core::load::{parse_vllm_capacity, parse_vllm_metrics};
 use crate::core::Input;
 use crate::metrics::WorkerLabel;
 use crate::sidecar::Sidecar;
@@ -40,6 +40,7 @@ pub async fn run(state: Arc<Sidecar>) {
         });
         for (id, address, text) in futures::future::join_all(scrapes).await {
             let load = text.as_deref().and_then(parse_vllm_metrics);
+            let capacity = text.as_deref().and_then(parse_vllm_capacity);
             if load.is_none() {
                 state
                     .metrics
@@ -47,7 +48,11 @@ pub async fn run(state: Arc<Sidecar>) {
                     .get_or_create(&WorkerLabel::new(address))
                     .inc();
             }
-            let scrape = Input::Scrape { worker: id, load };
+            let scrape = Input::Scrape {
+                worker: id,
+                load,
+                capacity,
+            };
             state.ingest(None, scrape, std::time::Instant::now());
         }
     }

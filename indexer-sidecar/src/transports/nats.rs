@@ -261,7 +261,12 @@ pub fn handle(state: &Sidecar, source: usize, subject: &str, body: &[u8]) {
         seen(decoded.is_ok());
         match decoded {
             Ok(m) => {
-                state.ingest(None, Input::DynamoLoad(&m), Instant::now());
+                let component = subject_component(subject);
+                let input = Input::DynamoLoad {
+                    metrics: &m,
+                    component: component.as_deref(),
+                };
+                state.ingest(None, input, Instant::now());
             }
             Err(e) => {
                 tracing::warn!(%subject, error = %e, bytes = body.len(), "undecodable kv_metrics message");
@@ -291,8 +296,10 @@ pub fn handle(state: &Sidecar, source: usize, subject: &str, body: &[u8]) {
                 subject,
             };
             let now = Instant::now();
+            let component = subject_component(subject);
             for event in &decoded.events {
-                state.ingest(Some(from), Input::Message(Message::dynamo(event)), now);
+                let message = Message::dynamo(event, component.as_deref());
+                state.ingest(Some(from), Input::Message(message), now);
             }
         }
         Err(e) => {
