@@ -34,6 +34,10 @@ pub struct FilterConfig {
     pub session_header: String,
     /// How often each VM checks the sidecar's catalog for new or changed bundles.
     pub bundle_refresh_ms: u64,
+    /// Tests only: a request carrying this header makes the VM trap, as a bug would, so that
+    /// Envoy's handling of a failed VM (`failure_policy`) can be checked. Empty (the default):
+    /// off. Never set it in production.
+    pub test_trap_header: String,
 }
 
 /// The largest body the filter may buffer: the shipped routes' `request_body_buffer_limit`
@@ -55,6 +59,7 @@ impl Default for FilterConfig {
             fallback_key_blocks: 8,
             session_header: "x-session-id".into(),
             bundle_refresh_ms: 5000,
+            test_trap_header: String::new(),
         }
     }
 }

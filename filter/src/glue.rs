@@ -377,6 +377,10 @@ impl HttpContext for Request {
             self.shared.borrow().bump(Counter::HostErrors, 1);
             return self.fall_back(FallbackReason::BadRequest);
         };
+        if !config.test_trap_header.is_empty() && self.header(&config.test_trap_header).is_some() {
+            // Tests only (see `FilterConfig::test_trap_header`): the VM dies here.
+            panic!("kvroute: test trap requested");
+        }
         let planned = {
             let s = self.shared.borrow();
             plan(&body, &s.models, &config, self.session.as_deref())

@@ -9,6 +9,7 @@
 //! - `SIDECAR_ADDRESS`: the sidecar's address (`socket_address` or `pipe`);
 //! - `FILTER_CONFIG`: the filter's JSON configuration (`filter/src/config.rs`);
 //! - `WASM_PATH`: the filter module (`kvroute_filter.wasm`);
+//! - `STREAM_IDLE_TIMEOUT`: how long a stream may carry no byte (default 300 s);
 //! - `WORKER_HEADER`, `KEY_HEADER`: the headers `override_host` and the hash policy read, and
 //!   `STRIPPED_HEADERS`: the `remove:` lines that drop every routing header a client sent — all
 //!   three from the filter configuration's header names (defaults: `kvroute_protocol::headers`),
@@ -66,12 +67,20 @@ pub struct EnvoyParams {
     pub filter_config: serde_json::Value,
     /// The filter's wasm module.
     pub wasm: PathBuf,
+    /// How long a stream may carry no byte before Envoy ends it.
+    pub stream_idle_timeout: std::time::Duration,
 }
+
+/// Envoy's own default stream idle timeout, made explicit.
+pub const STREAM_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
 
 /// Fill `template`'s placeholders; fails if one is left.
 pub fn render(template: &str, p: &EnvoyParams) -> anyhow::Result<String> {
     if p.workers.is_empty() {
         bail!("the workers cluster needs at least one endpoint");
+    }
+    if p.stream_idle_timeout.as_millis() == 0 {
+        bail!("the stream idle timeout must be positive (0 is no timeout in Envoy)");
     }
     if !p.filter_config.is_object() {
         bail!("the filter configuration must be a JSON object");
@@ -131,6 +140,10 @@ pub fn render(template: &str, p: &EnvoyParams) -> anyhow::Result<String> {
         .replace("${WORKER_ENDPOINTS}", &endpoints.join("\n"))
         .replace("${FILTER_CONFIG}", &filter_config)
         .replace("${WASM_PATH}", &p.wasm.display().to_string())
+        .replace(
+            "${STREAM_IDLE_TIMEOUT}",
+            &format!("{}s", p.stream_idle_timeout.as_secs_f64()),
+        )
         .replace("${WORKER_HEADER}", &worker_header)
         .replace("${KEY_HEADER}", &key_header)
         .replace("${STRIPPED_HEADERS}", &stripped.join("\n"));
@@ -165,6 +178,7 @@ mod tests {
             sidecar: SidecarAddress::Tcp("127.0.0.1:9100".parse().unwrap()),
             filter_config: serde_json::json!({"hint_timeout_ms": 50, "x": "it's"}),
             wasm: "/opt/kvroute/kvroute_filter.wasm".into(),
+            stream_idle_timeout: STREAM_IDLE_TIMEOUT,
         }
     }
 
@@ -216,6 +230,7 @@ mod tests {
             );
             if t != Template::RoundRobin {
                 assert!(yaml.contains("/opt/kvroute/kvroute_filter.wasm"), "{t:?}");
+                assert!(yaml.contains("stream_idle_timeout: 300s"), "{t:?}");
                 assert!(
                     yaml.contains(r#"'{"hint_timeout_ms":50,"x":"it''s"}'"#),
                     "{t:?}"
@@ -234,6 +249,9 @@ mod tests {
         let mut none = params();
         none.workers.clear();
         assert!(render(Template::Kvroute.text(), &none).is_err());
+        let mut forever = params();
+        forever.stream_idle_timeout = std::time::Duration::ZERO;
+        assert!(render(Template::Kvroute.text(), &forever).is_err());
         let err = render("a: ${NEW_THING}", &params()).unwrap_err();
         assert!(err.to_string().contains("${NEW_THING}"), "{err}");
         assert!(parse_workers("localhost:80").is_err());

@@ -87,6 +87,10 @@ enum Command {
         /// The filter's configuration, a JSON object (docs/operations.md; `{}`: defaults).
         #[arg(long, default_value = "{}")]
         filter_config: String,
+        /// Seconds a stream may carry no byte before Envoy ends it (also how long a request
+        /// paused on a filter VM that trapped waits); above your longest non-streamed answer.
+        #[arg(long, default_value_t = envoy_config::STREAM_IDLE_TIMEOUT.as_secs_f64())]
+        stream_idle_timeout_s: f64,
     },
     /// Print captured KV-event payloads as JSON lines (hashes as u64), one per event.
     Decode {
@@ -158,6 +162,7 @@ async fn main() -> anyhow::Result<()> {
             sidecar_socket,
             wasm,
             filter_config,
+            stream_idle_timeout_s,
         } => {
             let params = envoy_config::EnvoyParams {
                 listen_port,
@@ -170,6 +175,8 @@ async fn main() -> anyhow::Result<()> {
                 filter_config: serde_json::from_str(&filter_config)
                     .context("--filter-config is not JSON")?,
                 wasm: std::path::absolute(&wasm).unwrap_or(wasm),
+                stream_idle_timeout: std::time::Duration::try_from_secs_f64(stream_idle_timeout_s)
+                    .context("--stream-idle-timeout-s is not a number of seconds")?,
             };
             print!("{}", envoy_config::render(template.text(), &params)?);
             Ok(())

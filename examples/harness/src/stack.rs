@@ -116,6 +116,10 @@ pub struct StackOptions {
     pub nats_subjects: Option<Vec<String>>,
     /// Extra TOML tables appended to the sidecar's configuration (`[alarms]`, `[routing]`).
     pub sidecar_toml: String,
+    /// Extra fields of the filter's JSON configuration (over `hints` and `hint_timeout_ms`).
+    pub filter_extra: serde_json::Map<String, serde_json::Value>,
+    /// Envoy's stream idle timeout.
+    pub stream_idle_timeout: Duration,
     /// Pin mode: Envoy sends to the simulator's Dynamo-frontend stand-in, the sidecar finds the
     /// engines through Dynamo discovery records and hints their instance ids.
     pub dynamo_frontend: bool,
@@ -139,6 +143,8 @@ impl StackOptions {
             fallback: Fallback::RingHash,
             nats_subjects: None,
             sidecar_toml: String::new(),
+            filter_extra: serde_json::Map::new(),
+            stream_idle_timeout: kvroute_sidecar::envoy_config::STREAM_IDLE_TIMEOUT,
             dynamo_frontend: false,
             dynamo: None,
             vllm: None,
@@ -648,11 +654,14 @@ pub fn render_envoy(
             }
             SidecarAddress::Unix(path) => envoy_config::SidecarAddress::Unix(path.clone()),
         },
-        filter_config: serde_json::json!({
-            "hints": opts.mode == Mode::Kvroute,
-            "hint_timeout_ms": opts.hint_timeout_ms,
-        }),
+        filter_config: {
+            let mut config = opts.filter_extra.clone();
+            config.insert("hints".into(), (opts.mode == Mode::Kvroute).into());
+            config.insert("hint_timeout_ms".into(), opts.hint_timeout_ms.into());
+            serde_json::Value::Object(config)
+        },
         wasm: paths::filter_wasm()?,
+        stream_idle_timeout: opts.stream_idle_timeout,
     };
     envoy_config::render(template.text(), &params)
 }
