@@ -134,21 +134,22 @@ precision-fixtures:
 	.venv-fixtures/bin/pip install --quiet --disable-pip-version-check -r $(PRECISION)/requirements.txt
 	.venv-fixtures/bin/python $(PRECISION)/generate.py
 
-# Fuzz every wire decoder for FUZZ_SECONDS each (needs nightly and cargo-fuzz, installed here
-# if missing), seeded with the captured samples. Not part of `make test`.
+# Fuzz every target (fuzz/src/lib.rs) under libFuzzer: FUZZ_SECONDS each, or FUZZ_RUNS
+# executions each when set (the long run in docs/benchmarks.md: FUZZ_RUNS=10000000). Needs
+# nightly and cargo-fuzz (installed here if missing); new inputs go to target/fuzz/<target>,
+# the seeds in fuzz/corpus/<target> are read only. `make test` replays the seeds and a bounded
+# run of mutations on stable (fuzz/tests/replay.rs).
 FUZZ_SECONDS ?= 60
-SAMPLES      ?= testdata/samples
+FUZZ_RUNS    ?=
+FUZZ_TARGETS := vllm_batch dynamo_message hint_request llm_request chat_template filter_plan
 fuzz:
 	@rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
 	@command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
-	mkdir -p target/fuzz/vllm_batch target/fuzz/dynamo_message target/fuzz/hint_request
-	cd fuzz && cargo +nightly fuzz run vllm_batch ../target/fuzz/vllm_batch \
-		$(abspath $(SAMPLES))/vllm/run1-sha256-default/raw $(abspath $(SAMPLES))/vllm/run2-sha256_cbor-evict-reset/raw \
-		-- -max_total_time=$(FUZZ_SECONDS)
-	cd fuzz && cargo +nightly fuzz run dynamo_message ../target/fuzz/dynamo_message \
-		$(abspath $(SAMPLES))/dynamo -- -max_total_time=$(FUZZ_SECONDS)
-	cd fuzz && cargo +nightly fuzz run hint_request ../target/fuzz/hint_request \
-		-- -max_total_time=$(FUZZ_SECONDS)
+	@for t in $(FUZZ_TARGETS); do \
+		mkdir -p target/fuzz/$$t && \
+		cargo +nightly fuzz run --fuzz-dir fuzz --features libfuzzer $$t target/fuzz/$$t fuzz/corpus/$$t -- \
+			$(if $(FUZZ_RUNS),-runs=$(FUZZ_RUNS),-max_total_time=$(FUZZ_SECONDS)) -print_final_stats=1 || exit 1; \
+	done
 
 clean:
 	rm -rf target/e2e target/demo

@@ -1,10 +1,4 @@
-//! The sidecar's binary inputs from the filter: hint requests and finished reports.
+//! cargo-fuzz entry for [`kvroute_fuzz::hint_request`].
 #![no_main]
 
-use kvroute_protocol::hint::{decode_finished, HintRequest};
-use libfuzzer_sys::fuzz_target;
-
-fuzz_target!(|data: &[u8]| {
-    let _ = HintRequest::decode(data);
-    let _ = decode_finished(data);
-});
+libfuzzer_sys::fuzz_target!(|data: &[u8]| kvroute_fuzz::hint_request(data));

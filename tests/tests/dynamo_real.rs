@@ -21,10 +21,13 @@ fn dynamo_chat(system: &str, user: &str) -> Value {
 
 /// Send straight to the Dynamo frontend (not through Envoy) with extra headers.
 async fn to_frontend(stack: &Stack, body: &Value, headers: &[(&str, String)]) -> Outcome {
-    let url = format!(
-        "http://{}/v1/chat/completions",
-        stack.frontend.as_ref().expect("a Dynamo frontend")
-    );
+    let frontend = stack.frontend.as_ref().expect("a Dynamo frontend");
+    post_with(&format!("http://{frontend}"), body, headers).await
+}
+
+/// Send a streamed chat to `base` (Envoy or the frontend) with extra headers.
+async fn post_with(base: &str, body: &Value, headers: &[(&str, String)]) -> Outcome {
+    let url = format!("{base}/v1/chat/completions");
     let headers: reqwest::header::HeaderMap = headers
         .iter()
         .map(|(k, v)| {
@@ -58,6 +61,26 @@ async fn warm(stack: &Stack, home: usize, header: &str, seed: u64) -> (u64, Stri
     let warmed = to_frontend(stack, &body, &[(header, id.to_string())]).await;
     wait_pinned_indexed(stack, home, (warmed.prompt_tokens / 16) as f64).await;
     (id, system, warmed)
+}
+
+/// A client cannot pin: straight to the frontend, `header` naming no worker fails the request;
+/// through Envoy it is stripped before the filter. The sidecar is stopped meanwhile, so no hint
+/// overwrites the forged header: only the stripping protects.
+async fn client_pins_are_stripped(stack: &Stack, system: &str, header: &'static str) {
+    let forged = [(header, "12345".to_string())];
+    let body = dynamo_chat(system, "forged");
+    let direct = to_frontend(stack, &body, &forged).await;
+    assert!(
+        !direct.ok(),
+        "Dynamo ignored {header} naming no worker: {direct:?}"
+    );
+    stack.signal("sidecar", "STOP").unwrap();
+    let o = post_with(&stack.envoy_url, &body, &forged).await;
+    stack.signal("sidecar", "CONT").unwrap();
+    assert!(
+        o.ok(),
+        "a forged {header} reached Dynamo through Envoy: {o:?}"
+    );
 }
 
 fn dynamo_stack(name: &str, dynamo: DynamoOptions, sidecar_toml: &str) -> StackOptions {
@@ -99,6 +122,9 @@ async fn pins_aggregated_dynamo_workers_found_in_real_discovery_records() {
         .await
         .unwrap_or(0);
     assert!(hinted >= 6, "hinted {hinted}");
+
+    // A client cannot pin (aggregated: with x-worker-instance-id).
+    client_pins_are_stripped(stack, &system, "x-worker-instance-id").await;
 }
 
 /// Disaggregated prefill/decode: prefill workers register as `dynamo/prefill/generate` and are
@@ -130,6 +156,7 @@ async fn disaggregated_dynamo_pins_the_prefill_worker_and_alarms_stay_quiet() {
         let o = via_envoy(stack, &dynamo_chat(&system, &text(3210 + i, 10))).await;
         assert_eq!(workers_of(&o), (id, decode), "turn {i}");
     }
+    client_pins_are_stripped(stack, &system, "x-prefill-instance-id").await;
     // Cold prompts (which store new blocks: events keep coming) are pinned to prefill workers
     // too, never to the decode worker; the alarms, checked every second at silence_s = 2, get
     // three seconds of this traffic.
