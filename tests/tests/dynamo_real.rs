@@ -110,6 +110,13 @@ async fn pins_aggregated_dynamo_workers_found_in_real_discovery_records() {
         .await,
         Some(2.0)
     );
+    // Each worker's cache size, from its model card, bounds its index.
+    let capacity = DynamoOptions::default().capacity_blocks as f64;
+    let series = format!(
+        "kvroute_capacity_blocks{{worker=\"{}\"}}",
+        pinned_label(stack, 0)
+    );
+    assert_eq!(sidecar_metric(stack, &series).await, Some(capacity));
     let (id, system, warmed) = warm(stack, 1, "x-worker-instance-id", 3100).await;
     assert_eq!(workers_of(&warmed).0, id, "the frontend honours the pin");
     for i in 0..6 {

@@ -63,6 +63,23 @@ async fn a_killed_engine_is_forgotten_at_once_and_its_new_process_indexed() {
         |n| n >= blocks(&warmed),
     )
     .await;
+    // The engine's cache size bounds its index: read from its own `vllm:cache_config_info`.
+    let url = format!("http://{}/metrics", stack.engines[0].address);
+    let engine_text = kvroute_harness::client::get_text(&stack.http, &url)
+        .await
+        .unwrap();
+    let capacity: f64 = engine_text
+        .lines()
+        .find(|l| l.starts_with("vllm:cache_config_info{"))
+        .and_then(|l| l.split("num_gpu_blocks=\"").nth(1))
+        .and_then(|rest| rest.split('"').next())
+        .and_then(|n| n.parse().ok())
+        .expect("vLLM exports num_gpu_blocks");
+    let series = format!(
+        "kvroute_capacity_blocks{{worker=\"{}\"}}",
+        stack.engines[0].address
+    );
+    assert_eq!(sidecar_metric(&stack, &series).await, Some(capacity));
 
     stack.kill(&vllm::process_name(0));
     let forgotten = wait_index(

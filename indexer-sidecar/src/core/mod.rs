@@ -809,6 +809,12 @@ impl Core {
                 instance_id: i.instance_id,
                 role: i.role,
             });
+            if let Some(blocks) = i.capacity {
+                out.push(Happened::Capacity {
+                    worker: self.name(id),
+                    blocks,
+                });
+            }
             out.push(Happened::Holds {
                 worker: self.name(id),
                 blocks: 0,
