@@ -97,6 +97,61 @@ pub struct Config {
     /// Dynamo instances to find in Dynamo's file discovery directory (pin mode).
     #[serde(default)]
     pub dynamo_discovery: Vec<DiscoveryConfig>,
+    /// The other sidecars of this fleet (one per Envoy): compare indexes with them.
+    #[serde(default)]
+    pub replicas: Option<ReplicasConfig>,
+}
+
+/// The replica plane: every sidecar of a fleet publishes its caches' digests on NATS and
+/// compares them with its peers' (docs/operations.md, "Replicas").
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReplicasConfig {
+    /// The fleet's name: replicas of one group compare with each other (subject
+    /// `kvroute.replicas.<group>.digests`).
+    pub group: String,
+    /// This replica's name among its peers; default: the host name (the pod's name).
+    pub id: Option<String>,
+    /// How often digests are published.
+    pub interval_ms: u64,
+    /// NATS server of the replica plane; default: `[nats] url` (with its authentication).
+    pub nats_url: Option<String>,
+    /// Tests only: drop this fraction (0..1) of the KV-event messages this replica ingests, to
+    /// make it diverge. Never set it in production.
+    pub test_drop_events: f64,
+}
+
+impl Default for ReplicasConfig {
+    fn default() -> Self {
+        ReplicasConfig {
+            group: "kvroute".into(),
+            id: None,
+            interval_ms: 2000,
+            nats_url: None,
+            test_drop_events: 0.0,
+        }
+    }
+}
+
+impl ReplicasConfig {
+    /// This replica's name: `id`, else the host name, else one made of the process id.
+    pub fn replica_id(&self) -> String {
+        self.id
+            .clone()
+            .or_else(|| std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty()))
+            .or_else(|| {
+                std::fs::read_to_string("/etc/hostname")
+                    .ok()
+                    .map(|h| h.trim().to_owned())
+                    .filter(|h| !h.is_empty())
+            })
+            .unwrap_or_else(|| format!("replica-{}", std::process::id()))
+    }
+
+    /// The subject digests are published on.
+    pub fn subject(&self) -> String {
+        format!("kvroute.replicas.{}.digests", self.group)
+    }
 }
 
 /// Dynamo workers behind a Dynamo frontend, found in Dynamo's file discovery directory. They are
@@ -475,6 +530,23 @@ impl Config {
             }
             if !names.insert(m.name.as_str()) {
                 bail!("model {} is configured twice", m.name);
+            }
+        }
+        if let Some(r) = &self.replicas {
+            if r.nats_url.is_none() && self.nats.is_none() {
+                bail!("[replicas] needs nats_url, or a [nats] section to share");
+            }
+            if !(100..=60_000).contains(&r.interval_ms) {
+                bail!(
+                    "[replicas] interval_ms = {}: must be 100..=60000",
+                    r.interval_ms
+                );
+            }
+            if !(0.0..=1.0).contains(&r.test_drop_events) {
+                bail!("[replicas] test_drop_events must be within 0..=1");
+            }
+            if r.group.is_empty() || r.group.contains(['.', '*', '>', ' ']) {
+                bail!("[replicas] group {:?}: one NATS subject token", r.group);
             }
         }
         if self.index.max_blocks_per_cache == 0 {

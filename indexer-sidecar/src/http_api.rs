@@ -31,9 +31,11 @@ pub fn router(state: Arc<Sidecar>) -> Router {
         .route("/v1/models/{name}/bundle", get(bundle))
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
         .route("/debug/explain", get(explain))
         .route("/debug/sources", get(sources))
         .route("/debug/discovery", get(discovery))
+        .route("/debug/replicas", get(replicas))
         .with_state(state)
 }
 
@@ -109,4 +111,19 @@ async fn sources(State(state): State<Arc<Sidecar>>) -> Response {
 async fn discovery(State(state): State<Arc<Sidecar>>) -> Response {
     let entries = state.plane().discovery();
     Json(entries).into_response()
+}
+
+async fn replicas(State(state): State<Arc<Sidecar>>) -> Response {
+    Json(state.replicas().debug(std::time::Instant::now())).into_response()
+}
+
+/// 200 once warm (see `Sidecar::ready`), 503 while warming: hints are served either way.
+async fn readyz(State(state): State<Arc<Sidecar>>) -> Response {
+    let (ready, why) = state.ready(std::time::Instant::now());
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, why).into_response()
 }

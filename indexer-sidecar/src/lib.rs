@@ -9,6 +9,8 @@
 //! - [`transports`]: where KV events come from: NATS (Dynamo), ZMQ (vLLM).
 //! - [`observers`]: what else feeds the fleet: Dynamo discovery, Envoy's admin view, engine
 //!   `/metrics` scrapes.
+//! - [`replicas`]: how this sidecar's caches compare with its peers' (the replica plane's
+//!   state; `transports::replica_plane` carries the digests).
 //! - [`http_api`]: the HTTP API (`/v1/hint`, bundles, `/metrics`, `/debug/*`).
 //! - [`metrics`]: the Prometheus metrics served on `/metrics`.
 //! - [`config`]: the TOML configuration.
@@ -25,6 +27,7 @@ pub mod http_api;
 pub mod inspect;
 pub mod metrics;
 pub mod observers;
+pub mod replicas;
 pub mod sidecar;
 pub mod transports;
 

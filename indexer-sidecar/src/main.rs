@@ -259,6 +259,19 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         let state = state.clone();
         tasks.spawn(transports::nats::run(nats, state));
     }
+    if let Some(replicas) = config.replicas.clone() {
+        let (state, nats) = (state.clone(), config.nats.clone());
+        tasks.spawn(async move {
+            // The replica plane is an addition: its failure is said and retried, serving goes on.
+            loop {
+                let run = transports::replica_plane::run(replicas.clone(), nats.clone(), state.clone());
+                if let Err(e) = run.await {
+                    tracing::error!(error = %format!("{e:#}"), "replica plane stopped; serving alone, retrying in 5 s");
+                }
+                tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+            }
+        });
+    }
     for zmq in config.zmq.clone() {
         // libzmq blocks; a detached thread ends with the process (a runtime would wait for it).
         let state = state.clone();

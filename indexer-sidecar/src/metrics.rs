@@ -129,6 +129,59 @@ pub struct RejectLabels {
     pub reason: RejectReason,
 }
 
+label_values!(
+    /// How a cache compares with a peer's.
+    AgreementValue {
+        /// Same blocks after the same event.
+        Agree => "agree",
+        /// Different blocks after the same event.
+        Divergent => "divergent",
+        /// No event both have a checkpoint for.
+        Unknown => "unknown",
+    }
+);
+
+label_values!(
+    /// How a cache was repaired.
+    RepairKind {
+        /// From a clean peer's snapshot.
+        PeerSnapshot => "peer_snapshot",
+        /// A snapshot arrived but could not be installed.
+        Refused => "refused",
+    }
+);
+
+/// `{kind}` of `kvroute_replica_repairs_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct RepairLabel {
+    /// How.
+    pub kind: RepairKind,
+}
+
+label_values!(
+    /// Which way bytes went.
+    Direction {
+        /// To a peer.
+        Sent => "sent",
+        /// From a peer.
+        Received => "received",
+    }
+);
+
+/// `{direction}` of `kvroute_replica_snapshot_bytes_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct DirectionLabel {
+    /// Which way.
+    pub direction: Direction,
+}
+
+/// `{state}` of `kvroute_replica_caches`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct AgreementLabel {
+    /// How they compare.
+    pub state: AgreementValue,
+}
+
 /// `{worker}`: a worker's address (from the configuration or discovery, never from an event).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct WorkerLabel {
@@ -263,6 +316,18 @@ pub struct Metrics {
     pub capacity_blocks: Family<WorkerLabel, Gauge>,
     /// Blocks dropped, oldest first, from a cache holding more than its capacity, by worker.
     pub capacity_evictions: Family<WorkerLabel, Counter>,
+    /// Peers heard from on the replica plane.
+    pub replica_peers: Gauge,
+    /// Caches by how they compare with each peer's (a cache counts once per peer).
+    pub replica_caches: Family<AgreementLabel, Gauge>,
+    /// Divergences found (a cache of a peer going from agree or unknown to divergent).
+    pub replica_divergences: Counter,
+    /// Repairs of caches, by kind.
+    pub replica_repairs: Family<RepairLabel, Counter>,
+    /// Snapshot bytes sent to and received from peers.
+    pub replica_snapshot_bytes: Family<DirectionLabel, Counter>,
+    /// Tests only: KV-event messages dropped by `[replicas] test_drop_events`.
+    pub test_dropped_events: Counter,
 }
 
 impl Default for Metrics {
@@ -296,6 +361,12 @@ impl Default for Metrics {
             rejected_messages: family(&mut r, "rejected_messages", "Messages naming a known worker refused: wrong_component, too_many_ranks"),
             capacity_blocks: family(&mut r, "capacity_blocks", "Blocks one cache of the worker holds at most"),
             capacity_evictions: family(&mut r, "capacity_evictions", "Blocks dropped oldest first from a cache over its capacity"),
+            replica_peers: gauge(&mut r, "replica_peers", "Peers heard from on the replica plane"),
+            replica_caches: family(&mut r, "replica_caches", "Caches by how they compare with each peer's: agree, divergent, unknown"),
+            replica_divergences: counter(&mut r, "replica_divergences", "Caches found to disagree with a peer's after the same event"),
+            replica_repairs: family(&mut r, "replica_repairs", "Caches repaired, by kind: peer_snapshot, refused"),
+            replica_snapshot_bytes: family(&mut r, "replica_snapshot_bytes", "Snapshot bytes exchanged with peers, by direction"),
+            test_dropped_events: counter(&mut r, "test_dropped_events", "Tests only: KV-event messages dropped on purpose"),
             registry: r,
         }
     }
@@ -309,6 +380,13 @@ where
     let f = Family::default();
     r.register(name, help, f.clone());
     f
+}
+
+/// A gauge without labels, registered as it is created.
+fn gauge(r: &mut Registry, name: &str, help: &str) -> Gauge {
+    let g = Gauge::default();
+    r.register(name, help, g.clone());
+    g
 }
 
 /// A counter without labels, registered as it is created.

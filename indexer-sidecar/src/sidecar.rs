@@ -14,6 +14,8 @@
 //! - `plane` (`Mutex<EventPlane>`): per-source counters and discovery status; sources take it
 //!   per message, `/debug/sources` and the alarm check to read.
 //! - `explained` (`Mutex<VecDeque>`): the recent decisions for `/debug/explain`.
+//! - `replicas` (`Mutex<Replicas>`): the peers' digests; the replica plane takes it per
+//!   message, `/debug/replicas` to read (our own reports are taken from the core first).
 //!
 //! No lock is taken while another is held, so there is no order to get wrong. Metrics are
 //! atomics and take no lock of ours. A poisoned lock is used anyway: nothing panics while
@@ -29,6 +31,7 @@ use kvroute_protocol::hint::{HintRequest, HintResponse};
 
 use crate::config::{AlarmConfig, Config};
 use crate::core::cursor::Verdict;
+use crate::core::digest::Agreement;
 use crate::core::event::EventTag;
 use crate::core::event::VllmEventProblem;
 use crate::core::fleet::Role;
@@ -37,10 +40,12 @@ use crate::core::policy::{Decision, Rule};
 use crate::core::{Core, Delivery, Forgot, Happened, Input, Rejected, Target, TicketClosed};
 use crate::event_plane::{Activity, Alarm, EventPlane};
 use crate::metrics::{
-    AlarmLabels, EventLabels, EventType, HintLabels, HintResult, Metrics, PublisherLabel,
-    RejectLabels, RejectReason, RoleLabels, RoleValue, SequenceKind, SequenceLabels, SourceLabel,
-    TicketHow, TicketLabel, Transport, WorkerLabel,
+    AgreementLabel, AgreementValue, AlarmLabels, EventLabels, EventType, HintLabels, HintResult,
+    Metrics, PublisherLabel, RejectLabels, RejectReason, RepairKind, RepairLabel, RoleLabels,
+    RoleValue, SequenceKind, SequenceLabels, SourceLabel, TicketHow, TicketLabel, Transport,
+    WorkerLabel,
 };
+use crate::replicas::{Digests, Replicas};
 
 /// How many recent decisions `/debug/explain` keeps.
 const EXPLAINED: usize = 100;
@@ -69,6 +74,14 @@ pub struct Sidecar {
     core: Mutex<Core>,
     plane: Mutex<EventPlane>,
     explained: Mutex<VecDeque<serde_json::Value>>,
+    replicas: Mutex<Replicas>,
+    /// Tests only (`[replicas] test_drop_events`): this fraction of KV-event messages is
+    /// dropped before the core sees it.
+    test_drop_events: f64,
+    /// With `[replicas]`: how long to wait for a first peer before starting from the events
+    /// alone (three intervals), counted from `started`.
+    peer_wait: Option<Duration>,
+    started: Instant,
     /// Bundles served to filters.
     pub bundles: Bundles,
     /// Metrics.
@@ -113,6 +126,20 @@ impl Sidecar {
             core: Mutex::new(Core::new(config, random_key())),
             plane: Mutex::new(EventPlane::new(Instant::now())),
             explained: Mutex::new(VecDeque::with_capacity(EXPLAINED)),
+            replicas: Mutex::new(Replicas::new(
+                config
+                    .replicas
+                    .as_ref()
+                    .map_or_else(String::new, |r| r.replica_id()),
+                // Three intervals without a word: the peer is gone.
+                Duration::from_millis(3 * config.replicas.as_ref().map_or(2000, |r| r.interval_ms)),
+            )),
+            test_drop_events: config.replicas.as_ref().map_or(0.0, |r| r.test_drop_events),
+            peer_wait: config
+                .replicas
+                .as_ref()
+                .map(|r| Duration::from_millis(3 * r.interval_ms)),
+            started: Instant::now(),
             bundles,
             metrics: Metrics::default(),
             alarms: config.alarms.clone(),
@@ -143,6 +170,89 @@ impl Sidecar {
         lock(&self.plane)
     }
 
+    /// The peers' digests.
+    pub fn replicas(&self) -> MutexGuard<'_, Replicas> {
+        lock(&self.replicas)
+    }
+
+    /// A peer's digests arrived: compare them with ours, count and log what changed.
+    pub fn peer_digests(&self, theirs: Digests, now: Instant) {
+        let mine = self.core().reports();
+        let changes = self.replicas().observe(theirs, &mine, now);
+        for c in &changes {
+            let (worker, rank) = (&c.cache.0, c.cache.1);
+            match &c.now {
+                Agreement::Divergent { seq, mine, theirs } => {
+                    self.metrics.replica_divergences.inc();
+                    tracing::warn!(peer = %c.peer, %worker, rank, seq, blocks = mine.blocks, peer_blocks = theirs.blocks, "replicas disagree on a cache after the same event: one of them lost events");
+                }
+                Agreement::Agree { seq } => {
+                    tracing::info!(peer = %c.peer, %worker, rank, seq, "replicas agree on a cache");
+                }
+                Agreement::Unknown => {}
+            }
+        }
+        self.replica_gauges(now);
+    }
+
+    /// Whether this sidecar routes with what its peers know (`/readyz`), and why: warm when it
+    /// holds every cache a clean peer can give it, or when no peer answered in time. Hints
+    /// are served either way, with whatever is known.
+    pub fn ready(&self, now: Instant) -> (bool, String) {
+        let Some(wait) = self.peer_wait else {
+            return (true, "no [replicas]: the events alone".into());
+        };
+        let mine = self.core().reports();
+        let r = self.replicas();
+        if r.warm(&mine) {
+            return (
+                true,
+                "warm: every cache a clean peer holds is held here".into(),
+            );
+        }
+        if !r.has_peers() && now.saturating_duration_since(self.started) >= wait {
+            return (true, "no peer heard: started from the events alone".into());
+        }
+        (false, "warming: taking caches from peers".into())
+    }
+
+    /// Forget silent peers and set the replica gauges.
+    pub fn replica_gauges(&self, now: Instant) {
+        let (gone, s) = {
+            let mut r = self.replicas();
+            (r.expire(now), r.summary())
+        };
+        for peer in gone {
+            tracing::warn!(%peer, "replica peer silent for three intervals: forgotten");
+        }
+        let m = &self.metrics;
+        m.replica_peers.set(s.peers as i64);
+        for (state, n) in [
+            (AgreementValue::Agree, s.agree),
+            (AgreementValue::Divergent, s.divergent),
+            (AgreementValue::Unknown, s.unknown),
+        ] {
+            m.replica_caches
+                .get_or_create(&AgreementLabel { state })
+                .set(n as i64);
+        }
+    }
+
+    /// Whether the test-only event drop takes this message: a fixed hash of what the message
+    /// is, so a run is repeatable.
+    fn test_dropped(&self, input: &Input<'_>) -> bool {
+        let Input::Message(m) = input else {
+            return false;
+        };
+        if self.test_drop_events <= 0.0 {
+            return false;
+        }
+        let h = xxhash_rust::xxh3::xxh3_64(
+            &[m.seq.to_le_bytes(), u64::from(m.stream).to_le_bytes()].concat(),
+        );
+        (h as f64 / u64::MAX as f64) < self.test_drop_events
+    }
+
     /// Apply one input at `now` (from `source`, when an event source sent it), count and log
     /// what happened, and return it.
     pub fn ingest(
@@ -151,6 +261,10 @@ impl Sidecar {
         input: Input<'_>,
         now: Instant,
     ) -> Vec<Happened> {
+        if self.test_dropped(&input) {
+            self.metrics.test_dropped_events.inc();
+            return Vec::new();
+        }
         let happened = self.core().ingest(input, now);
         for h in &happened {
             self.record(source, h, now);
@@ -307,6 +421,24 @@ impl Sidecar {
                     .get_or_create(&worker_label(worker))
                     .set(i64::try_from(*blocks).unwrap_or(i64::MAX));
                 tracing::info!(worker = %worker.address, blocks, "engine cache capacity learned: the index holds at most this many blocks per cache of it");
+            }
+            Happened::Repaired {
+                worker,
+                rank,
+                installed,
+                blocks,
+            } => {
+                let kind = if *installed {
+                    RepairKind::PeerSnapshot
+                } else {
+                    RepairKind::Refused
+                };
+                m.replica_repairs.get_or_create(&RepairLabel { kind }).inc();
+                if *installed {
+                    tracing::warn!(%worker, rank, blocks, "cache repaired from a clean peer's snapshot");
+                } else {
+                    tracing::warn!(%worker, rank, blocks, "peer snapshot refused: the events since it are no longer kept here (or the worker is unknown); asking again later");
+                }
             }
             Happened::UnknownPublisher { name } => {
                 // Names come from the network: past the plane's bound they fold into one series.

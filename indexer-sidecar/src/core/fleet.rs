@@ -12,6 +12,7 @@ use kvroute_protocol::hint::Ticket;
 
 use crate::config::WorkerConfig;
 use crate::core::cursor::Cursor;
+use crate::core::digest::CacheLog;
 use crate::core::load::{Load, WorkerLoad};
 use crate::core::DiscoveredInstance;
 
@@ -140,6 +141,8 @@ pub struct Worker {
     pub component: Option<String>,
     /// Blocks one of its caches holds at most: what its engine says, else its configuration.
     pub capacity: Option<u64>,
+    /// Per data-parallel rank: its cache's recent past ([`CacheLog`]).
+    pub logs: BTreeMap<u32, CacheLog>,
 }
 
 impl Worker {
@@ -165,6 +168,7 @@ impl Worker {
             hints_since_event: 0,
             component: None,
             capacity: None,
+            logs: BTreeMap::new(),
         }
     }
 

@@ -68,6 +68,19 @@ struct Cache {
     /// behind (found stale when it comes out, compacted when they are half of it); a hash stored
     /// again after a removal appears twice and goes out at its older place.
     order: VecDeque<EngineHash>,
+    /// Order-independent digest of `blocks` (a wrapping sum of [`entry_digest`]): two replicas
+    /// that applied the same events hold the same digest.
+    digest: u64,
+}
+
+/// One (engine hash, node) entry's share of a cache digest.
+pub fn entry_digest(engine: EngineHash, node: PrefixHash) -> u64 {
+    let mut x = engine.0 ^ node.0.rotate_left(29) ^ 0x9e37_79b9_7f4a_7c15;
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    x ^ (x >> 33)
 }
 
 impl Cache {
@@ -76,6 +89,7 @@ impl Cache {
             id,
             blocks: FastMap::default(),
             order: VecDeque::new(),
+            digest: 0,
         }
     }
 
@@ -144,6 +158,7 @@ impl RadixIndex {
                 let Cache {
                     blocks: cache,
                     order,
+                    digest,
                     ..
                 } = &mut self.caches[slot as usize];
                 let mut prefix = match parent {
@@ -164,9 +179,15 @@ impl RadixIndex {
                         Some(old) if old == node => {}
                         Some(old) => {
                             Self::unhold(&mut self.holders, old, slot);
+                            *digest = digest
+                                .wrapping_sub(entry_digest(b.engine_hash, old))
+                                .wrapping_add(entry_digest(b.engine_hash, node));
                             order.push_back(b.engine_hash);
                         }
-                        None => order.push_back(b.engine_hash),
+                        None => {
+                            *digest = digest.wrapping_add(entry_digest(b.engine_hash, node));
+                            order.push_back(b.engine_hash);
+                        }
                     }
                     let holders = self.holders.entry(node).or_default();
                     if let Err(at) = holders.binary_search(&slot) {
@@ -179,8 +200,10 @@ impl RadixIndex {
             }
             KvEventKind::Removed { blocks } => {
                 for h in blocks {
-                    match self.caches[slot as usize].blocks.remove(h) {
+                    let cache = &mut self.caches[slot as usize];
+                    match cache.blocks.remove(h) {
                         Some(node) => {
+                            cache.digest = cache.digest.wrapping_sub(entry_digest(*h, node));
                             self.drop_holder(node, slot);
                             out.removed += 1;
                         }
@@ -203,6 +226,7 @@ impl RadixIndex {
                 break;
             };
             if let Some(node) = cache.blocks.remove(&h) {
+                cache.digest = cache.digest.wrapping_sub(entry_digest(h, node));
                 Self::unhold(&mut self.holders, node, slot);
                 evicted += 1;
             }
@@ -232,6 +256,7 @@ impl RadixIndex {
     fn clear_cache(&mut self, slot: Slot) -> usize {
         let cache = &mut self.caches[slot as usize];
         cache.order.clear();
+        cache.digest = 0;
         let blocks = std::mem::take(&mut cache.blocks);
         let n = blocks.len();
         for node in blocks.into_values() {
@@ -292,6 +317,63 @@ impl RadixIndex {
             end = lo + 1;
         }
         found
+    }
+
+    /// A cache's entries (engine hash, node) in store order, oldest first: what a peer needs to
+    /// hold exactly the same.
+    pub fn snapshot(&self, cache: CacheId) -> Vec<(EngineHash, PrefixHash)> {
+        let Some(&slot) = self.slots.get(&cache) else {
+            return Vec::new();
+        };
+        let c = &self.caches[slot as usize];
+        let mut seen: HashSet<EngineHash> = HashSet::with_capacity(c.blocks.len());
+        let mut out: Vec<(EngineHash, PrefixHash)> = c
+            .order
+            .iter()
+            .rev()
+            .filter(|h| seen.insert(**h))
+            .filter_map(|h| c.blocks.get(h).map(|&node| (*h, node)))
+            .collect();
+        out.reverse();
+        out
+    }
+
+    /// Replace a cache's entries with a snapshot (store order, oldest first), as a peer holds
+    /// them; returns the blocks it holds now. `None` past the index's 65,535 caches.
+    pub fn install(
+        &mut self,
+        cache: CacheId,
+        entries: &[(EngineHash, PrefixHash)],
+    ) -> Option<usize> {
+        let slot = self.slot(cache)?;
+        self.clear_cache(slot);
+        for &(engine, node) in entries {
+            let c = &mut self.caches[slot as usize];
+            match c.blocks.insert(engine, node) {
+                Some(old) if old == node => continue,
+                Some(old) => {
+                    c.digest = c.digest.wrapping_sub(entry_digest(engine, old));
+                    Self::unhold(&mut self.holders, old, slot);
+                }
+                None => {}
+            }
+            let c = &mut self.caches[slot as usize];
+            c.digest = c.digest.wrapping_add(entry_digest(engine, node));
+            c.order.push_back(engine);
+            let holders = self.holders.entry(node).or_default();
+            if let Err(at) = holders.binary_search(&slot) {
+                holders.insert(at, slot);
+            }
+        }
+        Some(self.caches[slot as usize].blocks.len())
+    }
+
+    /// A cache's block count and digest (`(0, 0)` for a cache never seen).
+    pub fn cache_state(&self, cache: CacheId) -> (usize, u64) {
+        self.slots.get(&cache).map_or((0, 0), |&s| {
+            let c = &self.caches[s as usize];
+            (c.blocks.len(), c.digest)
+        })
     }
 
     /// Blocks held by one worker (all ranks).
@@ -546,6 +628,69 @@ mod tests {
         }
         assert_eq!(idx.blocks_of(W0), 0);
         assert!(idx.caches[0].order.len() <= 64 + 1);
+    }
+
+    /// The digest depends on what a cache holds, not on the order it was stored in nor on
+    /// what came and went.
+    #[test]
+    fn cache_digests_depend_on_content_only() {
+        let (a, b) = (locals(0, 3), locals(100, 2));
+        let cache = CacheId {
+            worker: W0,
+            dp_rank: 0,
+        };
+        let mut one = RadixIndex::default();
+        one.apply(W0, &stored(None, &a, 1));
+        one.apply(W0, &stored(None, &b, 1));
+        let mut two = RadixIndex::default();
+        two.apply(W0, &stored(None, &b, 1));
+        two.apply(W0, &stored(None, &a, 1));
+        two.apply(W0, &stored(None, &locals(500, 2), 1));
+        let gone = KvEvent {
+            dp_rank: 0,
+            kind: KvEventKind::Removed {
+                blocks: locals(500, 2).iter().map(|l| EngineHash(l.0 ^ 1)).collect(),
+            },
+        };
+        two.apply(W0, &gone);
+        assert_eq!(one.cache_state(cache), two.cache_state(cache));
+        assert_eq!(one.cache_state(cache).0, 5);
+        two.apply(W0, &stored(None, &locals(900, 1), 1));
+        assert_ne!(one.cache_state(cache).1, two.cache_state(cache).1);
+        two.apply(
+            W0,
+            &KvEvent {
+                dp_rank: 0,
+                kind: KvEventKind::Cleared,
+            },
+        );
+        assert_eq!(two.cache_state(cache), (0, 0));
+    }
+
+    /// A snapshot installed elsewhere holds the same blocks, digest and matches.
+    #[test]
+    fn a_snapshot_installs_the_same_cache() {
+        let cache = CacheId {
+            worker: W0,
+            dp_rank: 0,
+        };
+        let (a, b) = (locals(0, 4), locals(100, 2));
+        let mut one = RadixIndex::default();
+        one.apply(W0, &stored(None, &a, 1));
+        one.apply(W0, &stored(Some(a[1].0 ^ 1), &b, 1));
+        let snap = one.snapshot(cache);
+        assert_eq!(snap.len(), 6);
+        let mut two = RadixIndex::default();
+        two.apply(W0, &stored(None, &locals(900, 3), 1));
+        assert_eq!(two.install(cache, &snap), Some(6));
+        assert_eq!(one.cache_state(cache), two.cache_state(cache));
+        assert_eq!(two.find_matches(&prefix_hashes(&a), 8), vec![(W0, 4)]);
+        assert!(two
+            .find_matches(&prefix_hashes(&locals(900, 3)), 8)
+            .is_empty());
+        // The continuation still finds its parent by engine hash.
+        let more = two.apply(W0, &stored(Some(b[1].0 ^ 1), &locals(300, 1), 1));
+        assert!(!more.orphan);
     }
 
     #[test]

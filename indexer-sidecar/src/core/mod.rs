@@ -6,12 +6,14 @@
 //!
 //! - [`fleet`]: one row per worker: id, address, model, origin, role, usability, load, cursors.
 //! - [`cursor`]: what a message's sequence number says (next, gap, duplicate, restart).
+//! - [`digest`]: per cache, its blocks' digest after each message: what replicas compare.
 //! - [`event`]: [`event::KvEvent`], an engine's cache event whatever its wire format.
 //! - [`index`]: [`index::RadixIndex`], prefix → caches holding it, one per model.
 //! - [`load`]: a worker's load (open tickets, scrapes, Dynamo `kv_metrics`, Envoy).
 //! - [`policy`]: the routing rule: matches and load → workers, best first.
 
 pub mod cursor;
+pub mod digest;
 pub mod event;
 pub mod fleet;
 pub mod index;
@@ -189,6 +191,15 @@ pub enum Input<'a> {
     },
     /// Hinted requests that finished.
     Finished(&'a [Ticket]),
+    /// A clean peer's snapshot of a cache (the worker's address and rank), to repair ours.
+    Snapshot {
+        /// The worker's address.
+        worker: &'a str,
+        /// The rank.
+        rank: u32,
+        /// The cache.
+        snapshot: &'a digest::Snapshot,
+    },
     /// Time passed: tickets past their lifetime expire, whether or not their worker is ever
     /// scraped (a lost finished-report must not load a worker forever).
     Tick,
@@ -338,6 +349,17 @@ pub enum Happened {
         worker: Name,
         /// Blocks.
         blocks: u64,
+    },
+    /// A peer's snapshot of a cache arrived.
+    Repaired {
+        /// The worker's address.
+        worker: String,
+        /// The rank.
+        rank: u32,
+        /// Installed (or refused: this replica no longer keeps the events after it).
+        installed: bool,
+        /// Blocks in the snapshot.
+        blocks: usize,
     },
     /// A message from a publisher no configured or discovered worker is.
     UnknownPublisher {
@@ -544,6 +566,19 @@ impl Core {
                 unreachable,
             } => self.discovery(model, instances, unreachable, now, &mut out),
             Input::Finished(tickets) => self.finished(tickets, &mut out),
+            Input::Snapshot {
+                worker,
+                rank,
+                snapshot,
+            } => {
+                let installed = self.install(worker, rank, snapshot, &mut out);
+                out.push(Happened::Repaired {
+                    worker: worker.to_owned(),
+                    rank,
+                    installed,
+                    blocks: snapshot.entries.len(),
+                });
+            }
             Input::Tick => self.expire(now, &mut out),
         }
         out
@@ -668,26 +703,141 @@ impl Core {
             worker.last_event = Some(now);
             worker.hints_since_event = 0;
         }
-        match m.body {
-            Body::Dynamo(e) => self.apply(&name, &model, &KvEvent::from_dynamo(e), out),
+        let events: Vec<KvEvent> = match m.body {
+            Body::Dynamo(e) => vec![KvEvent::from_dynamo(e)],
             Body::Vllm(batch) => {
                 let block_size = self.block_sizes.get(&model).copied().unwrap_or(0);
-                for e in &batch.events {
-                    match KvEvent::from_vllm(e, batch.dp_rank, block_size) {
-                        Ok(kv) => self.apply(&name, &model, &kv, out),
-                        Err(problem) => out.push(Happened::Refused {
-                            worker: name.clone(),
-                            problem,
-                        }),
-                    }
-                }
+                batch
+                    .events
+                    .iter()
+                    .filter_map(|e| match KvEvent::from_vllm(e, batch.dp_rank, block_size) {
+                        Ok(kv) => Some(kv),
+                        Err(problem) => {
+                            out.push(Happened::Refused {
+                                worker: name.clone(),
+                                problem,
+                            });
+                            None
+                        }
+                    })
+                    .collect()
             }
+        };
+        for kv in &events {
+            self.apply(&name, &model, kv, out);
         }
-        let blocks = self.indexes.get(&model).map_or(0, |i| i.blocks_of(id));
+        let index = self.indexes.get(&model);
+        let (held, digest) = index.map_or((0, 0), |i| {
+            i.cache_state(index::CacheId {
+                worker: id,
+                dp_rank: m.stream,
+            })
+        });
+        if let Some(w) = self.fleet.get_mut(id) {
+            let log = w.logs.entry(m.stream).or_default();
+            // Clean from a known state on: the stream's first message, or an engine that
+            // restarted (empty); a live gap nobody filled makes it unclean.
+            match verdict {
+                Verdict::First => log.clean = m.seq <= 1,
+                Verdict::Restarted => log.clean = true,
+                Verdict::Gap { .. } => log.clean = false,
+                Verdict::Next | Verdict::Duplicate => {}
+            }
+            log.push(m.seq, events, held, digest);
+        }
+        let blocks = index.map_or(0, |i| i.blocks_of(id));
         out.push(Happened::Holds {
             worker: name,
             blocks,
         });
+    }
+
+    /// Every cache's recent checkpoints, for the replica plane.
+    pub fn reports(&self) -> Vec<digest::CacheReport> {
+        self.fleet
+            .iter()
+            .flat_map(|w| {
+                w.logs.iter().map(|(&rank, log)| digest::CacheReport {
+                    worker: w.address.to_string(),
+                    rank,
+                    clean: log.clean,
+                    checkpoints: log.checkpoints(),
+                })
+            })
+            .collect()
+    }
+
+    /// A cache of the worker at `address` as it is now, for a peer to install; `None` for a
+    /// worker or cache not known here.
+    pub fn snapshot(&self, address: &str, rank: u32) -> Option<digest::Snapshot> {
+        let w = self.fleet.by_address(address)?;
+        let seq = w.cursors.get(&rank)?.last?;
+        let index = self.indexes.get(&w.model)?;
+        Some(digest::Snapshot {
+            seq,
+            entries: index.snapshot(index::CacheId {
+                worker: w.id,
+                dp_rank: rank,
+            }),
+        })
+    }
+
+    /// Install a clean peer's snapshot of a cache: its entries, then the events this replica
+    /// applied after the snapshot's message; the cache is clean again. Refused (`false`) when
+    /// this replica no longer keeps those events, or does not know the worker.
+    fn install(
+        &mut self,
+        address: &str,
+        rank: u32,
+        snapshot: &digest::Snapshot,
+        out: &mut Vec<Happened>,
+    ) -> bool {
+        let Some(id) = self.fleet.by_address(address).map(|w| w.id) else {
+            return false;
+        };
+        let name = self.name(id);
+        let Some(w) = self.fleet.get_mut(id) else {
+            return false;
+        };
+        let model = w.model.clone();
+        let ours = w.cursors.get(&rank).and_then(|c| c.last).unwrap_or(0);
+        let Some(after) = w.logs.entry(rank).or_default().after(snapshot.seq) else {
+            return false;
+        };
+        let cache = index::CacheId {
+            worker: id,
+            dp_rank: rank,
+        };
+        let Some(index) = self.indexes.get_mut(&model) else {
+            return false;
+        };
+        if index.install(cache, &snapshot.entries).is_none() {
+            return false;
+        }
+        if snapshot.seq > ours {
+            if let Some(w) = self.fleet.get_mut(id) {
+                // Events up to the snapshot's still on their way here are copies now.
+                let cursor = w.cursors.entry(rank).or_default();
+                cursor.last = Some(snapshot.seq);
+                cursor.warm_through = Some(snapshot.seq);
+            }
+        }
+        for kv in &after {
+            self.apply(&name, &model, kv, out);
+        }
+        let index = self.indexes.get(&model);
+        let (held, digest) = index.map_or((0, 0), |i| i.cache_state(cache));
+        if let Some(w) = self.fleet.get_mut(id) {
+            let log = w.logs.entry(rank).or_default();
+            log.restart_at(snapshot.seq.max(ours), held, digest);
+            log.clean = true;
+        }
+        let blocks = index.map_or(0, |i| i.blocks_of(id));
+        out.push(Happened::Holds {
+            worker: name,
+            blocks,
+        });
+        true
     }
 
     fn apply(&mut self, worker: &Name, model: &str, event: &KvEvent, out: &mut Vec<Happened>) {
@@ -715,6 +865,7 @@ impl Core {
         if why != Forgot::WarmStart {
             worker.cursors.clear();
         }
+        worker.logs.clear();
         let model = worker.model.clone();
         let blocks = self
             .indexes

@@ -653,3 +653,72 @@ fn forged_tickets_close_nothing() {
     core.ingest(Input::Finished(&[real]), now);
     assert_eq!(busy(&core), 0.0);
 }
+
+/// A replica that lost a message takes a clean peer's snapshot: the entries, then its own
+/// later messages on top; its cache then equals the peer's and is clean again.
+#[test]
+fn a_peer_snapshot_repairs_a_cache_that_lost_events() {
+    let (mut clean, mut lossy) = (vllm_core(), vllm_core());
+    let now = Instant::now();
+    let batches: Vec<EventBatch> = (0..6).map(|i| store(None, i * 10, 2)).collect();
+    for (seq, b) in batches.iter().enumerate() {
+        let m = |core: &mut Core| {
+            core.ingest(
+                Input::Message(Message::vllm(
+                    "127.0.0.1:9000",
+                    seq as u64,
+                    Delivery::Live,
+                    b,
+                )),
+                now,
+            )
+        };
+        m(&mut clean);
+        if seq != 2 {
+            m(&mut lossy);
+        }
+    }
+    let report = |core: &Core| core.reports().pop().unwrap();
+    assert!(report(&clean).clean);
+    assert!(!report(&lossy).clean, "a live gap makes it unclean");
+    assert_ne!(
+        report(&clean).checkpoints.last(),
+        report(&lossy).checkpoints.last()
+    );
+    // The peer's snapshot is two messages old: the lossy replica re-applies 4 and 5 on top.
+    let mut old = vllm_core();
+    for (seq, b) in batches.iter().enumerate().take(4) {
+        old.ingest(
+            Input::Message(Message::vllm(
+                "127.0.0.1:9000",
+                seq as u64,
+                Delivery::Live,
+                b,
+            )),
+            now,
+        );
+    }
+    let snapshot = old.snapshot("127.0.0.1:9000", 0).unwrap();
+    assert_eq!(snapshot.seq, 3);
+    let happened = lossy.ingest(
+        Input::Snapshot {
+            worker: "127.0.0.1:9000",
+            rank: 0,
+            snapshot: &snapshot,
+        },
+        now,
+    );
+    assert!(happened.iter().any(|h| matches!(
+        h,
+        Happened::Repaired {
+            installed: true,
+            ..
+        }
+    )));
+    assert_eq!(
+        report(&lossy).checkpoints.last(),
+        report(&clean).checkpoints.last()
+    );
+    assert!(report(&lossy).clean);
+    assert_eq!(blocks(&lossy), 12);
+}

@@ -2,4 +2,5 @@
 //! [`crate::sidecar::Sidecar::ingest`].
 
 pub mod nats;
+pub mod replica_plane;
 pub mod zmq;

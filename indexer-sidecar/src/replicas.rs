@@ -1,0 +1,383 @@
+//! What this replica knows of its peers: their last digests per cache and how each cache
+//! compares with ours ([`crate::core::digest::compare`]). Pure: the replica plane
+//! ([`crate::transports::replica_plane`]) feeds it, time passed in.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::core::digest::{compare, Agreement, CacheReport};
+
+/// What a replica publishes every interval.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Digests {
+    /// Its id.
+    pub replica: String,
+    /// Its caches.
+    pub caches: Vec<CacheReport>,
+}
+
+/// A cache, as replicas name it: the worker's address and the rank.
+pub type CacheKey = (String, u32);
+
+#[derive(Debug)]
+struct Peer {
+    last_seen: Instant,
+    caches: HashMap<CacheKey, CacheReport>,
+    states: BTreeMap<CacheKey, Agreement>,
+}
+
+/// A request for a peer's snapshot of a cache (`kvroute.replicas.<group>.snapshot.<peer>`),
+/// from entry `offset` on: a big cache comes in chunks of one snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotRequest {
+    /// The worker's address.
+    pub worker: String,
+    /// The rank.
+    pub rank: u32,
+    /// The first entry wanted.
+    pub offset: usize,
+}
+
+/// One chunk of a snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotChunk {
+    /// The last message applied to the cache when the snapshot was taken.
+    pub seq: u64,
+    /// Entries in the whole snapshot.
+    pub total: usize,
+    /// (engine hash, node) from the request's offset on, store order.
+    pub entries: Vec<(u64, u64)>,
+}
+
+/// A cache whose agreement with a peer changed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Change {
+    /// The peer.
+    pub peer: String,
+    /// The cache.
+    pub cache: CacheKey,
+    /// How it compares now.
+    pub now: Agreement,
+}
+
+/// Caches by agreement, over every peer (a cache counts once per peer).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Summary {
+    /// Peers heard from recently.
+    pub peers: usize,
+    /// Caches that agree.
+    pub agree: usize,
+    /// Caches that disagree.
+    pub divergent: usize,
+    /// Caches not comparable yet.
+    pub unknown: usize,
+}
+
+/// This replica's view of its peers.
+#[derive(Debug)]
+pub struct Replicas {
+    me: String,
+    peers: BTreeMap<String, Peer>,
+    /// A peer not heard from for this long is gone.
+    timeout: Duration,
+    /// Repairs asked for, by cache, and when: one at a time per cache, again after `timeout`.
+    asked: HashMap<CacheKey, Instant>,
+}
+
+impl Replicas {
+    /// No peer yet; peers silent for `timeout` are forgotten.
+    pub fn new(me: String, timeout: Duration) -> Self {
+        Replicas {
+            me,
+            peers: BTreeMap::new(),
+            timeout,
+            asked: HashMap::new(),
+        }
+    }
+
+    /// Caches of ours a clean peer's copy should replace, each with that peer: ours is
+    /// unclean and differs from it, or we have none (a sidecar that just started, a worker that
+    /// has been quiet since): the warm start and the repair are one thing.
+    fn wanted(&self, mine: &[CacheReport]) -> Vec<(String, CacheKey)> {
+        let ours: HashMap<CacheKey, &CacheReport> = mine
+            .iter()
+            .map(|m| ((m.worker.clone(), m.rank), m))
+            .collect();
+        let mut out: BTreeMap<CacheKey, String> = BTreeMap::new();
+        for (peer, p) in &self.peers {
+            for (key, theirs) in p.caches.iter().filter(|(_, c)| c.clean) {
+                let want = match ours.get(key) {
+                    None => !theirs.checkpoints.is_empty(),
+                    Some(m) => {
+                        !m.clean && !matches!(p.states.get(key), Some(Agreement::Agree { .. }))
+                    }
+                };
+                if want {
+                    out.entry(key.clone()).or_insert_with(|| peer.clone());
+                }
+            }
+        }
+        out.into_iter().map(|(k, p)| (p, k)).collect()
+    }
+
+    /// Caches to repair now (see `wanted`), not asked for recently.
+    pub fn repairs(&mut self, mine: &[CacheReport], now: Instant) -> Vec<(String, CacheKey)> {
+        let timeout = self.timeout;
+        self.asked
+            .retain(|_, at| now.saturating_duration_since(*at) < timeout);
+        let wanted: Vec<_> = self
+            .wanted(mine)
+            .into_iter()
+            .filter(|(_, key)| !self.asked.contains_key(key))
+            .collect();
+        for (_, key) in &wanted {
+            self.asked.insert(key.clone(), now);
+        }
+        wanted
+    }
+
+    /// Whether this replica holds what its peers can give it: no cache waits for a clean
+    /// peer's copy. `false` before any peer was heard (the caller decides how long to wait).
+    pub fn warm(&self, mine: &[CacheReport]) -> bool {
+        !self.peers.is_empty() && self.wanted(mine).is_empty()
+    }
+
+    /// Whether any peer was heard.
+    pub fn has_peers(&self) -> bool {
+        !self.peers.is_empty()
+    }
+
+    /// A repair of `cache` ended (installed or not): another may be asked for.
+    pub fn repaired(&mut self, cache: &CacheKey) {
+        self.asked.remove(cache);
+    }
+
+    /// This replica's id.
+    pub fn me(&self) -> &str {
+        &self.me
+    }
+
+    /// A peer's digests arrived at `now`; `mine` are this replica's caches now. Returns the
+    /// caches whose agreement changed (our own messages are ignored).
+    pub fn observe(&mut self, theirs: Digests, mine: &[CacheReport], now: Instant) -> Vec<Change> {
+        if theirs.replica == self.me {
+            return Vec::new();
+        }
+        let peer = self.peers.entry(theirs.replica.clone()).or_insert(Peer {
+            last_seen: now,
+            caches: HashMap::new(),
+            states: BTreeMap::new(),
+        });
+        peer.last_seen = now;
+        peer.caches = theirs
+            .caches
+            .into_iter()
+            .map(|c| ((c.worker.clone(), c.rank), c))
+            .collect();
+        let mut changes = Vec::new();
+        let mut states = BTreeMap::new();
+        for m in mine {
+            let key = (m.worker.clone(), m.rank);
+            let Some(t) = peer.caches.get(&key) else {
+                continue;
+            };
+            let now_state = compare(&m.checkpoints, &t.checkpoints);
+            let kind = |a: &Agreement| std::mem::discriminant(a);
+            let before = peer.states.get(&key);
+            // Unknown says nothing new: a divergence stays one until the digests agree.
+            let state = match (before, now_state) {
+                (Some(b @ Agreement::Divergent { .. }), Agreement::Unknown) => *b,
+                _ => now_state,
+            };
+            if before.is_none_or(|b| kind(b) != kind(&state)) {
+                changes.push(Change {
+                    peer: theirs.replica.clone(),
+                    cache: key.clone(),
+                    now: state,
+                });
+            }
+            states.insert(key, state);
+        }
+        peer.states = states;
+        changes
+    }
+
+    /// Forget peers silent past the timeout; their ids.
+    pub fn expire(&mut self, now: Instant) -> Vec<String> {
+        let timeout = self.timeout;
+        let gone: Vec<String> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| now.saturating_duration_since(p.last_seen) > timeout)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &gone {
+            self.peers.remove(id);
+        }
+        gone
+    }
+
+    /// Caches by agreement.
+    pub fn summary(&self) -> Summary {
+        let mut s = Summary {
+            peers: self.peers.len(),
+            ..Summary::default()
+        };
+        for state in self.peers.values().flat_map(|p| p.states.values()) {
+            match state {
+                Agreement::Agree { .. } => s.agree += 1,
+                Agreement::Divergent { .. } => s.divergent += 1,
+                Agreement::Unknown => s.unknown += 1,
+            }
+        }
+        s
+    }
+
+    /// `GET /debug/replicas`: every peer, when it was last heard, its caches' latest
+    /// checkpoint and how each compares with ours.
+    pub fn debug(&self, now: Instant) -> serde_json::Value {
+        let peers: Vec<serde_json::Value> = self
+            .peers
+            .iter()
+            .map(|(id, p)| {
+                let caches: Vec<serde_json::Value> = p
+                    .caches
+                    .values()
+                    .map(|c| {
+                        let key = (c.worker.clone(), c.rank);
+                        serde_json::json!({
+                            "worker": c.worker,
+                            "rank": c.rank,
+                            "latest": c.checkpoints.last(),
+                            "agreement": p.states.get(&key),
+                        })
+                    })
+                    .collect();
+                serde_json::json!({
+                    "replica": id,
+                    "last_seen_ms_ago": now.saturating_duration_since(p.last_seen).as_millis() as u64,
+                    "caches": caches,
+                })
+            })
+            .collect();
+        let s = self.summary();
+        serde_json::json!({
+            "replica": self.me,
+            "peers": peers,
+            "caches": {"agree": s.agree, "divergent": s.divergent, "unknown": s.unknown},
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::digest::Checkpoint;
+
+    fn report(worker: &str, points: &[(u64, u64)]) -> CacheReport {
+        CacheReport {
+            worker: worker.into(),
+            rank: 0,
+            clean: true,
+            checkpoints: points
+                .iter()
+                .map(|&(seq, digest)| Checkpoint {
+                    seq,
+                    blocks: 1,
+                    digest,
+                })
+                .collect(),
+        }
+    }
+
+    fn from(replica: &str, caches: Vec<CacheReport>) -> Digests {
+        Digests {
+            replica: replica.into(),
+            caches,
+        }
+    }
+
+    /// A divergence is found, kept while the peer's digest is not comparable, and cleared when
+    /// the digests agree again; our own messages and silent peers do not count.
+    #[test]
+    fn peers_are_compared_cache_by_cache() {
+        let now = Instant::now();
+        let mut r = Replicas::new("a".into(), Duration::from_secs(6));
+        let mine = [report("w1", &[(1, 10), (2, 20)]), report("w2", &[(5, 50)])];
+        assert!(r
+            .observe(from("a", vec![report("w1", &[(2, 99)])]), &mine, now)
+            .is_empty());
+        let changes = r.observe(
+            from(
+                "b",
+                vec![report("w1", &[(2, 21)]), report("w2", &[(5, 50)])],
+            ),
+            &mine,
+            now,
+        );
+        assert_eq!(changes.len(), 2);
+        assert_eq!(
+            r.summary(),
+            Summary {
+                peers: 1,
+                agree: 1,
+                divergent: 1,
+                unknown: 0
+            }
+        );
+        // Not comparable: still divergent, no change reported.
+        let later = r.observe(from("b", vec![report("w1", &[(9, 1)])]), &mine, now);
+        assert!(later.is_empty(), "{later:?}");
+        assert_eq!(r.summary().divergent, 1);
+        let healed = r.observe(from("b", vec![report("w1", &[(2, 20)])]), &mine, now);
+        assert!(matches!(healed[0].now, Agreement::Agree { seq: 2 }));
+        assert_eq!(
+            r.expire(now + Duration::from_secs(7)),
+            vec!["b".to_string()]
+        );
+        assert_eq!(r.summary(), Summary::default());
+    }
+
+    /// Only an unclean cache is repaired, only from a clean peer, and one request at a time.
+    #[test]
+    fn unclean_caches_are_repaired_from_clean_peers() {
+        let now = Instant::now();
+        let mut r = Replicas::new("a".into(), Duration::from_secs(6));
+        let mut mine = report("w1", &[(2, 20)]);
+        r.observe(
+            from("b", vec![report("w1", &[(2, 21)])]),
+            &[mine.clone()],
+            now,
+        );
+        assert!(r.repairs(&[mine.clone()], now).is_empty(), "ours is clean");
+        mine.clean = false;
+        let asked = r.repairs(&[mine.clone()], now);
+        assert_eq!(asked, vec![("b".to_string(), ("w1".to_string(), 0))]);
+        assert!(r.repairs(&[mine.clone()], now).is_empty(), "already asked");
+        r.repaired(&("w1".to_string(), 0));
+        let mut theirs = report("w1", &[(2, 21)]);
+        theirs.clean = false;
+        r.observe(from("b", vec![theirs]), &[mine.clone()], now);
+        assert!(r.repairs(&[mine], now).is_empty(), "no clean peer");
+    }
+
+    /// A cache a clean peer holds and we do not is wanted (the warm start); once ours agrees
+    /// the replica is warm.
+    #[test]
+    fn missing_caches_are_taken_from_clean_peers() {
+        let now = Instant::now();
+        let mut r = Replicas::new("a".into(), Duration::from_secs(6));
+        assert!(!r.warm(&[]), "no peer heard yet");
+        r.observe(from("b", vec![report("w1", &[(9, 90)])]), &[], now);
+        assert!(!r.warm(&[]));
+        assert_eq!(
+            r.repairs(&[], now),
+            vec![("b".to_string(), ("w1".to_string(), 0))]
+        );
+        let mine = [report("w1", &[(9, 90)])];
+        r.observe(from("b", vec![report("w1", &[(9, 90)])]), &mine, now);
+        assert!(r.warm(&mine));
+    }
+}

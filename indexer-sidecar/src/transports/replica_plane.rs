@@ -1,0 +1,231 @@
+//! The replica plane on NATS: every `interval_ms` this sidecar publishes its caches' digests on
+//! `kvroute.replicas.<group>.digests`, and compares every peer's that arrives there. Peers find
+//! each other by the subject alone; nothing is configured per peer. A cache of ours that is
+//! divergent and unclean is repaired from a clean peer's snapshot, asked for on
+//! `kvroute.replicas.<group>.snapshot.<peer>` (NATS request/reply, in chunks of one snapshot).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use futures::StreamExt;
+
+use crate::config::{NatsConfig, ReplicasConfig};
+use crate::core::digest::Snapshot;
+use crate::core::event::EngineHash;
+use crate::core::Input;
+use crate::metrics::{Direction, DirectionLabel};
+use crate::replicas::{CacheKey, Digests, SnapshotChunk, SnapshotRequest};
+use crate::sidecar::Sidecar;
+use kvroute_protocol::PrefixHash;
+
+/// Entries per snapshot chunk: about 40 bytes each as JSON, under NATS's default 1 MiB payload.
+const CHUNK: usize = 16_384;
+/// How long a snapshot taken for a peer serves its further chunks.
+const SNAPSHOT_KEPT: Duration = Duration::from_secs(10);
+/// How long one chunk may take to arrive.
+const CHUNK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Largest digests message read: a peer cannot make us decode more (NATS's own `max_payload`
+/// is usually 1 MiB).
+const MAX_MESSAGE: usize = 8 << 20;
+
+/// Publish and compare until the process ends; a lost connection is the client's to redo.
+pub async fn run(
+    config: ReplicasConfig,
+    nats: Option<NatsConfig>,
+    state: Arc<Sidecar>,
+) -> anyhow::Result<()> {
+    // Our own NATS server when one is named, else the event plane's (with its authentication).
+    let (url, options) = match (&config.nats_url, &nats) {
+        (Some(url), _) => (url.clone(), async_nats::ConnectOptions::new()),
+        (None, Some(n)) => (n.url.clone(), super::nats::connect_options(n).await?),
+        (None, None) => anyhow::bail!("[replicas] has no NATS server"),
+    };
+    let shown = crate::config::redact_url(&url);
+    let client = options
+        .retry_on_initial_connect()
+        .name("kvroute-replica")
+        .connect(url.as_str())
+        .await
+        .with_context(|| format!("replica plane: connecting to NATS at {shown}"))?;
+    let subject = config.subject();
+    let mut sub = client
+        .subscribe(subject.clone())
+        .await
+        .with_context(|| format!("replica plane: subscribing to {subject}"))?;
+    let me = state.replicas().me().to_owned();
+    let snapshots = format!("kvroute.replicas.{}.snapshot", config.group);
+    let mut asked = client
+        .subscribe(format!("{snapshots}.{me}"))
+        .await
+        .context("replica plane: subscribing to snapshot requests")?;
+    let mut taken: HashMap<CacheKey, (Instant, Arc<Snapshot>)> = HashMap::new();
+    tracing::info!(replica = %me, %subject, nats = %shown, "replica plane: publishing and comparing digests");
+    let mut tick = tokio::time::interval(Duration::from_millis(config.interval_ms));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                let digests = Digests { replica: me.clone(), caches: state.core().reports() };
+                match serde_json::to_vec(&digests) {
+                    Ok(body) => {
+                        if let Err(e) = client.publish(subject.clone(), body.into()).await {
+                            tracing::warn!(error = %e, "replica plane: cannot publish digests");
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "replica plane: cannot encode digests"),
+                }
+                state.replica_gauges(Instant::now());
+                let mine = state.core().reports();
+                let repairs = state.replicas().repairs(&mine, Instant::now());
+                for (peer, cache) in repairs {
+                    if state.core().fleet().by_address(&cache.0).is_none() {
+                        // A worker of a peer's fleet this replica does not serve.
+                        continue;
+                    }
+                    let (client, state, subject) =
+                        (client.clone(), state.clone(), format!("{snapshots}.{peer}"));
+                    tokio::spawn(async move {
+                        let fetched = fetch(&client, &subject, &cache, &state).await;
+                        match fetched {
+                            Ok(snapshot) => {
+                                let input = Input::Snapshot {
+                                    worker: &cache.0,
+                                    rank: cache.1,
+                                    snapshot: &snapshot,
+                                };
+                                state.ingest(None, input, Instant::now());
+                            }
+                            Err(e) => tracing::warn!(%peer, worker = %cache.0, rank = cache.1, error = %format!("{e:#}"), "replica plane: snapshot from peer failed; asking again later"),
+                        }
+                        state.replicas().repaired(&cache);
+                    });
+                }
+            }
+            req = asked.next() => {
+                let Some(req) = req else {
+                    anyhow::bail!("replica plane: snapshot subscription ended");
+                };
+                let Some(reply) = req.reply.clone() else {
+                    continue;
+                };
+                let body = answer(&req.payload, &state, &mut taken);
+                state
+                    .metrics
+                    .replica_snapshot_bytes
+                    .get_or_create(&DirectionLabel { direction: Direction::Sent })
+                    .inc_by(body.len() as u64);
+                if let Err(e) = client.publish(reply, body.into()).await {
+                    tracing::warn!(error = %e, "replica plane: cannot answer a snapshot request");
+                }
+            }
+            msg = sub.next() => {
+                let Some(msg) = msg else {
+                    anyhow::bail!("replica plane: subscription to {subject} ended");
+                };
+                if msg.payload.len() > MAX_MESSAGE {
+                    tracing::warn!(bytes = msg.payload.len(), "replica plane: oversized digests message ignored");
+                    continue;
+                }
+                match serde_json::from_slice::<Digests>(&msg.payload) {
+                    Ok(theirs) => state.peer_digests(theirs, Instant::now()),
+                    Err(e) => tracing::warn!(error = %e, "replica plane: undecodable digests message ignored"),
+                }
+            }
+        }
+    }
+}
+
+/// Answer one snapshot request: a chunk of the snapshot taken for this cache (taken now when
+/// the request starts at 0 or the last one is too old); an empty body for a cache not known.
+fn answer(
+    payload: &[u8],
+    state: &Sidecar,
+    taken: &mut HashMap<CacheKey, (Instant, Arc<Snapshot>)>,
+) -> Vec<u8> {
+    let Ok(req) = serde_json::from_slice::<SnapshotRequest>(payload) else {
+        return Vec::new();
+    };
+    let now = Instant::now();
+    taken.retain(|_, (at, _)| now.saturating_duration_since(*at) < SNAPSHOT_KEPT);
+    let key = (req.worker.clone(), req.rank);
+    if req.offset == 0 || !taken.contains_key(&key) {
+        match state.core().snapshot(&req.worker, req.rank) {
+            Some(s) => taken.insert(key.clone(), (now, Arc::new(s))),
+            None => return Vec::new(),
+        };
+    }
+    let Some((_, snapshot)) = taken.get(&key) else {
+        return Vec::new();
+    };
+    let from = req.offset.min(snapshot.entries.len());
+    let to = (from + CHUNK).min(snapshot.entries.len());
+    let chunk = SnapshotChunk {
+        seq: snapshot.seq,
+        total: snapshot.entries.len(),
+        entries: snapshot.entries[from..to]
+            .iter()
+            .map(|(e, n)| (e.0, n.0))
+            .collect(),
+    };
+    serde_json::to_vec(&chunk).unwrap_or_default()
+}
+
+/// Ask a peer for its snapshot of `cache`, chunk by chunk, all of one snapshot.
+async fn fetch(
+    client: &async_nats::Client,
+    subject: &str,
+    cache: &CacheKey,
+    state: &Sidecar,
+) -> anyhow::Result<Snapshot> {
+    let mut entries: Vec<(EngineHash, PrefixHash)> = Vec::new();
+    let mut seq = None;
+    loop {
+        let req = SnapshotRequest {
+            worker: cache.0.clone(),
+            rank: cache.1,
+            offset: entries.len(),
+        };
+        let body = serde_json::to_vec(&req)?;
+        let reply = tokio::time::timeout(
+            CHUNK_TIMEOUT,
+            client.request(subject.to_owned(), body.into()),
+        )
+        .await
+        .context("no answer in time")?
+        .context("request failed")?;
+        state
+            .metrics
+            .replica_snapshot_bytes
+            .get_or_create(&DirectionLabel {
+                direction: Direction::Received,
+            })
+            .inc_by(reply.payload.len() as u64);
+        anyhow::ensure!(
+            !reply.payload.is_empty(),
+            "the peer does not know this cache"
+        );
+        let chunk: SnapshotChunk = serde_json::from_slice(&reply.payload).context("bad chunk")?;
+        anyhow::ensure!(
+            seq.is_none_or(|s| s == chunk.seq),
+            "the peer's snapshot changed during the transfer"
+        );
+        seq = Some(chunk.seq);
+        let got = chunk.entries.len();
+        entries.extend(
+            chunk
+                .entries
+                .into_iter()
+                .map(|(e, n)| (EngineHash(e), PrefixHash(n))),
+        );
+        if entries.len() >= chunk.total || got == 0 {
+            anyhow::ensure!(entries.len() == chunk.total, "short snapshot");
+            return Ok(Snapshot {
+                seq: chunk.seq,
+                entries,
+            });
+        }
+    }
+}

@@ -1,0 +1,260 @@
+//! Two sidecars of one fleet on a real nats-server, fed the same Dynamo events: on the replica
+//! plane they find each other, agree while both see every event, say so within an interval
+//! when one of them loses some (`[replicas] test_drop_events`), and the one that lost them
+//! repairs its copy from the other's snapshot.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{metric, spawn_sidecar};
+use kvroute_harness::client::get_text;
+use kvroute_harness::paths;
+use kvroute_harness::process::{free_port, wait_for, Process};
+use kvroute_protocol::dynamo::{
+    encode_v16, EnvelopeHeader, KvCacheEvent, KvCacheEventData, RouterEvent, StoredBlock,
+    StoredBlocks, KV_EVENTS_TOPIC,
+};
+
+const SUBJECT: &str = "namespace.dynamo.component.backend.endpoint.generate.kv-events";
+const WORKER: u64 = 7_000_001;
+/// Digests are published this often here.
+const INTERVAL_MS: u64 = 500;
+
+/// Event `id` of the worker: one root block.
+fn event(id: u64) -> RouterEvent {
+    RouterEvent {
+        worker_id: WORKER,
+        storage_tier: "device".into(),
+        residency_domain: None,
+        event: KvCacheEvent {
+            event_id: id,
+            data: KvCacheEventData::Stored(StoredBlocks {
+                parent_hash: None,
+                start_position: None,
+                blocks: vec![StoredBlock {
+                    block_hash: 1_000_000 + id,
+                    tokens_hash: tokens_hash(id),
+                    mm_extra_info: None,
+                }],
+            }),
+            dp_rank: 0,
+        },
+    }
+}
+
+/// The own hash of event `id`'s block: its node in the index (a root block).
+fn tokens_hash(id: u64) -> u64 {
+    id.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+/// A sidecar named `id` in group `t` on NATS `nats_port`, dropping `drop` of its events.
+fn sidecar(dir: &std::path::Path, id: &str, nats_port: u16, drop: f64) -> (Process, String) {
+    let port = free_port().unwrap();
+    let config = format!(
+        "listen = \"127.0.0.1:{port}\"\n\
+         [nats]\nurl = \"nats://127.0.0.1:{nats_port}\"\n\
+         [replicas]\ngroup = \"t\"\nid = \"{id}\"\ninterval_ms = {INTERVAL_MS}\ntest_drop_events = {drop}\n\
+         [[models]]\nname = \"m\"\ndir = \"{}\"\nblock_size = 16\n\
+         [[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\ndynamo_worker_id = {WORKER}\n",
+        paths::model_dir().display()
+    );
+    let sub = dir.join(id);
+    std::fs::create_dir_all(&sub).unwrap();
+    (
+        spawn_sidecar(&sub, &config),
+        format!("http://127.0.0.1:{port}"),
+    )
+}
+
+async fn wait_subscribed(dir: &std::path::Path) {
+    wait_for(
+        "sidecar subscribed",
+        Duration::from_secs(20),
+        || async move {
+            let log = std::fs::read_to_string(dir.join("sidecar.log")).ok()?;
+            (log.contains("subscribed to Dynamo KV events") && log.contains("replica plane:"))
+                .then_some(())
+        },
+    )
+    .await
+    .unwrap();
+}
+
+async fn metrics(http: &reqwest::Client, base: &str) -> String {
+    get_text(http, &format!("{base}/metrics"))
+        .await
+        .unwrap_or_default()
+}
+
+/// Wait up to `timeout` until the sidecar at `base` shows metrics for which `ok` holds.
+async fn wait_metrics(
+    http: &reqwest::Client,
+    base: &str,
+    what: &str,
+    timeout: Duration,
+    ok: impl Fn(&str) -> bool,
+) {
+    let ok = &ok;
+    let waited = wait_for(what, timeout, || async move {
+        let text = metrics(http, base).await;
+        ok(&text).then_some(())
+    })
+    .await;
+    if let Err(e) = waited {
+        panic!("{base}: {e}: {}", metrics(http, base).await);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_find_lost_events_within_an_interval_and_repair_them() {
+    let dir = paths::run_dir("replicas").unwrap();
+    let nats_port = free_port().unwrap();
+    let mut server = std::process::Command::new(paths::venv_tool("nats-server").unwrap());
+    server.args(["-a", "127.0.0.1", "-p", &nats_port.to_string()]);
+    let _nats = Process::spawn("nats", server, &dir).unwrap();
+    let (_a, a) = sidecar(&dir, "a", nats_port, 0.0);
+    let (_b, b) = sidecar(&dir, "b", nats_port, 0.1);
+    wait_subscribed(&dir.join("a")).await;
+    wait_subscribed(&dir.join("b")).await;
+    let client = async_nats::connect(format!("nats://127.0.0.1:{nats_port}"))
+        .await
+        .unwrap();
+    let http = reqwest::Client::new();
+    let publish = |from: u64, to: u64| {
+        let client = client.clone();
+        async move {
+            for id in from..to {
+                let header = EnvelopeHeader {
+                    publisher_id: 1,
+                    sequence: id,
+                    published_at: 0,
+                    topic: KV_EVENTS_TOPIC,
+                };
+                let body = encode_v16(header, &[event(id)]);
+                client.publish(SUBJECT, body.into()).await.unwrap();
+            }
+            client.flush().await.unwrap();
+        }
+    };
+
+    // Events 1..=5: the drop takes none of them (a fixed hash of the message), so both hold
+    // the same cache and agree.
+    publish(1, 6).await;
+    for base in [&a, &b] {
+        wait_metrics(
+            &http,
+            base,
+            "replicas agree",
+            Duration::from_secs(10),
+            |text| {
+                metric(text, "kvroute_replica_peers") == Some(1.0)
+                    && metric(text, "kvroute_replica_caches{state=\"agree\"}") == Some(1.0)
+            },
+        )
+        .await;
+    }
+
+    // 300 more: replica b drops a tenth of them. Both say so within an interval of the last.
+    publish(6, 306).await;
+    let start = std::time::Instant::now();
+    for base in [&a, &b] {
+        wait_metrics(
+            &http,
+            base,
+            "the divergence found",
+            Duration::from_millis(3 * INTERVAL_MS),
+            |text| {
+                metric(text, "kvroute_replica_caches{state=\"divergent\"}") == Some(1.0)
+                    && metric(text, "kvroute_replica_divergences_total") >= Some(1.0)
+            },
+        )
+        .await;
+    }
+    let found = start.elapsed();
+    let dropped = metric(
+        &metrics(&http, &b).await,
+        "kvroute_test_dropped_events_total",
+    );
+    assert!(
+        dropped.is_some_and(|d| (10.0..=60.0).contains(&d)),
+        "dropped {dropped:?}"
+    );
+    let debug: serde_json::Value = http
+        .get(format!("{a}/debug/replicas"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(debug["peers"][0]["replica"], "b", "{debug}");
+    assert_eq!(
+        debug["peers"][0]["caches"][0]["agreement"]["state"], "divergent",
+        "{debug}"
+    );
+    let log = std::fs::read_to_string(dir.join("a/sidecar.log")).unwrap();
+    assert!(log.contains("replicas disagree on a cache"), "{log}");
+
+    // b's copy is unclean (it saw the gaps), a's is clean: b takes a's snapshot, and both
+    // agree again within two intervals of the divergence.
+    let repaired_in = std::time::Instant::now();
+    wait_metrics(
+        &http,
+        &b,
+        "b repaired from a",
+        Duration::from_millis(3 * INTERVAL_MS) + Duration::from_secs(1),
+        |text| {
+            metric(
+                text,
+                "kvroute_replica_repairs_total{kind=\"peer_snapshot\"}",
+            ) >= Some(1.0)
+                && metric(text, "kvroute_replica_caches{state=\"agree\"}") == Some(1.0)
+        },
+    )
+    .await;
+    let repaired = repaired_in.elapsed() + found;
+    wait_metrics(
+        &http,
+        &a,
+        "a sees agreement",
+        Duration::from_millis(3 * INTERVAL_MS),
+        |text| metric(text, "kvroute_replica_caches{state=\"agree\"}") == Some(1.0),
+    )
+    .await;
+    let blocks = |text: &str| metric(text, "kvroute_index_blocks{worker=\"127.0.0.1:9000\"}");
+    assert_eq!(blocks(&metrics(&http, &a).await), Some(305.0));
+    assert_eq!(blocks(&metrics(&http, &b).await), Some(305.0));
+    eprintln!("divergence found {found:?} after the last event, repaired {repaired:?} after it; b dropped {dropped:?}");
+
+    // A new replica (a restarted pod) warms from its peer: within 2 s of subscribing it holds
+    // what a holds, says so on /readyz, and hints a prompt cached long before it started.
+    drop(_b);
+    let (_c, c) = sidecar(&dir, "c", nats_port, 0.0);
+    wait_subscribed(&dir.join("c")).await;
+    let subscribed = std::time::Instant::now();
+    wait_metrics(&http, &c, "c warm from a", Duration::from_secs(2), |text| {
+        blocks(text) == Some(305.0)
+    })
+    .await;
+    let warmed = subscribed.elapsed();
+    let ready = http.get(format!("{c}/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 200, "{}", ready.text().await.unwrap());
+    let hint = kvroute_protocol::hint::HintRequest {
+        model: "m".into(),
+        hashes: vec![kvroute_protocol::PrefixHash(tokens_hash(3))],
+        finished: vec![],
+    };
+    let answer: kvroute_protocol::hint::HintResponse = http
+        .post(format!("{c}{}", kvroute_protocol::hint::HINT_PATH))
+        .body(hint.encode())
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(answer.workers, vec!["127.0.0.1:9000".to_string()]);
+    assert_eq!(answer.matched_blocks, 1, "{answer:?}");
+    eprintln!("a new replica held its peer's 305 blocks {warmed:?} after subscribing");
+}
