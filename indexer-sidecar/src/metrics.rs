@@ -5,6 +5,7 @@ use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEn
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 /// A closed set of label values, each with its text.
@@ -322,6 +323,8 @@ pub struct Metrics {
     pub replica_caches: Family<AgreementLabel, Gauge>,
     /// Divergences found (a cache of a peer going from agree or unknown to divergent).
     pub replica_divergences: Counter,
+    /// How long caches stayed divergent before agreeing again.
+    pub replica_divergence_seconds: Histogram,
     /// Repairs of caches, by kind.
     pub replica_repairs: Family<RepairLabel, Counter>,
     /// Snapshot bytes sent to and received from peers.
@@ -364,6 +367,12 @@ impl Default for Metrics {
             replica_peers: gauge(&mut r, "replica_peers", "Peers heard from on the replica plane"),
             replica_caches: family(&mut r, "replica_caches", "Caches by how they compare with each peer's: agree, divergent, unknown"),
             replica_divergences: counter(&mut r, "replica_divergences", "Caches found to disagree with a peer's after the same event"),
+            replica_divergence_seconds: histogram(
+                &mut r,
+                "replica_divergence_seconds",
+                "How long caches stayed divergent from a peer before agreeing again",
+                &[0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0],
+            ),
             replica_repairs: family(&mut r, "replica_repairs", "Caches repaired, by kind: peer_snapshot, refused"),
             replica_snapshot_bytes: family(&mut r, "replica_snapshot_bytes", "Snapshot bytes exchanged with peers, by direction"),
             test_dropped_events: counter(&mut r, "test_dropped_events", "Tests only: KV-event messages dropped on purpose"),
@@ -387,6 +396,13 @@ fn gauge(r: &mut Registry, name: &str, help: &str) -> Gauge {
     let g = Gauge::default();
     r.register(name, help, g.clone());
     g
+}
+
+/// A histogram without labels, registered as it is created.
+fn histogram(r: &mut Registry, name: &str, help: &str, buckets: &[f64]) -> Histogram {
+    let h = Histogram::new(buckets.iter().copied());
+    r.register(name, help, h.clone());
+    h
 }
 
 /// A counter without labels, registered as it is created.

@@ -26,6 +26,8 @@ struct Peer {
     last_seen: Instant,
     caches: HashMap<CacheKey, CacheReport>,
     states: BTreeMap<CacheKey, Agreement>,
+    /// Since when each divergent cache has been divergent.
+    divergent_since: HashMap<CacheKey, Instant>,
 }
 
 /// A request for a peer's snapshot of a cache (`kvroute.replicas.<group>.snapshot.<peer>`),
@@ -60,6 +62,8 @@ pub struct Change {
     pub cache: CacheKey,
     /// How it compares now.
     pub now: Agreement,
+    /// Agreeing again: how long it had been divergent.
+    pub healed_after: Option<Duration>,
 }
 
 /// Caches by agreement, over every peer (a cache counts once per peer).
@@ -169,6 +173,7 @@ impl Replicas {
             last_seen: now,
             caches: HashMap::new(),
             states: BTreeMap::new(),
+            divergent_since: HashMap::new(),
         });
         peer.last_seen = now;
         peer.caches = theirs
@@ -192,10 +197,21 @@ impl Replicas {
                 _ => now_state,
             };
             if before.is_none_or(|b| kind(b) != kind(&state)) {
+                let healed_after = match state {
+                    Agreement::Divergent { .. } => {
+                        peer.divergent_since.insert(key.clone(), now);
+                        None
+                    }
+                    _ => peer
+                        .divergent_since
+                        .remove(&key)
+                        .map(|since| now.saturating_duration_since(since)),
+                };
                 changes.push(Change {
                     peer: theirs.replica.clone(),
                     cache: key.clone(),
                     now: state,
+                    healed_after,
                 });
             }
             states.insert(key, state);
@@ -331,10 +347,12 @@ mod tests {
         let later = r.observe(from("b", vec![report("w1", &[(9, 1)])]), &mine, now);
         assert!(later.is_empty(), "{later:?}");
         assert_eq!(r.summary().divergent, 1);
-        let healed = r.observe(from("b", vec![report("w1", &[(2, 20)])]), &mine, now);
+        let later = now + Duration::from_secs(2);
+        let healed = r.observe(from("b", vec![report("w1", &[(2, 20)])]), &mine, later);
         assert!(matches!(healed[0].now, Agreement::Agree { seq: 2 }));
+        assert_eq!(healed[0].healed_after, Some(Duration::from_secs(2)));
         assert_eq!(
-            r.expire(now + Duration::from_secs(7)),
+            r.expire(later + Duration::from_secs(7)),
             vec!["b".to_string()]
         );
         assert_eq!(r.summary(), Summary::default());

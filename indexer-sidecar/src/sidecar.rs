@@ -187,7 +187,11 @@ impl Sidecar {
                     tracing::warn!(peer = %c.peer, %worker, rank, seq, blocks = mine.blocks, peer_blocks = theirs.blocks, "replicas disagree on a cache after the same event: one of them lost events");
                 }
                 Agreement::Agree { seq } => {
-                    tracing::info!(peer = %c.peer, %worker, rank, seq, "replicas agree on a cache");
+                    let after = c.healed_after.map(|d| d.as_secs_f64());
+                    if let Some(secs) = after {
+                        self.metrics.replica_divergence_seconds.observe(secs);
+                    }
+                    tracing::info!(peer = %c.peer, %worker, rank, seq, divergent_s = ?after, "replicas agree on a cache");
                 }
                 Agreement::Unknown => {}
             }

@@ -210,6 +210,7 @@ async fn replicas_find_lost_events_within_an_interval_and_repair_them() {
                 "kvroute_replica_repairs_total{kind=\"peer_snapshot\"}",
             ) >= Some(1.0)
                 && metric(text, "kvroute_replica_caches{state=\"agree\"}") == Some(1.0)
+                && metric(text, "kvroute_replica_divergence_seconds_count") >= Some(1.0)
         },
     )
     .await;
