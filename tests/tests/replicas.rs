@@ -106,13 +106,36 @@ async fn wait_metrics(
     }
 }
 
+fn nats_server(dir: &std::path::Path, port: u16) -> Process {
+    let mut server = std::process::Command::new(paths::venv_tool("nats-server").unwrap());
+    server.args(["-a", "127.0.0.1", "-p", &port.to_string()]);
+    Process::spawn("nats", server, dir).unwrap()
+}
+
+/// Publish the worker's events `from..to`, one per message.
+async fn publish(client: &async_nats::Client, from: u64, to: u64) {
+    for id in from..to {
+        let header = EnvelopeHeader {
+            publisher_id: 1,
+            sequence: id,
+            published_at: 0,
+            topic: KV_EVENTS_TOPIC,
+        };
+        let body = encode_v16(header, &[event(id)]);
+        client.publish(SUBJECT, body.into()).await.unwrap();
+    }
+    client.flush().await.unwrap();
+}
+
+fn index_blocks(text: &str) -> Option<f64> {
+    metric(text, "kvroute_index_blocks{worker=\"127.0.0.1:9000\"}")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_find_lost_events_within_an_interval_and_repair_them() {
     let dir = paths::run_dir("replicas").unwrap();
     let nats_port = free_port().unwrap();
-    let mut server = std::process::Command::new(paths::venv_tool("nats-server").unwrap());
-    server.args(["-a", "127.0.0.1", "-p", &nats_port.to_string()]);
-    let _nats = Process::spawn("nats", server, &dir).unwrap();
+    let _nats = nats_server(&dir, nats_port);
     let (_a, a) = sidecar(&dir, "a", nats_port, 0.0);
     let (_b, b) = sidecar(&dir, "b", nats_port, 0.1);
     wait_subscribed(&dir.join("a")).await;
@@ -121,22 +144,7 @@ async fn replicas_find_lost_events_within_an_interval_and_repair_them() {
         .await
         .unwrap();
     let http = reqwest::Client::new();
-    let publish = |from: u64, to: u64| {
-        let client = client.clone();
-        async move {
-            for id in from..to {
-                let header = EnvelopeHeader {
-                    publisher_id: 1,
-                    sequence: id,
-                    published_at: 0,
-                    topic: KV_EVENTS_TOPIC,
-                };
-                let body = encode_v16(header, &[event(id)]);
-                client.publish(SUBJECT, body.into()).await.unwrap();
-            }
-            client.flush().await.unwrap();
-        }
-    };
+    let publish = |from: u64, to: u64| publish(&client, from, to);
 
     // Events 1..=5: the drop takes none of them (a fixed hash of the message), so both hold
     // the same cache and agree.
@@ -258,4 +266,66 @@ async fn replicas_find_lost_events_within_an_interval_and_repair_them() {
     assert_eq!(answer.workers, vec!["127.0.0.1:9000".to_string()]);
     assert_eq!(answer.matched_blocks, 1, "{answer:?}");
     eprintln!("a new replica held its peer's 305 blocks {warmed:?} after subscribing");
+}
+
+/// The NATS server restarts: both replicas reconnect, resubscribe to the events and to each
+/// other, and agree again on what arrives after; neither process dies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_agree_again_after_nats_restarts() {
+    let dir = paths::run_dir("replicas-nats-restart").unwrap();
+    let nats_port = free_port().unwrap();
+    let nats = nats_server(&dir, nats_port);
+    let (mut a_proc, a) = sidecar(&dir, "a", nats_port, 0.0);
+    let (mut b_proc, b) = sidecar(&dir, "b", nats_port, 0.0);
+    wait_subscribed(&dir.join("a")).await;
+    wait_subscribed(&dir.join("b")).await;
+    let client = async_nats::connect(format!("nats://127.0.0.1:{nats_port}"))
+        .await
+        .unwrap();
+    let http = reqwest::Client::new();
+    publish(&client, 1, 50).await;
+    let agree = |target: f64| {
+        move |text: &str| {
+            index_blocks(text) == Some(target)
+                && metric(text, "kvroute_replica_caches{state=\"agree\"}") == Some(1.0)
+        }
+    };
+    for base in [&a, &b] {
+        wait_metrics(
+            &http,
+            base,
+            "agreed before",
+            Duration::from_secs(10),
+            agree(49.0),
+        )
+        .await;
+    }
+
+    drop(nats);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let _nats = nats_server(&dir, nats_port);
+    // Until both have reconnected, event 50 is sent again (a copy is dropped as a duplicate).
+    let both_have_it = wait_for("both reconnected", Duration::from_secs(20), || {
+        let (client, http, a, b) = (&client, &http, &a, &b);
+        async move {
+            publish(client, 50, 51).await;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let (ta, tb) = (metrics(http, a).await, metrics(http, b).await);
+            (index_blocks(&ta) == Some(50.0) && index_blocks(&tb) == Some(50.0)).then_some(())
+        }
+    })
+    .await;
+    both_have_it.unwrap();
+    publish(&client, 51, 100).await;
+    for base in [&a, &b] {
+        wait_metrics(
+            &http,
+            base,
+            "agreed after",
+            Duration::from_secs(10),
+            agree(99.0),
+        )
+        .await;
+    }
+    assert!(a_proc.is_running() && b_proc.is_running(), "a sidecar died");
 }
