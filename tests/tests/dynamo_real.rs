@@ -257,3 +257,79 @@ async fn a_killed_worker_is_not_pinned_for_long() {
         "still failing {last:?} after the kill"
     );
 }
+
+/// The replica plane against real Dynamo: a second sidecar beside the stack's, fed the same
+/// mocker events over NATS but losing a fifth of them, is found divergent and repaired from
+/// the first one's snapshots while traffic flows; when it stops, both hold the same blocks for
+/// every worker and agree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_lost_real_dynamo_events_is_repaired_from_its_peer() {
+    let replicas = "[replicas]\ngroup = \"dynamo\"\nid = \"a\"\ninterval_ms = 500\n";
+    let dynamo = DynamoOptions {
+        router_mode: "round-robin".into(),
+        ..DynamoOptions::default()
+    };
+    let stack = &Stack::start(dynamo_stack("dynamo-real-replicas", dynamo, replicas))
+        .await
+        .expect("stack starts");
+    let config = std::fs::read_to_string(stack.dir.join("sidecar.toml")).unwrap();
+    let port = kvroute_harness::process::free_port().unwrap();
+    let listen = config.lines().find(|l| l.starts_with("listen")).unwrap();
+    let lossy = config
+        .replace(listen, &format!("listen = \"127.0.0.1:{port}\""))
+        .replace("id = \"a\"", "id = \"b\"\ntest_drop_events = 0.2");
+    let dir = stack.dir.join("b");
+    std::fs::create_dir_all(&dir).unwrap();
+    let _b = spawn_sidecar(&dir, &lossy);
+    let (a, b) = (
+        stack.sidecar_url.clone().unwrap(),
+        format!("http://127.0.0.1:{port}"),
+    );
+    let metrics = |base: String| async move {
+        kvroute_harness::client::get_text(&stack.http, &format!("{base}/metrics"))
+            .await
+            .unwrap_or_default()
+    };
+    kvroute_harness::process::wait_for("b serves", Duration::from_secs(20), || async {
+        let text = metrics(b.clone()).await;
+        (metric(&text, "kvroute_replica_peers") == Some(1.0)).then_some(())
+    })
+    .await
+    .unwrap();
+
+    for i in 0..40 {
+        let o = via_envoy(stack, &dynamo_chat(&text(4000 + i, 60), "hello")).await;
+        assert!(o.ok(), "request {i}: {o:?}");
+    }
+    let blocks = |text: &str| -> Vec<(String, f64)> {
+        kvroute_harness::prometheus::series(text, "kvroute_index_blocks{")
+            .map(|(s, v)| (s.to_owned(), v))
+            .collect()
+    };
+    let settled = kvroute_harness::process::wait_for(
+        "b repaired and both agree",
+        Duration::from_secs(15),
+        || async {
+            let (ta, tb) = (metrics(a.clone()).await, metrics(b.clone()).await);
+            let repaired =
+                metric(&tb, "kvroute_replica_repairs_total{kind=\"peer_snapshot\"}") >= Some(1.0);
+            let agree = [&ta, &tb].iter().all(|t| {
+                metric(t, "kvroute_replica_caches{state=\"divergent\"}") == Some(0.0)
+                    && metric(t, "kvroute_replica_caches{state=\"agree\"}") >= Some(1.0)
+            });
+            (repaired && agree && blocks(&ta) == blocks(&tb)).then_some((ta, tb))
+        },
+    )
+    .await;
+    let (ta, tb) = settled.unwrap_or_else(|e| {
+        let log = std::fs::read_to_string(dir.join("sidecar.log")).unwrap_or_default();
+        panic!("{e}\n{}", &log[log.len().saturating_sub(3000)..])
+    });
+    let dropped = metric(&tb, "kvroute_test_dropped_events_total").unwrap_or(0.0);
+    assert!(dropped > 0.0, "b lost no event: {tb}");
+    eprintln!(
+        "b dropped {dropped} events; repairs {:?}; blocks {:?}",
+        metric(&tb, "kvroute_replica_repairs_total{kind=\"peer_snapshot\"}"),
+        blocks(&ta)
+    );
+}
