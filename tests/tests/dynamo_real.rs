@@ -301,11 +301,8 @@ async fn a_replica_that_lost_real_dynamo_events_is_repaired_from_its_peer() {
         let o = via_envoy(stack, &dynamo_chat(&text(4000 + i, 60), "hello")).await;
         assert!(o.ok(), "request {i}: {o:?}");
     }
-    let blocks = |text: &str| -> Vec<(String, f64)> {
-        kvroute_harness::prometheus::series(text, "kvroute_index_blocks{")
-            .map(|(s, v)| (s.to_owned(), v))
-            .collect()
-    };
+    let blocks =
+        |text: &str| kvroute_harness::prometheus::sorted_series(text, "kvroute_index_blocks{");
     let settled = kvroute_harness::process::wait_for(
         "b repaired and both agree",
         Duration::from_secs(15),

@@ -329,3 +329,71 @@ async fn replicas_agree_again_after_nats_restarts() {
     }
     assert!(a_proc.is_running() && b_proc.is_running(), "a sidecar died");
 }
+
+/// vLLM engines (simulated, over real ZMQ with replay sockets): a second sidecar that loses a
+/// tenth of the messages, replayed copies included — gaps its engines' replay cannot fill, as
+/// with a replay buffer too short — goes on past them, unclean, and is repaired from its
+/// peer's snapshots: both end with the same blocks per worker, in agreement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_the_engine_cannot_replay_is_filled_from_a_peer() {
+    use kvroute_harness::{Mode, Stack, StackOptions};
+    let mut opts = StackOptions::new("replicas-vllm", Mode::Kvroute);
+    opts.sim.event_formats = vec!["vllm-map".into()];
+    opts.sidecar_toml =
+        format!("[replicas]\ngroup = \"v\"\nid = \"a\"\ninterval_ms = {INTERVAL_MS}\n");
+    let stack = Stack::start(opts).await.expect("stack starts");
+    let config = std::fs::read_to_string(stack.dir.join("sidecar.toml")).unwrap();
+    let port = free_port().unwrap();
+    let listen = config.lines().find(|l| l.starts_with("listen")).unwrap();
+    let lossy = config
+        .replace(listen, &format!("listen = \"127.0.0.1:{port}\""))
+        .replace("id = \"a\"", "id = \"b\"\ntest_drop_events = 0.1");
+    let dir = stack.dir.join("b");
+    std::fs::create_dir_all(&dir).unwrap();
+    let _b = spawn_sidecar(&dir, &lossy);
+    let (a, b) = (
+        stack.sidecar_url.clone().unwrap(),
+        format!("http://127.0.0.1:{port}"),
+    );
+    wait_metrics(&stack.http, &b, "b hears a", Duration::from_secs(20), |t| {
+        metric(t, "kvroute_replica_peers") == Some(1.0)
+    })
+    .await;
+    for i in 0..60 {
+        let o = common::via_envoy(&stack, &common::chat(&common::text(5000 + i, 80), "hi")).await;
+        assert!(o.ok(), "request {i}: {o:?}");
+    }
+    let blocks =
+        |text: &str| kvroute_harness::prometheus::sorted_series(text, "kvroute_index_blocks{");
+    let (http, a_ref, b_ref) = (&stack.http, &a, &b);
+    let settled = wait_for(
+        "b repaired and both agree",
+        Duration::from_secs(20),
+        || async move {
+            let (ta, tb) = (metrics(http, a_ref).await, metrics(http, b_ref).await);
+            let repaired =
+                metric(&tb, "kvroute_replica_repairs_total{kind=\"peer_snapshot\"}") >= Some(1.0);
+            let agree = [&ta, &tb]
+                .iter()
+                .all(|t| metric(t, "kvroute_replica_caches{state=\"divergent\"}") == Some(0.0));
+            (repaired && agree && blocks(&ta) == blocks(&tb)).then_some(tb)
+        },
+    )
+    .await;
+    let tb = match settled {
+        Ok(tb) => tb,
+        Err(e) => panic!(
+            "{e}\na: {}\nb: {}",
+            metrics(http, a_ref).await,
+            metrics(http, b_ref).await
+        ),
+    };
+    let gaps = kvroute_harness::prometheus::sum_where(&tb, |l| {
+        l.starts_with("kvroute_sequence_total{") && l.contains("kind=\"gap\"")
+    });
+    assert!(gaps >= 1.0, "no gap: {tb}");
+    eprintln!(
+        "b saw {gaps} gaps its replays did not fill, repaired {:?} times",
+        metric(&tb, "kvroute_replica_repairs_total{kind=\"peer_snapshot\"}")
+    );
+}

@@ -29,6 +29,16 @@ pub fn series<'a>(text: &'a str, prefix: &'a str) -> impl Iterator<Item = (&'a s
     samples(text).filter(move |(s, _)| s.starts_with(prefix))
 }
 
+/// Every sample whose series starts with `prefix`, sorted by series: two processes list a
+/// family's series in different orders.
+pub fn sorted_series(text: &str, prefix: &str) -> Vec<(String, f64)> {
+    let mut out: Vec<(String, f64)> = series(text, prefix)
+        .map(|(s, v)| (s.to_owned(), v))
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
 /// The sum of every sample whose series starts with `prefix` (e.g. `"vllm:request_success_total{"`
 /// for one family over all its label sets).
 pub fn sum(text: &str, prefix: &str) -> f64 {
