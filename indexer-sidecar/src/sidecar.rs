@@ -17,6 +17,10 @@
 //! - `replicas` (`Mutex<Replicas>`): the peers' digests; the replica plane takes it per
 //!   message, `/debug/replicas` to read (our own reports are taken from the core first).
 //!
+//! Taking or installing a peer snapshot holds `core` for the cache's size (a hash-map walk per
+//! entry): the replica plane takes one at most once a second per cache, and only caches that
+//! diverged are installed.
+//!
 //! No lock is taken while another is held, so there is no order to get wrong. Metrics are
 //! atomics and take no lock of ours. A poisoned lock is used anyway: nothing panics while
 //! holding one, and the data stays consistent between core calls.

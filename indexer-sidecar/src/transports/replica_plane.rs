@@ -26,6 +26,24 @@ const CHUNK: usize = 16_384;
 const SNAPSHOT_KEPT: Duration = Duration::from_secs(10);
 /// How long one chunk may take to arrive.
 const CHUNK_TIMEOUT: Duration = Duration::from_secs(5);
+/// A snapshot younger than this is served again rather than taken anew (taking one holds the
+/// core's lock for the cache's size): peers asking over and over cost one snapshot a second.
+const SNAPSHOT_REUSE: Duration = Duration::from_secs(1);
+/// Bytes of checkpoints a digests message may carry (about 70 each as JSON): NATS's default
+/// `max_payload` is 1 MiB.
+const DIGESTS_BUDGET: usize = 512 << 10;
+
+/// Keep each cache's newest checkpoints, as many as fit the budget for all of them (at least
+/// 4: a peer needs a few to find a message in common).
+fn fit(mut caches: Vec<crate::core::digest::CacheReport>) -> Vec<crate::core::digest::CacheReport> {
+    let per_cache =
+        (DIGESTS_BUDGET / 70 / caches.len().max(1)).clamp(4, crate::core::digest::CHECKPOINTS);
+    for c in &mut caches {
+        let extra = c.checkpoints.len().saturating_sub(per_cache);
+        c.checkpoints.drain(..extra);
+    }
+    caches
+}
 
 /// Largest digests message read: a peer cannot make us decode more (NATS's own `max_payload`
 /// is usually 1 MiB).
@@ -68,7 +86,8 @@ pub async fn run(
     loop {
         tokio::select! {
             _ = tick.tick() => {
-                let digests = Digests { replica: me.clone(), caches: state.core().reports() };
+                let caches = fit(state.core().reports());
+                let digests = Digests { replica: me.clone(), caches };
                 match serde_json::to_vec(&digests) {
                     Ok(body) => {
                         if let Err(e) = client.publish(subject.clone(), body.into()).await {
@@ -151,7 +170,10 @@ fn answer(
     let now = Instant::now();
     taken.retain(|_, (at, _)| now.saturating_duration_since(*at) < SNAPSHOT_KEPT);
     let key = (req.worker.clone(), req.rank);
-    if req.offset == 0 || !taken.contains_key(&key) {
+    let fresh = taken
+        .get(&key)
+        .is_some_and(|(at, _)| now.saturating_duration_since(*at) < SNAPSHOT_REUSE);
+    if !(fresh || req.offset > 0 && taken.contains_key(&key)) {
         match state.core().snapshot(&req.worker, req.rank) {
             Some(s) => taken.insert(key.clone(), (now, Arc::new(s))),
             None => return Vec::new(),
@@ -226,6 +248,38 @@ async fn fetch(
                 seq: chunk.seq,
                 entries,
             });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::digest::{CacheReport, Checkpoint, CHECKPOINTS};
+
+    /// However many caches, a digests message stays within NATS's payload limit.
+    #[test]
+    fn digests_fit_a_nats_message() {
+        let cache = |i: u32| CacheReport {
+            worker: format!("10.0.{}.{}:8000", i / 250, i % 250),
+            rank: i % 8,
+            clean: true,
+            checkpoints: (0..CHECKPOINTS as u64)
+                .map(|seq| Checkpoint {
+                    seq: u64::MAX - seq,
+                    blocks: u64::MAX,
+                    digest: u64::MAX,
+                })
+                .collect(),
+        };
+        for n in [1, 64, 512] {
+            let caches = fit((0..n).map(cache).collect());
+            let body = serde_json::to_vec(&Digests {
+                replica: "r".into(),
+                caches,
+            })
+            .unwrap();
+            assert!(body.len() < 1 << 20, "{n} caches: {} bytes", body.len());
         }
     }
 }
