@@ -28,6 +28,10 @@ struct Peer {
     states: BTreeMap<CacheKey, Agreement>,
     /// Since when each divergent cache has been divergent.
     divergent_since: HashMap<CacheKey, Instant>,
+    /// Caches where the peer has applied a later message than ours: our last one then, and
+    /// since when. A message lost at the end of a burst shows as no gap until the next one
+    /// arrives, which may be never: staying behind is a divergence of its own.
+    behind_since: HashMap<CacheKey, (u64, Instant)>,
 }
 
 /// A request for a peer's snapshot of a cache (`kvroute.replicas.<group>.snapshot.<peer>`),
@@ -104,7 +108,9 @@ impl Replicas {
     /// Caches of ours a clean peer's copy should replace, each with that peer: ours is
     /// unclean and differs from it, or we have none (a sidecar that just started, a worker that
     /// has been quiet since): the warm start and the repair are one thing.
-    fn wanted(&self, mine: &[CacheReport]) -> Vec<(String, CacheKey)> {
+    fn wanted(&self, mine: &[CacheReport], now: Instant) -> Vec<(String, CacheKey)> {
+        // Behind for a third of the peer timeout (one interval): not a message in flight.
+        let stuck = self.timeout / 3;
         let ours: HashMap<CacheKey, &CacheReport> = mine
             .iter()
             .map(|m| ((m.worker.clone(), m.rank), m))
@@ -115,7 +121,13 @@ impl Replicas {
                 let want = match ours.get(key) {
                     None => !theirs.checkpoints.is_empty(),
                     Some(m) => {
-                        !m.clean && !matches!(p.states.get(key), Some(Agreement::Agree { .. }))
+                        let behind = p.behind_since.get(key).is_some_and(|(seq, since)| {
+                            m.checkpoints.last().map(|c| c.seq) == Some(*seq)
+                                && now.saturating_duration_since(*since) >= stuck
+                        });
+                        behind
+                            || !m.clean
+                                && !matches!(p.states.get(key), Some(Agreement::Agree { .. }))
                     }
                 };
                 if want {
@@ -132,7 +144,7 @@ impl Replicas {
         self.asked
             .retain(|_, at| now.saturating_duration_since(*at) < timeout);
         let wanted: Vec<_> = self
-            .wanted(mine)
+            .wanted(mine, now)
             .into_iter()
             .filter(|(_, key)| !self.asked.contains_key(key))
             .collect();
@@ -144,8 +156,8 @@ impl Replicas {
 
     /// Whether this replica holds what its peers can give it: no cache waits for a clean
     /// peer's copy. `false` before any peer was heard (the caller decides how long to wait).
-    pub fn warm(&self, mine: &[CacheReport]) -> bool {
-        !self.peers.is_empty() && self.wanted(mine).is_empty()
+    pub fn warm(&self, mine: &[CacheReport], now: Instant) -> bool {
+        !self.peers.is_empty() && self.wanted(mine, now).is_empty()
     }
 
     /// Whether any peer was heard.
@@ -174,6 +186,7 @@ impl Replicas {
             caches: HashMap::new(),
             states: BTreeMap::new(),
             divergent_since: HashMap::new(),
+            behind_since: HashMap::new(),
         });
         peer.last_seen = now;
         peer.caches = theirs
@@ -188,6 +201,18 @@ impl Replicas {
             let Some(t) = peer.caches.get(&key) else {
                 continue;
             };
+            let last = |c: &CacheReport| c.checkpoints.last().map(|c| c.seq);
+            match (last(m), last(t)) {
+                (Some(ours), Some(theirs)) if theirs > ours => {
+                    let entry = peer.behind_since.entry(key.clone()).or_insert((ours, now));
+                    if entry.0 != ours {
+                        *entry = (ours, now);
+                    }
+                }
+                _ => {
+                    peer.behind_since.remove(&key);
+                }
+            }
             let now_state = compare(&m.checkpoints, &t.checkpoints);
             let kind = |a: &Agreement| std::mem::discriminant(a);
             let before = peer.states.get(&key);
@@ -387,15 +412,33 @@ mod tests {
     fn missing_caches_are_taken_from_clean_peers() {
         let now = Instant::now();
         let mut r = Replicas::new("a".into(), Duration::from_secs(6));
-        assert!(!r.warm(&[]), "no peer heard yet");
+        assert!(!r.warm(&[], now), "no peer heard yet");
         r.observe(from("b", vec![report("w1", &[(9, 90)])]), &[], now);
-        assert!(!r.warm(&[]));
+        assert!(!r.warm(&[], now));
         assert_eq!(
             r.repairs(&[], now),
             vec![("b".to_string(), ("w1".to_string(), 0))]
         );
         let mine = [report("w1", &[(9, 90)])];
         r.observe(from("b", vec![report("w1", &[(9, 90)])]), &mine, now);
-        assert!(r.warm(&mine));
+        assert!(r.warm(&mine, now));
+    }
+
+    /// A cache that stays behind its peer's (our last message lost, none after it to show the
+    /// gap) is taken from the peer after an interval, even though ours says clean.
+    #[test]
+    fn a_cache_left_behind_is_repaired() {
+        let now = Instant::now();
+        let mut r = Replicas::new("a".into(), Duration::from_secs(6));
+        let mine = [report("w1", &[(8, 80), (9, 90)])];
+        let theirs = || from("b", vec![report("w1", &[(9, 90), (10, 100)])]);
+        r.observe(theirs(), &mine, now);
+        assert!(
+            r.repairs(&mine, now).is_empty(),
+            "a message may be in flight"
+        );
+        let later = now + Duration::from_secs(2);
+        r.observe(theirs(), &mine, later);
+        assert_eq!(r.repairs(&mine, later).len(), 1);
     }
 }

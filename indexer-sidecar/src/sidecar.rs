@@ -18,8 +18,8 @@
 //!   message, `/debug/replicas` to read (our own reports are taken from the core first).
 //!
 //! Taking or installing a peer snapshot holds `core` for the cache's size (a hash-map walk per
-//! entry): the replica plane takes one at most once a second per cache, and only caches that
-//! diverged are installed.
+//! entry): a peer asks for one only for a cache that diverged, at most once per three
+//! intervals, and an unchanged cache's snapshot is served again rather than taken anew.
 //!
 //! No lock is taken while another is held, so there is no order to get wrong. Metrics are
 //! atomics and take no lock of ours. A poisoned lock is used anyway: nothing panics while
@@ -212,7 +212,7 @@ impl Sidecar {
         };
         let mine = self.core().reports();
         let r = self.replicas();
-        if r.warm(&mine) {
+        if r.warm(&mine, now) {
             return (
                 true,
                 "warm: every cache a clean peer holds is held here".into(),

@@ -87,24 +87,27 @@ impl CacheLog {
         self.checkpoints.iter().copied().collect()
     }
 
-    /// The events of the messages after `seq`, in order; `None` when the log does not reach
-    /// back to `seq` (some were applied but are no longer kept).
-    pub fn after(&self, seq: u64) -> Option<Vec<KvEvent>> {
+    /// The events of the messages after `seq`, in order, and whether those messages follow
+    /// each other from `seq + 1` without a gap; `None` when the log does not reach back to
+    /// `seq` (some were applied but are no longer kept).
+    pub fn after(&self, seq: u64) -> Option<(Vec<KvEvent>, bool)> {
         let last = self.recent.back().map_or(seq, |(s, _)| *s);
         if last <= seq {
-            return Some(Vec::new());
+            return Some((Vec::new(), true));
         }
         let first = self.recent.front().map(|(s, _)| *s)?;
         if first > seq.wrapping_add(1) {
             return None;
         }
-        Some(
-            self.recent
-                .iter()
-                .filter(|(s, _)| *s > seq)
-                .flat_map(|(_, events)| events.iter().cloned())
-                .collect(),
-        )
+        let mut expected = seq.wrapping_add(1);
+        let mut contiguous = true;
+        let mut events = Vec::new();
+        for (s, batch) in self.recent.iter().filter(|(s, _)| *s > seq) {
+            contiguous &= *s == expected;
+            expected = s.wrapping_add(1);
+            events.extend(batch.iter().cloned());
+        }
+        Some((events, contiguous))
     }
 
     /// Start over from a snapshot at `seq` (the events after it are re-applied by the caller).
@@ -195,11 +198,17 @@ mod tests {
             log.checkpoints()[0].seq,
             RECENT as u64 + 5 - CHECKPOINTS as u64
         );
-        assert_eq!(log.after(RECENT as u64 + 10), Some(vec![]));
+        assert_eq!(log.after(RECENT as u64 + 10), Some((vec![], true)));
         assert!(
             log.after(3).is_none(),
             "messages 4 and on are no longer all kept"
         );
-        assert!(log.after(4).is_some());
+        assert_eq!(log.after(4).map(|(_, c)| c), Some(true));
+        let mut gappy = CacheLog::default();
+        for seq in [1, 2, 4] {
+            gappy.push(seq, vec![], 1, seq);
+        }
+        assert_eq!(gappy.after(1).map(|(_, c)| c), Some(false), "3 is missing");
+        assert_eq!(gappy.after(3).map(|(_, c)| c), Some(true));
     }
 }

@@ -767,6 +767,11 @@ impl Core {
             .collect()
     }
 
+    /// The last message applied to a cache of the worker at `address`.
+    pub fn cursor_of(&self, address: &str, rank: u32) -> Option<u64> {
+        self.fleet.by_address(address)?.cursors.get(&rank)?.last
+    }
+
     /// A cache of the worker at `address` as it is now, for a peer to install; `None` for a
     /// worker or cache not known here.
     pub fn snapshot(&self, address: &str, rank: u32) -> Option<digest::Snapshot> {
@@ -783,7 +788,8 @@ impl Core {
     }
 
     /// Install a clean peer's snapshot of a cache: its entries, then the events this replica
-    /// applied after the snapshot's message; the cache is clean again. Refused (`false`) when
+    /// applied after the snapshot's message; the cache is clean again unless messages are
+    /// missing among those (then a fresher snapshot repairs it). Refused (`false`) when
     /// this replica no longer keeps those events, or does not know the worker.
     fn install(
         &mut self,
@@ -801,7 +807,7 @@ impl Core {
         };
         let model = w.model.clone();
         let ours = w.cursors.get(&rank).and_then(|c| c.last).unwrap_or(0);
-        let Some(after) = w.logs.entry(rank).or_default().after(snapshot.seq) else {
+        let Some((after, contiguous)) = w.logs.entry(rank).or_default().after(snapshot.seq) else {
             return false;
         };
         let cache = index::CacheId {
@@ -830,7 +836,8 @@ impl Core {
         if let Some(w) = self.fleet.get_mut(id) {
             let log = w.logs.entry(rank).or_default();
             log.restart_at(snapshot.seq.max(ours), held, digest);
-            log.clean = true;
+            // Clean only if nothing is missing since the snapshot: else a fresher one is due.
+            log.clean = contiguous;
         }
         let blocks = index.map_or(0, |i| i.blocks_of(id));
         out.push(Happened::Holds {

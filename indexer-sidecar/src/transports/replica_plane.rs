@@ -26,9 +26,6 @@ const CHUNK: usize = 16_384;
 const SNAPSHOT_KEPT: Duration = Duration::from_secs(10);
 /// How long one chunk may take to arrive.
 const CHUNK_TIMEOUT: Duration = Duration::from_secs(5);
-/// A snapshot younger than this is served again rather than taken anew (taking one holds the
-/// core's lock for the cache's size): peers asking over and over cost one snapshot a second.
-const SNAPSHOT_REUSE: Duration = Duration::from_secs(1);
 /// Bytes of checkpoints a digests message may carry (about 70 each as JSON): NATS's default
 /// `max_payload` is 1 MiB.
 const DIGESTS_BUDGET: usize = 512 << 10;
@@ -170,10 +167,13 @@ fn answer(
     let now = Instant::now();
     taken.retain(|_, (at, _)| now.saturating_duration_since(*at) < SNAPSHOT_KEPT);
     let key = (req.worker.clone(), req.rank);
-    let fresh = taken
+    // A new transfer gets the cache as it is now, unless it has not changed since the last
+    // one was taken (taking one holds the core's lock for the cache's size); further chunks
+    // come from the snapshot their transfer started with.
+    let unchanged = taken
         .get(&key)
-        .is_some_and(|(at, _)| now.saturating_duration_since(*at) < SNAPSHOT_REUSE);
-    if !(fresh || req.offset > 0 && taken.contains_key(&key)) {
+        .is_some_and(|(_, s)| state.core().cursor_of(&req.worker, req.rank) == Some(s.seq));
+    if !(unchanged || req.offset > 0 && taken.contains_key(&key)) {
         match state.core().snapshot(&req.worker, req.rank) {
             Some(s) => taken.insert(key.clone(), (now, Arc::new(s))),
             None => return Vec::new(),
