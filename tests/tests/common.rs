@@ -125,8 +125,7 @@ pub async fn engine_metric(stack: &Stack, engine: usize, name: &str) -> f64 {
 /// A JSON document from the sidecar's API (`/debug/sources`, `/debug/explain`, …).
 pub async fn sidecar_json(stack: &Stack, path: &str) -> Value {
     let url = format!("{}{path}", stack.sidecar_url.as_ref().expect("a sidecar"));
-    let resp = stack.http.get(url).send().await.unwrap();
-    resp.json().await.unwrap()
+    kvroute_harness::client::get_json(&stack.http, &url).await
 }
 
 /// Start `kvroute-sidecar serve` on `config` (TOML), written to `dir/sidecar.toml`; its log is
@@ -190,4 +189,28 @@ pub fn spawn_vllm_publisher(
     )
     .unwrap()
     .0
+}
+
+/// A second replica beside `stack`'s sidecar (whose `[replicas]` has `id = "a"`): the same
+/// configuration on another port, named `b`, dropping `drop` of its KV-event messages
+/// (`[replicas] test_drop_events`). Its process and its URL.
+pub fn spawn_lossy_replica(
+    stack: &kvroute_harness::Stack,
+    drop: f64,
+) -> (kvroute_harness::process::Process, String) {
+    let config = std::fs::read_to_string(stack.dir.join("sidecar.toml")).unwrap();
+    let port = kvroute_harness::process::free_port().unwrap();
+    let listen = config.lines().find(|l| l.starts_with("listen")).unwrap();
+    let lossy = config
+        .replace(listen, &format!("listen = \"127.0.0.1:{port}\""))
+        .replace(
+            "id = \"a\"",
+            &format!("id = \"b\"\ntest_drop_events = {drop}"),
+        );
+    let dir = stack.dir.join("b");
+    std::fs::create_dir_all(&dir).unwrap();
+    (
+        spawn_sidecar(&dir, &lossy),
+        format!("http://127.0.0.1:{port}"),
+    )
 }

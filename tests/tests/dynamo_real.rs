@@ -272,19 +272,9 @@ async fn a_replica_that_lost_real_dynamo_events_is_repaired_from_its_peer() {
     let stack = &Stack::start(dynamo_stack("dynamo-real-replicas", dynamo, replicas))
         .await
         .expect("stack starts");
-    let config = std::fs::read_to_string(stack.dir.join("sidecar.toml")).unwrap();
-    let port = kvroute_harness::process::free_port().unwrap();
-    let listen = config.lines().find(|l| l.starts_with("listen")).unwrap();
-    let lossy = config
-        .replace(listen, &format!("listen = \"127.0.0.1:{port}\""))
-        .replace("id = \"a\"", "id = \"b\"\ntest_drop_events = 0.2");
+    let (_b, b) = spawn_lossy_replica(stack, 0.2);
+    let a = stack.sidecar_url.clone().unwrap();
     let dir = stack.dir.join("b");
-    std::fs::create_dir_all(&dir).unwrap();
-    let _b = spawn_sidecar(&dir, &lossy);
-    let (a, b) = (
-        stack.sidecar_url.clone().unwrap(),
-        format!("http://127.0.0.1:{port}"),
-    );
     let metrics = |base: String| async move {
         kvroute_harness::client::get_text(&stack.http, &format!("{base}/metrics"))
             .await

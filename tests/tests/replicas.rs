@@ -106,6 +106,25 @@ async fn wait_metrics(
     }
 }
 
+/// Replicas `a` (lossless) and `b` (dropping `drop` of its events), both subscribed, and a
+/// client to publish with.
+struct Pair {
+    a: (Process, String),
+    b: (Process, String),
+    client: async_nats::Client,
+}
+
+async fn pair(dir: &std::path::Path, nats_port: u16, drop: f64) -> Pair {
+    let a = sidecar(dir, "a", nats_port, 0.0);
+    let b = sidecar(dir, "b", nats_port, drop);
+    wait_subscribed(&dir.join("a")).await;
+    wait_subscribed(&dir.join("b")).await;
+    let client = async_nats::connect(format!("nats://127.0.0.1:{nats_port}"))
+        .await
+        .unwrap();
+    Pair { a, b, client }
+}
+
 fn nats_server(dir: &std::path::Path, port: u16) -> Process {
     let mut server = std::process::Command::new(paths::venv_tool("nats-server").unwrap());
     server.args(["-a", "127.0.0.1", "-p", &port.to_string()]);
@@ -136,13 +155,11 @@ async fn replicas_find_lost_events_within_an_interval_and_repair_them() {
     let dir = paths::run_dir("replicas").unwrap();
     let nats_port = free_port().unwrap();
     let _nats = nats_server(&dir, nats_port);
-    let (_a, a) = sidecar(&dir, "a", nats_port, 0.0);
-    let (_b, b) = sidecar(&dir, "b", nats_port, 0.1);
-    wait_subscribed(&dir.join("a")).await;
-    wait_subscribed(&dir.join("b")).await;
-    let client = async_nats::connect(format!("nats://127.0.0.1:{nats_port}"))
-        .await
-        .unwrap();
+    let Pair {
+        a: (_a, a),
+        b: (_b, b),
+        client,
+    } = pair(&dir, nats_port, 0.1).await;
     let http = reqwest::Client::new();
     let publish = |from: u64, to: u64| publish(&client, from, to);
 
@@ -188,14 +205,7 @@ async fn replicas_find_lost_events_within_an_interval_and_repair_them() {
         dropped.is_some_and(|d| (10.0..=60.0).contains(&d)),
         "dropped {dropped:?}"
     );
-    let debug: serde_json::Value = http
-        .get(format!("{a}/debug/replicas"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let debug = kvroute_harness::client::get_json(&http, &format!("{a}/debug/replicas")).await;
     assert_eq!(debug["peers"][0]["replica"], "b", "{debug}");
     assert_eq!(
         debug["peers"][0]["caches"][0]["agreement"]["state"], "divergent",
@@ -275,13 +285,11 @@ async fn replicas_agree_again_after_nats_restarts() {
     let dir = paths::run_dir("replicas-nats-restart").unwrap();
     let nats_port = free_port().unwrap();
     let nats = nats_server(&dir, nats_port);
-    let (mut a_proc, a) = sidecar(&dir, "a", nats_port, 0.0);
-    let (mut b_proc, b) = sidecar(&dir, "b", nats_port, 0.0);
-    wait_subscribed(&dir.join("a")).await;
-    wait_subscribed(&dir.join("b")).await;
-    let client = async_nats::connect(format!("nats://127.0.0.1:{nats_port}"))
-        .await
-        .unwrap();
+    let Pair {
+        a: (mut a_proc, a),
+        b: (mut b_proc, b),
+        client,
+    } = pair(&dir, nats_port, 0.0).await;
     let http = reqwest::Client::new();
     publish(&client, 1, 50).await;
     let agree = |target: f64| {
@@ -342,19 +350,8 @@ async fn a_gap_the_engine_cannot_replay_is_filled_from_a_peer() {
     opts.sidecar_toml =
         format!("[replicas]\ngroup = \"v\"\nid = \"a\"\ninterval_ms = {INTERVAL_MS}\n");
     let stack = Stack::start(opts).await.expect("stack starts");
-    let config = std::fs::read_to_string(stack.dir.join("sidecar.toml")).unwrap();
-    let port = free_port().unwrap();
-    let listen = config.lines().find(|l| l.starts_with("listen")).unwrap();
-    let lossy = config
-        .replace(listen, &format!("listen = \"127.0.0.1:{port}\""))
-        .replace("id = \"a\"", "id = \"b\"\ntest_drop_events = 0.1");
-    let dir = stack.dir.join("b");
-    std::fs::create_dir_all(&dir).unwrap();
-    let _b = spawn_sidecar(&dir, &lossy);
-    let (a, b) = (
-        stack.sidecar_url.clone().unwrap(),
-        format!("http://127.0.0.1:{port}"),
-    );
+    let (_b, b) = common::spawn_lossy_replica(&stack, 0.1);
+    let a = stack.sidecar_url.clone().unwrap();
     wait_metrics(&stack.http, &b, "b hears a", Duration::from_secs(20), |t| {
         metric(t, "kvroute_replica_peers") == Some(1.0)
     })

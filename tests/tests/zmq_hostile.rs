@@ -151,14 +151,7 @@ async fn failing_and_hostile_zmq_sources_leave_the_sidecar_serving() {
     .unwrap_or_else(|e| panic!("{e}: {}", sidecar.log_tail()));
     let cold = hint_for_tokens(&http, &base, &(0..64).collect::<Vec<u32>>(), 32).await;
     assert!(!cold.workers.is_empty(), "a cold prompt is still hinted");
-    let sources: serde_json::Value = http
-        .get(format!("{base}/debug/sources"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let sources = kvroute_harness::client::get_json(&http, &format!("{base}/debug/sources")).await;
     assert_eq!(sources.as_array().unwrap().len(), 3, "{sources}");
     let unresolvable = sources
         .as_array()

@@ -15,6 +15,14 @@ pub async fn get_text(http: &reqwest::Client, url: &str) -> Option<String> {
     http.get(url).send().await.ok()?.text().await.ok()
 }
 
+/// The JSON body of `GET url` (`Value::Null` when the request or its body fails).
+pub async fn get_json(http: &reqwest::Client, url: &str) -> Value {
+    match http.get(url).send().await {
+        Ok(r) => r.json().await.unwrap_or(Value::Null),
+        Err(_) => Value::Null,
+    }
+}
+
 /// Response header naming the simulated engine that served a request.
 pub const ENGINE_HEADER: &str = "x-sim-engine";
 
