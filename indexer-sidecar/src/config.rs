@@ -110,7 +110,9 @@ pub struct ReplicasConfig {
     /// The fleet's name: replicas of one group compare with each other (subject
     /// `kvroute.replicas.<group>.digests`).
     pub group: String,
-    /// This replica's name among its peers; default: the host name (the pod's name).
+    /// This replica's name among its peers; default: the host name (the pod's name). Replicas
+    /// sharing a host name (several on one machine) must each set one: a message from a peer
+    /// with our own id is taken for our own and ignored.
     pub id: Option<String>,
     /// How often digests are published.
     pub interval_ms: u64,
@@ -547,6 +549,10 @@ impl Config {
             }
             if r.group.is_empty() || r.group.contains(['.', '*', '>', ' ']) {
                 bail!("[replicas] group {:?}: one NATS subject token", r.group);
+            }
+            let id = r.replica_id();
+            if id.is_empty() || id.contains(['*', '>']) || id.contains(char::is_whitespace) {
+                bail!("[replicas] id {id:?}: must be usable in a NATS subject (no *, >, spaces)");
             }
         }
         if self.index.max_blocks_per_cache == 0 {
