@@ -80,8 +80,10 @@ pub struct Sidecar {
     explained: Mutex<VecDeque<serde_json::Value>>,
     replicas: Mutex<Replicas>,
     /// Tests only (`[replicas] test_drop_events`): this fraction of KV-event messages is
-    /// dropped before the core sees it.
+    /// dropped before the core sees it; which ones depends on the replica's id, so two lossy
+    /// replicas lose different messages.
     test_drop_events: f64,
+    test_drop_seed: u64,
     /// With `[replicas]`: how long to wait for a first peer before starting from the events
     /// alone (three intervals), counted from `started`.
     peer_wait: Option<Duration>,
@@ -139,6 +141,10 @@ impl Sidecar {
                 Duration::from_millis(3 * config.replicas.as_ref().map_or(2000, |r| r.interval_ms)),
             )),
             test_drop_events: config.replicas.as_ref().map_or(0.0, |r| r.test_drop_events),
+            test_drop_seed: config
+                .replicas
+                .as_ref()
+                .map_or(0, |r| xxhash_rust::xxh3::xxh3_64(r.replica_id().as_bytes())),
             peer_wait: config
                 .replicas
                 .as_ref()
@@ -247,7 +253,7 @@ impl Sidecar {
     }
 
     /// Whether the test-only event drop takes this message: a fixed hash of what the message
-    /// is, so a run is repeatable.
+    /// is and of the replica's id, so a run is repeatable.
     fn test_dropped(&self, input: &Input<'_>) -> bool {
         let Input::Message(m) = input else {
             return false;
@@ -255,8 +261,9 @@ impl Sidecar {
         if self.test_drop_events <= 0.0 {
             return false;
         }
-        let h = xxhash_rust::xxh3::xxh3_64(
+        let h = xxhash_rust::xxh3::xxh3_64_with_seed(
             &[m.seq.to_le_bytes(), u64::from(m.stream).to_le_bytes()].concat(),
+            self.test_drop_seed,
         );
         (h as f64 / u64::MAX as f64) < self.test_drop_events
     }
