@@ -24,6 +24,9 @@ use kvroute_protocol::PrefixHash;
 const CHUNK: usize = 16_384;
 /// How long a snapshot taken for a peer serves its further chunks.
 const SNAPSHOT_KEPT: Duration = Duration::from_secs(10);
+/// Entries a peer's snapshot may have (the default `[index] max_blocks_per_cache`): a peer
+/// claiming more is not believed, and cannot make this replica hold more.
+const MAX_SNAPSHOT: usize = 1 << 22;
 /// How long one chunk may take to arrive.
 const CHUNK_TIMEOUT: Duration = Duration::from_secs(5);
 /// Bytes of checkpoints a digests message may carry (about 70 each as JSON): NATS's default
@@ -230,6 +233,11 @@ async fn fetch(
             "the peer does not know this cache"
         );
         let chunk: SnapshotChunk = serde_json::from_slice(&reply.payload).context("bad chunk")?;
+        anyhow::ensure!(
+            chunk.total <= MAX_SNAPSHOT,
+            "the peer's snapshot claims {} entries, more than any cache holds",
+            chunk.total
+        );
         anyhow::ensure!(
             seq.is_none_or(|s| s == chunk.seq),
             "the peer's snapshot changed during the transfer"
