@@ -146,8 +146,7 @@ pub async fn hint_for_tokens(
     tokens: &[u32],
     block_size: usize,
 ) -> kvroute_protocol::hint::HintResponse {
-    use kvroute_protocol::hint::{HintRequest, HINT_CONTENT_TYPE};
-    let req = HintRequest {
+    let req = kvroute_protocol::hint::HintRequest {
         model: "m".into(),
         hashes: kvroute_protocol::hash::token_prefix_hashes(
             tokens,
@@ -156,8 +155,18 @@ pub async fn hint_for_tokens(
         ),
         finished: Vec::new(),
     };
+    ask_hint(http, base, &req).await
+}
+
+/// Ask the sidecar at `base` for a hint, as the filter does.
+pub async fn ask_hint(
+    http: &reqwest::Client,
+    base: &str,
+    req: &kvroute_protocol::hint::HintRequest,
+) -> kvroute_protocol::hint::HintResponse {
+    use kvroute_protocol::hint::{HINT_CONTENT_TYPE, HINT_PATH};
     let resp = http
-        .post(format!("{base}/v1/hint"))
+        .post(format!("{base}{HINT_PATH}"))
         .header("content-type", HINT_CONTENT_TYPE)
         .body(req.encode())
         .send()

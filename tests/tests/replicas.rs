@@ -264,15 +264,7 @@ async fn replicas_find_lost_events_within_an_interval_and_repair_them() {
         hashes: vec![kvroute_protocol::PrefixHash(tokens_hash(3))],
         finished: vec![],
     };
-    let answer: kvroute_protocol::hint::HintResponse = http
-        .post(format!("{c}{}", kvroute_protocol::hint::HINT_PATH))
-        .body(hint.encode())
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let answer = common::ask_hint(&http, &c, &hint).await;
     assert_eq!(answer.workers, vec!["127.0.0.1:9000".to_string()]);
     assert_eq!(answer.matched_blocks, 1, "{answer:?}");
     eprintln!("a new replica held its peer's 305 blocks {warmed:?} after subscribing");
@@ -408,15 +400,7 @@ async fn a_replica_losing_vllm_messages_is_repaired_from_its_peer() {
                 hashes: hashes.clone(),
                 finished: std::mem::take(&mut finished[r]),
             };
-            let answer: kvroute_protocol::hint::HintResponse = http
-                .post(format!("{base}{}", kvroute_protocol::hint::HINT_PATH))
-                .body(hint.encode())
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+            let answer = common::ask_hint(http, base, &hint).await;
             finished[r].extend(answer.ticket);
             first.push(answer.workers.first().cloned());
         }
