@@ -128,27 +128,23 @@ impl Sidecar {
                 .insert(m.name.clone(), serde_json::to_vec(&bundle)?);
         }
         bundles.catalog = serde_json::to_vec(&catalog)?;
+        let replicas = config.replicas.as_ref();
+        let replica_id = replicas.map(|r| r.replica_id());
+        // Three intervals without a word: a peer is gone, or none is coming.
+        let three_intervals = Duration::from_millis(3 * replicas.map_or(2000, |r| r.interval_ms));
         let sidecar = Sidecar {
             core: Mutex::new(Core::new(config, random_key())),
             plane: Mutex::new(EventPlane::new(Instant::now())),
             explained: Mutex::new(VecDeque::with_capacity(EXPLAINED)),
             replicas: Mutex::new(Replicas::new(
-                config
-                    .replicas
-                    .as_ref()
-                    .map_or_else(String::new, |r| r.replica_id()),
-                // Three intervals without a word: the peer is gone.
-                Duration::from_millis(3 * config.replicas.as_ref().map_or(2000, |r| r.interval_ms)),
+                replica_id.clone().unwrap_or_default(),
+                three_intervals,
             )),
-            test_drop_events: config.replicas.as_ref().map_or(0.0, |r| r.test_drop_events),
-            test_drop_seed: config
-                .replicas
+            test_drop_events: replicas.map_or(0.0, |r| r.test_drop_events),
+            test_drop_seed: replica_id
                 .as_ref()
-                .map_or(0, |r| xxhash_rust::xxh3::xxh3_64(r.replica_id().as_bytes())),
-            peer_wait: config
-                .replicas
-                .as_ref()
-                .map(|r| Duration::from_millis(3 * r.interval_ms)),
+                .map_or(0, |id| xxhash_rust::xxh3::xxh3_64(id.as_bytes())),
+            peer_wait: replicas.map(|_| three_intervals),
             started: Instant::now(),
             bundles,
             metrics: Metrics::default(),

@@ -775,8 +775,8 @@ impl Core {
     /// A cache of the worker at `address` as it is now, for a peer to install; `None` for a
     /// worker or cache not known here.
     pub fn snapshot(&self, address: &str, rank: u32) -> Option<digest::Snapshot> {
+        let seq = self.cursor_of(address, rank)?;
         let w = self.fleet.by_address(address)?;
-        let seq = w.cursors.get(&rank)?.last?;
         let index = self.indexes.get(&w.model)?;
         Some(digest::Snapshot {
             seq,

@@ -86,8 +86,9 @@ pub async fn run(
     loop {
         tokio::select! {
             _ = tick.tick() => {
-                let caches = fit(state.core().reports());
-                let digests = Digests { replica: me.clone(), caches };
+                // One look at the core per tick: the repairs below read the same reports.
+                let mine = state.core().reports();
+                let digests = Digests { replica: me.clone(), caches: fit(mine.clone()) };
                 match serde_json::to_vec(&digests) {
                     Ok(body) => {
                         if let Err(e) = client.publish(subject.clone(), body.into()).await {
@@ -97,7 +98,6 @@ pub async fn run(
                     Err(e) => tracing::warn!(error = %e, "replica plane: cannot encode digests"),
                 }
                 state.replica_gauges(Instant::now());
-                let mine = state.core().reports();
                 let repairs = state.replicas().repairs(&mine, Instant::now());
                 for (peer, cache) in repairs {
                     if state.core().fleet().by_address(&cache.0).is_none() {
