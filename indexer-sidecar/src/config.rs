@@ -56,6 +56,7 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::{bail, Context as _};
 use serde::Deserialize;
@@ -118,6 +119,9 @@ pub struct ReplicasConfig {
     pub interval_ms: u64,
     /// NATS server of the replica plane; default: `[nats] url` (with its authentication).
     pub nats_url: Option<String>,
+    /// Repair from peers: lost messages asked of them, divergent caches replaced by a clean
+    /// peer's snapshot. `false` only compares (to measure what repair buys).
+    pub reconcile: bool,
     /// Tests only: drop this fraction (0..1) of the KV-event messages this replica ingests, to
     /// make it diverge. Never set it in production.
     pub test_drop_events: f64,
@@ -130,6 +134,7 @@ impl Default for ReplicasConfig {
             id: None,
             interval_ms: 2000,
             nats_url: None,
+            reconcile: true,
             test_drop_events: 0.0,
         }
     }
@@ -148,6 +153,17 @@ impl ReplicasConfig {
                     .filter(|h| !h.is_empty())
             })
             .unwrap_or_else(|| format!("replica-{}", std::process::id()))
+    }
+
+    /// How often lost messages are asked of peers: a quarter interval, 50–500 ms.
+    pub fn fill_interval(&self) -> Duration {
+        Duration::from_millis((self.interval_ms / 4).clamp(50, 500))
+    }
+
+    /// How long a lost message is asked for before the cache counts as unclean (a snapshot
+    /// from a clean peer repairs it then): eight asks.
+    pub fn fill_timeout(&self) -> Duration {
+        8 * self.fill_interval()
     }
 
     /// The subject digests are published on.

@@ -152,6 +152,23 @@ label_values!(
     }
 );
 
+label_values!(
+    /// What became of a KV-event message this replica lost.
+    LostOutcome {
+        /// A peer handed it over; applied in its place.
+        Filled => "filled",
+        /// No peer had it in time: the cache is unclean until a snapshot repairs it.
+        Unfilled => "unfilled",
+    }
+);
+
+/// `{outcome}` of `kvroute_replica_lost_messages_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct LostLabel {
+    /// What became of them.
+    pub outcome: LostOutcome,
+}
+
 /// `{kind}` of `kvroute_replica_repairs_total`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct RepairLabel {
@@ -327,6 +344,8 @@ pub struct Metrics {
     pub replica_divergence_seconds: Histogram,
     /// Repairs of caches, by kind.
     pub replica_repairs: Family<RepairLabel, Counter>,
+    /// KV-event messages lost here, filled in by a peer or not.
+    pub replica_lost_messages: Family<LostLabel, Counter>,
     /// Snapshot bytes sent to and received from peers.
     pub replica_snapshot_bytes: Family<DirectionLabel, Counter>,
     /// Tests only: KV-event messages dropped by `[replicas] test_drop_events`.
@@ -374,6 +393,7 @@ impl Default for Metrics {
                 &[0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0],
             ),
             replica_repairs: family(&mut r, "replica_repairs", "Caches repaired, by kind: peer_snapshot, refused"),
+            replica_lost_messages: family(&mut r, "replica_lost_messages", "KV-event messages lost on the way to this replica, by outcome: filled (a peer handed it over), unfilled"),
             replica_snapshot_bytes: family(&mut r, "replica_snapshot_bytes", "Snapshot bytes exchanged with peers, by direction"),
             test_dropped_events: counter(&mut r, "test_dropped_events", "Tests only: KV-event messages dropped on purpose"),
             registry: r,

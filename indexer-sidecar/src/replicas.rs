@@ -18,8 +18,7 @@ pub struct Digests {
     pub caches: Vec<CacheReport>,
 }
 
-/// A cache, as replicas name it: the worker's address and the rank.
-pub type CacheKey = (String, u32);
+pub use crate::core::digest::CacheKey;
 
 #[derive(Debug)]
 struct Peer {
@@ -44,6 +43,31 @@ pub struct SnapshotRequest {
     pub rank: u32,
     /// The first entry wanted.
     pub offset: usize,
+}
+
+/// A replica asking its peers for KV-event messages it lost (`kvroute.replicas.<group>.fill`,
+/// answered on the request's reply subject by every peer that applied some of them).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FillRequest {
+    /// The asking replica (its own request comes back to it too).
+    pub replica: String,
+    /// The worker's address.
+    pub worker: String,
+    /// The rank.
+    pub rank: u32,
+    /// The messages' sequence numbers.
+    pub seqs: Vec<u64>,
+}
+
+/// A peer's copies of lost messages.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FillReply {
+    /// The worker's address.
+    pub worker: String,
+    /// The rank.
+    pub rank: u32,
+    /// (sequence number, events) of each message the peer has.
+    pub messages: Vec<(u64, Vec<crate::core::event::KvEvent>)>,
 }
 
 /// One chunk of a snapshot.

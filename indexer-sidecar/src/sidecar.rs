@@ -45,9 +45,9 @@ use crate::core::{Core, Delivery, Forgot, Happened, Input, Rejected, Target, Tic
 use crate::event_plane::{Activity, Alarm, EventPlane};
 use crate::metrics::{
     AgreementLabel, AgreementValue, AlarmLabels, EventLabels, EventType, HintLabels, HintResult,
-    Metrics, PublisherLabel, RejectLabels, RejectReason, RepairKind, RepairLabel, RoleLabels,
-    RoleValue, SequenceKind, SequenceLabels, SourceLabel, TicketHow, TicketLabel, Transport,
-    WorkerLabel,
+    LostLabel, LostOutcome, Metrics, PublisherLabel, RejectLabels, RejectReason, RepairKind,
+    RepairLabel, RoleLabels, RoleValue, SequenceKind, SequenceLabels, SourceLabel, TicketHow,
+    TicketLabel, Transport, WorkerLabel,
 };
 use crate::replicas::{Digests, Replicas};
 
@@ -355,7 +355,7 @@ impl Sidecar {
                 Verdict::Gap { from, to } => {
                     sequence(&worker.address, SequenceKind::Gap);
                     if *delivery == Delivery::Live {
-                        tracing::warn!(worker = %worker.address, %subject, from, to, "event sequence gap: events lost and not replayable here; a few entries may be stale until evicted");
+                        tracing::warn!(worker = %worker.address, %subject, from, to, "event sequence gap: events lost on the way here; asked of peer replicas when [replicas] is set, else a few entries may be stale until evicted");
                     }
                 }
                 Verdict::Restarted => {
@@ -450,6 +450,30 @@ impl Sidecar {
                 } else {
                     tracing::warn!(%worker, rank, blocks, "peer snapshot refused: the events since it are no longer kept here (or the worker is unknown); asking again later");
                 }
+            }
+            Happened::Filled {
+                worker,
+                rank,
+                messages,
+            } => {
+                m.replica_lost_messages
+                    .get_or_create(&LostLabel {
+                        outcome: LostOutcome::Filled,
+                    })
+                    .inc_by(*messages as u64);
+                tracing::debug!(worker = %worker.address, rank, messages, "lost messages filled in from a peer");
+            }
+            Happened::Unfilled {
+                worker,
+                rank,
+                messages,
+            } => {
+                m.replica_lost_messages
+                    .get_or_create(&LostLabel {
+                        outcome: LostOutcome::Unfilled,
+                    })
+                    .inc_by(*messages as u64);
+                tracing::warn!(worker = %worker.address, rank, messages, "lost KV-event messages no peer handed over in time: the cache is unclean until a clean peer's snapshot repairs it");
             }
             Happened::UnknownPublisher { name } => {
                 // Names come from the network: past the plane's bound they fold into one series.

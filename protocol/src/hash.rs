@@ -13,7 +13,9 @@ use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 pub const BASE_SEED: u64 = 1337;
 
 /// Hash of one block's token ids alone (Dynamo's `LocalBlockHash` / `tokens_hash`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 pub struct LocalBlockHash(pub u64);
 
 /// Hash of a block and every block before it (Dynamo's `SequenceHash`); the index key.

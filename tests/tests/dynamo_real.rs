@@ -298,8 +298,13 @@ async fn a_replica_that_lost_real_dynamo_events_is_repaired_from_its_peer() {
         Duration::from_secs(15),
         || async {
             let (ta, tb) = (metrics(a.clone()).await, metrics(b.clone()).await);
-            let repaired =
-                metric(&tb, "kvroute_replica_repairs_total{kind=\"peer_snapshot\"}") >= Some(1.0);
+            // From the peer's snapshot, or its copies of the lost messages.
+            let repaired = metric(&tb, "kvroute_replica_repairs_total{kind=\"peer_snapshot\"}")
+                >= Some(1.0)
+                || metric(
+                    &tb,
+                    "kvroute_replica_lost_messages_total{outcome=\"filled\"}",
+                ) >= Some(1.0);
             let agree = [&ta, &tb].iter().all(|t| {
                 metric(t, "kvroute_replica_caches{state=\"divergent\"}") == Some(0.0)
                     && metric(t, "kvroute_replica_caches{state=\"agree\"}") >= Some(1.0)
@@ -315,8 +320,12 @@ async fn a_replica_that_lost_real_dynamo_events_is_repaired_from_its_peer() {
     let dropped = metric(&tb, "kvroute_test_dropped_events_total").unwrap_or(0.0);
     assert!(dropped > 0.0, "b lost no event: {tb}");
     eprintln!(
-        "b dropped {dropped} events; repairs {:?}; blocks {:?}",
+        "b dropped {dropped} events; snapshots {:?}, messages filled {:?}; blocks {:?}",
         metric(&tb, "kvroute_replica_repairs_total{kind=\"peer_snapshot\"}"),
+        metric(
+            &tb,
+            "kvroute_replica_lost_messages_total{outcome=\"filled\"}"
+        ),
         blocks(&ta)
     );
 }

@@ -272,6 +272,80 @@ async fn replicas_find_lost_events_within_an_interval_and_repair_them() {
 
 /// The NATS server restarts: both replicas reconnect, resubscribe to the events and to each
 /// other, and agree again on what arrives after; neither process dies.
+/// Both replicas lose a tenth of the events, different ones: each hands the other what it
+/// lost (`kvroute.replicas.<group>.fill`), so both end with every event, clean and agreeing,
+/// without a lossless peer to take a snapshot from.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_that_all_lose_events_fill_each_others_gaps() {
+    let dir = paths::run_dir("replicas-all-lossy").unwrap();
+    let nats_port = free_port().unwrap();
+    let _nats = nats_server(&dir, nats_port);
+    let (_a, a) = sidecar(&dir, "a", nats_port, 0.1);
+    let (_b, b) = sidecar(&dir, "b", nats_port, 0.1);
+    wait_subscribed(&dir.join("a")).await;
+    wait_subscribed(&dir.join("b")).await;
+    let client = async_nats::connect(format!("nats://127.0.0.1:{nats_port}"))
+        .await
+        .unwrap();
+    let http = reqwest::Client::new();
+    // As an engine publishes: bursts, not one block of 300.
+    for from in (1..301).step_by(10) {
+        publish(&client, from, from + 10).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // One last event after a pause, so that a loss among the last ones shows as a gap.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    publish(&client, 301, 302).await;
+    let lost = |text: &str, outcome: &str| {
+        metric(
+            text,
+            &format!("kvroute_replica_lost_messages_total{{outcome=\"{outcome}\"}}"),
+        )
+        .unwrap_or(0.0)
+    };
+    // Every message lost is accounted for: filled in by the peer, or (lost by both, which a
+    // tenth each makes about 3 of 301) given up on after the fill timeout.
+    let settled = |text: &str| {
+        let dropped = metric(text, "kvroute_test_dropped_events_total").unwrap_or(0.0);
+        dropped >= 10.0
+            && lost(text, "filled") + lost(text, "unfilled") == dropped
+            && metric(text, "kvroute_replica_caches{state=\"agree\"}") == Some(1.0)
+    };
+    for base in [&a, &b] {
+        wait_metrics(
+            &http,
+            base,
+            "every lost event filled in or given up on, the replicas agreeing",
+            Duration::from_millis(6 * INTERVAL_MS),
+            settled,
+        )
+        .await;
+    }
+    let (ta, tb) = (metrics(&http, &a).await, metrics(&http, &b).await);
+    let (unfilled_a, unfilled_b) = (lost(&ta, "unfilled"), lost(&tb, "unfilled"));
+    assert_eq!(unfilled_a, unfilled_b, "only messages both lost stay lost");
+    assert!(
+        lost(&ta, "filled") >= 10.0 && lost(&tb, "filled") >= 10.0,
+        "{ta}\n{tb}"
+    );
+    for text in [&ta, &tb] {
+        assert_eq!(index_blocks(text), Some(301.0 - unfilled_a), "{text}");
+        assert_eq!(
+            metric(
+                text,
+                "kvroute_replica_repairs_total{kind=\"peer_snapshot\"}"
+            ),
+            None,
+            "no snapshot was needed"
+        );
+    }
+    eprintln!(
+        "filled {} and {}, lost by both {unfilled_a}",
+        lost(&ta, "filled"),
+        lost(&tb, "filled")
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_agree_again_after_nats_restarts() {
     let dir = paths::run_dir("replicas-nats-restart").unwrap();
@@ -332,7 +406,8 @@ async fn replicas_agree_again_after_nats_restarts() {
 
 /// vLLM engines (simulated, over real ZMQ with replay sockets): a second sidecar that loses a
 /// tenth of the messages, replayed copies included (what its engines' replay cannot give it,
-/// as with a replay buffer too short), is repaired from its peer's snapshots: both end with the
+/// as with a replay buffer too short), is repaired from its peer (its copies of the lost
+/// messages, or its snapshots): both end with the
 /// same blocks per worker and name the same first worker for the prompts sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_losing_vllm_messages_is_repaired_from_its_peer() {
@@ -360,8 +435,13 @@ async fn a_replica_losing_vllm_messages_is_repaired_from_its_peer() {
         Duration::from_secs(20),
         || async move {
             let (ta, tb) = (metrics(http, a_ref).await, metrics(http, b_ref).await);
-            let repaired =
-                metric(&tb, "kvroute_replica_repairs_total{kind=\"peer_snapshot\"}") >= Some(1.0);
+            // From the peer's snapshot, or its copies of the lost messages.
+            let repaired = metric(&tb, "kvroute_replica_repairs_total{kind=\"peer_snapshot\"}")
+                >= Some(1.0)
+                || metric(
+                    &tb,
+                    "kvroute_replica_lost_messages_total{outcome=\"filled\"}",
+                ) >= Some(1.0);
             let agree = [&ta, &tb]
                 .iter()
                 .all(|t| metric(t, "kvroute_replica_caches{state=\"divergent\"}") == Some(0.0));

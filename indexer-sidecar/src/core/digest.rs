@@ -1,12 +1,14 @@
 //! What replicas compare and repair with: for each cache (worker × data-parallel rank), its
 //! block count and an order-independent digest of its blocks
 //! ([`crate::core::index::entry_digest`]) after each message applied, the last few kept as
-//! checkpoints; the last messages' events themselves, to re-apply on top of a peer's snapshot;
-//! and whether the cache is *clean* — every event of its stream applied since a known state.
-//! Two replicas compare *at the same cursor*, so events still in flight to one of them never
-//! read as a divergence.
+//! checkpoints; the last messages' events themselves, to re-apply on top of a peer's snapshot
+//! and to hand a peer that lost them; the messages this replica lost, until a peer hands them
+//! over; and whether the cache is *clean* — every event of its stream applied since a known
+//! state. Two replicas compare *at the same cursor*, so events still in flight to one of them
+//! never read as a divergence.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -20,6 +22,9 @@ pub const RECENT: usize = 256;
 /// Checkpoints kept per cache: at a few hundred messages per second a peer's digest, published
 /// every couple of seconds, is far older than this many messages only when it is stale anyway.
 pub const CHECKPOINTS: usize = 64;
+
+/// A cache, as replicas name it: the worker's address and the rank.
+pub type CacheKey = (String, u32);
 
 /// A cache's state just after the message numbered `seq` was applied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -59,15 +64,19 @@ pub struct Snapshot {
 #[derive(Debug, Clone, Default)]
 pub struct CacheLog {
     checkpoints: VecDeque<Checkpoint>,
+    /// Messages applied, by sequence number (a message a peer filled in goes in its place).
     recent: VecDeque<(u64, Vec<KvEvent>)>,
-    /// Every event of its stream applied since a known state: the stream's first message, an
-    /// engine restart (an empty cache), a filled gap, a clean peer's snapshot.
+    /// Messages lost on the way here that a peer may still hand over, and since when.
+    missing: BTreeMap<u64, Instant>,
+    /// No event lost for good since a known state: the stream's first message, an engine
+    /// restart (an empty cache), a clean peer's snapshot. Clean once `missing` is filled too.
     pub clean: bool,
 }
 
 impl CacheLog {
-    /// Record message `seq`, its events and the state after it.
-    pub fn push(&mut self, seq: u64, events: Vec<KvEvent>, blocks: usize, digest: u64) {
+    /// Record message `seq`, its events and the state after it. How many lost messages can
+    /// no longer be filled in (the oldest message after them is no longer kept).
+    pub fn push(&mut self, seq: u64, events: Vec<KvEvent>, blocks: usize, digest: u64) -> usize {
         if self.checkpoints.len() == CHECKPOINTS {
             self.checkpoints.pop_front();
         }
@@ -76,10 +85,110 @@ impl CacheLog {
             blocks: blocks as u64,
             digest,
         });
+        let mut given_up = 0;
         if self.recent.len() == RECENT {
-            self.recent.pop_front();
+            // A lost message is filled in by re-applying every message after it: once one of
+            // those is no longer kept, it cannot be.
+            if let Some((gone, _)) = self.recent.pop_front() {
+                if self.missing.keys().next().is_some_and(|&s| s < gone) {
+                    let before = self.missing.len();
+                    self.missing.retain(|&s, _| s > gone);
+                    self.clean = false;
+                    given_up = before - self.missing.len();
+                }
+            }
         }
         self.recent.push_back((seq, events));
+        given_up
+    }
+
+    /// Whether every event of the stream since a known state is applied.
+    pub fn is_clean(&self) -> bool {
+        self.clean && self.missing.is_empty()
+    }
+
+    /// Messages `from..to` did not arrive: peers are asked for them. More than the log could
+    /// re-apply are lost for good.
+    pub fn lost(&mut self, from: u64, to: u64, now: Instant) {
+        let n = usize::try_from(to.saturating_sub(from)).unwrap_or(usize::MAX);
+        if n.saturating_add(self.missing.len()) > RECENT {
+            self.missing.clear();
+            self.clean = false;
+            return;
+        }
+        for seq in from..to {
+            self.missing.entry(seq).or_insert(now);
+        }
+    }
+
+    /// Lost messages to ask peers for: those missing for at least `age` (a peer a little
+    /// behind has not received them yet).
+    pub fn wanted(&self, now: Instant, age: Duration) -> Vec<u64> {
+        self.missing
+            .iter()
+            .filter(|(_, since)| now.saturating_duration_since(**since) >= age)
+            .map(|(seq, _)| *seq)
+            .collect()
+    }
+
+    /// Give up on messages missing for `timeout`: the cache is unclean until a snapshot.
+    /// How many.
+    pub fn give_up(&mut self, now: Instant, timeout: Duration) -> usize {
+        let before = self.missing.len();
+        self.missing
+            .retain(|_, since| now.saturating_duration_since(*since) < timeout);
+        let gone = before - self.missing.len();
+        if gone > 0 {
+            self.clean = false;
+        }
+        gone
+    }
+
+    /// The events of message `seq`, when it was applied here.
+    pub fn message(&self, seq: u64) -> Option<&[KvEvent]> {
+        let i = self.recent.binary_search_by_key(&seq, |(s, _)| *s).ok()?;
+        Some(&self.recent[i].1)
+    }
+
+    /// A peer handed over lost messages: those still missing take their place in the log.
+    /// The earliest taken, from which the caller re-applies ([`CacheLog::events_from`]).
+    pub fn fill(&mut self, messages: &[(u64, Vec<KvEvent>)]) -> Option<u64> {
+        let mut earliest = None;
+        for (seq, events) in messages {
+            if self.missing.remove(seq).is_none() {
+                continue;
+            }
+            if let Err(i) = self.recent.binary_search_by_key(seq, |(s, _)| *s) {
+                self.recent.insert(i, (*seq, events.clone()));
+            }
+            earliest = Some(earliest.map_or(*seq, |e: u64| e.min(*seq)));
+        }
+        earliest
+    }
+
+    /// The events of the messages from `seq` on, in order. Applying them again on top of the
+    /// cache gives the state of having applied them in order: each event sets a block's
+    /// presence (or clears all), so the last one touching a block decides it either way.
+    pub fn events_from(&self, seq: u64) -> Vec<KvEvent> {
+        self.recent
+            .iter()
+            .filter(|(s, _)| *s >= seq)
+            .flat_map(|(_, events)| events.iter().cloned())
+            .collect()
+    }
+
+    /// The cache changed under its checkpoints (lost messages filled in): they start over at
+    /// its last message.
+    pub fn recheckpoint(&mut self, blocks: usize, digest: u64) {
+        let Some(seq) = self.recent.back().map(|(s, _)| *s) else {
+            return;
+        };
+        self.checkpoints.clear();
+        self.checkpoints.push_back(Checkpoint {
+            seq,
+            blocks: blocks as u64,
+            digest,
+        });
     }
 
     /// The checkpoints, oldest first.
@@ -88,8 +197,9 @@ impl CacheLog {
     }
 
     /// The events of the messages after `seq`, in order, and whether those messages follow
-    /// each other from `seq + 1` without a gap; `None` when the log does not reach back to
-    /// `seq` (some were applied but are no longer kept).
+    /// each other from `seq + 1` without a gap other than messages still asked of peers;
+    /// `None` when the log does not reach back to `seq` (some were applied but are no longer
+    /// kept).
     pub fn after(&self, seq: u64) -> Option<(Vec<KvEvent>, bool)> {
         let last = self.recent.back().map_or(seq, |(s, _)| *s);
         if last <= seq {
@@ -103,17 +213,18 @@ impl CacheLog {
         let mut contiguous = true;
         let mut events = Vec::new();
         for (s, batch) in self.recent.iter().filter(|(s, _)| *s > seq) {
-            contiguous &= *s == expected;
+            contiguous &= (expected..*s).all(|m| self.missing.contains_key(&m));
             expected = s.wrapping_add(1);
             events.extend(batch.iter().cloned());
         }
         Some((events, contiguous))
     }
 
-    /// Start over from a snapshot at `seq` (the events after it are re-applied by the caller).
+    /// Start over from a snapshot at `seq` (the events after it are re-applied by the caller):
+    /// messages lost up to it are in it. The messages kept stay, to hand to peers.
     pub fn restart_at(&mut self, seq: u64, blocks: usize, digest: u64) {
         self.checkpoints.clear();
-        self.recent.clear();
+        self.missing.retain(|&s, _| s > seq);
         self.checkpoints.push_back(Checkpoint {
             seq,
             blocks: blocks as u64,
@@ -210,5 +321,51 @@ mod tests {
         }
         assert_eq!(gappy.after(1).map(|(_, c)| c), Some(false), "3 is missing");
         assert_eq!(gappy.after(3).map(|(_, c)| c), Some(true));
+    }
+
+    #[test]
+    fn lost_messages_wait_for_peers_within_bounds() {
+        let t0 = Instant::now();
+        let later = t0 + Duration::from_secs(1);
+        let mut log = CacheLog {
+            clean: true,
+            ..CacheLog::default()
+        };
+        log.push(0, vec![], 0, 0);
+        log.lost(1, 3, t0);
+        log.push(3, vec![], 0, 0);
+        assert!(!log.is_clean() && log.clean);
+        assert_eq!(
+            log.wanted(t0, Duration::from_millis(100)),
+            Vec::<u64>::new()
+        );
+        assert_eq!(log.wanted(later, Duration::from_millis(100)), vec![1, 2]);
+        assert_eq!(log.after(0).map(|(_, c)| c), Some(true), "asked of peers");
+        assert_eq!(
+            log.fill(&[(2, vec![]), (7, vec![])]),
+            Some(2),
+            "7 was not lost"
+        );
+        assert_eq!(log.message(2), Some(&[][..]));
+        assert_eq!(log.give_up(later, Duration::from_secs(1)), 1);
+        assert!(!log.clean, "message 1 is lost for good");
+        // More than the log could re-apply is lost at once.
+        let mut big = CacheLog {
+            clean: true,
+            ..CacheLog::default()
+        };
+        big.lost(1, 2 + RECENT as u64, t0);
+        assert!(big.wanted(later, Duration::ZERO).is_empty() && !big.clean);
+        // A lost message is given up once a message after it is no longer kept.
+        let mut old = CacheLog {
+            clean: true,
+            ..CacheLog::default()
+        };
+        old.lost(0, 1, t0);
+        let given_up: usize = (1..=RECENT as u64 + 1)
+            .map(|seq| old.push(seq, vec![], 0, 0))
+            .sum();
+        assert_eq!(given_up, 1);
+        assert!(!old.clean);
     }
 }

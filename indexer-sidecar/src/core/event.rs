@@ -4,13 +4,14 @@ use kvroute_protocol::dynamo::{KvCacheEventData, RouterEvent};
 use kvroute_protocol::hash::local_block_hash;
 use kvroute_protocol::vllm::VllmEvent;
 use kvroute_protocol::{HashSeed, LocalBlockHash};
+use serde::{Deserialize, Serialize};
 
 /// The engine's own hash of a block (with its prefix); only meaningful to that engine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct EngineHash(pub u64);
 
 /// A stored block: the engine's name for it and the hash of its tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StoredBlock {
     /// What later events call this block.
     pub engine_hash: EngineHash,
@@ -18,8 +19,9 @@ pub struct StoredBlock {
     pub local_hash: LocalBlockHash,
 }
 
-/// What happened to one cache (one worker's one data-parallel rank).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What happened to one cache (one worker's one data-parallel rank). Replicas hand each other
+/// lost messages as these (serialized).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum KvEventKind {
     /// Blocks stored in sequence order after `parent`.
     Stored {
@@ -60,7 +62,7 @@ impl KvEventKind {
 }
 
 /// A cache event attributed to a data-parallel rank of a worker.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KvEvent {
     /// Data-parallel rank: each rank has its own cache.
     pub dp_rank: u32,

@@ -200,6 +200,16 @@ pub enum Input<'a> {
         /// The cache.
         snapshot: &'a digest::Snapshot,
     },
+    /// Messages of a cache (the worker's address and rank) that this replica lost, as a peer
+    /// applied them: (sequence number, events).
+    Fill {
+        /// The worker's address.
+        worker: &'a str,
+        /// The rank.
+        rank: u32,
+        /// The messages.
+        messages: &'a [(u64, Vec<KvEvent>)],
+    },
     /// Time passed: tickets past their lifetime expire, whether or not their worker is ever
     /// scraped (a lost finished-report must not load a worker forever).
     Tick,
@@ -361,6 +371,25 @@ pub enum Happened {
         /// Blocks in the snapshot.
         blocks: usize,
     },
+    /// Messages this replica lost, handed over by a peer and applied in their place.
+    Filled {
+        /// The worker.
+        worker: Name,
+        /// The rank.
+        rank: u32,
+        /// Messages filled in.
+        messages: usize,
+    },
+    /// Lost messages no peer handed over in time: the cache is unclean until a clean peer's
+    /// snapshot repairs it.
+    Unfilled {
+        /// The worker.
+        worker: Name,
+        /// The rank.
+        rank: u32,
+        /// Messages given up on.
+        messages: usize,
+    },
     /// A message from a publisher no configured or discovered worker is.
     UnknownPublisher {
         /// How it named itself.
@@ -458,6 +487,8 @@ pub struct Core {
     last_hint: Option<Instant>,
     /// When the last hint request arrived, hinted or not.
     last_request: Option<Instant>,
+    /// How long a lost message is waited for from peers ([`crate::config::ReplicasConfig`]).
+    fill_timeout: Duration,
 }
 
 impl Core {
@@ -486,6 +517,10 @@ impl Core {
             next_ticket: 1,
             last_hint: None,
             last_request: None,
+            fill_timeout: config
+                .replicas
+                .as_ref()
+                .map_or(Duration::ZERO, |r| r.fill_timeout()),
         }
     }
 
@@ -579,7 +614,15 @@ impl Core {
                     blocks: snapshot.entries.len(),
                 });
             }
-            Input::Tick => self.expire(now, &mut out),
+            Input::Fill {
+                worker,
+                rank,
+                messages,
+            } => self.fill(worker, rank, messages, &mut out),
+            Input::Tick => {
+                self.expire(now, &mut out);
+                self.give_up(now, &mut out);
+            }
         }
         out
     }
@@ -736,14 +779,32 @@ impl Core {
         if let Some(w) = self.fleet.get_mut(id) {
             let log = w.logs.entry(m.stream).or_default();
             // Clean from a known state on: the stream's first message, or an engine that
-            // restarted (empty); a live gap nobody filled makes it unclean.
+            // restarted (empty); a live gap is asked of peers, unclean until they fill it.
             match verdict {
-                Verdict::First => log.clean = m.seq <= 1,
+                Verdict::First => {
+                    // A stream's first message is Dynamo's `event_id` 1, vLLM's `seq` 0: a
+                    // later first message follows lost ones.
+                    let start = match m.body {
+                        Body::Dynamo(_) => 1,
+                        Body::Vllm(_) => 0,
+                    };
+                    log.clean = true;
+                    if m.seq > start {
+                        log.lost(start, m.seq, now);
+                    }
+                }
                 Verdict::Restarted => log.clean = true,
-                Verdict::Gap { .. } => log.clean = false,
+                Verdict::Gap { from, to } => log.lost(from, to, now),
                 Verdict::Next | Verdict::Duplicate => {}
             }
-            log.push(m.seq, events, held, digest);
+            let given_up = log.push(m.seq, events, held, digest);
+            if given_up > 0 {
+                out.push(Happened::Unfilled {
+                    worker: name.clone(),
+                    rank: m.stream,
+                    messages: given_up,
+                });
+            }
         }
         let blocks = index.map_or(0, |i| i.blocks_of(id));
         out.push(Happened::Holds {
@@ -760,7 +821,7 @@ impl Core {
                 w.logs.iter().map(|(&rank, log)| digest::CacheReport {
                     worker: w.address.to_string(),
                     rank,
-                    clean: log.clean,
+                    clean: log.is_clean(),
                     checkpoints: log.checkpoints(),
                 })
             })
@@ -845,6 +906,109 @@ impl Core {
             blocks,
         });
         true
+    }
+
+    /// Lost messages of every cache to ask peers for: missing for at least `age`.
+    pub fn wanted(&self, now: Instant, age: Duration) -> Vec<(digest::CacheKey, Vec<u64>)> {
+        self.fleet
+            .iter()
+            .flat_map(|w| {
+                w.logs.iter().filter_map(move |(&rank, log)| {
+                    let seqs = log.wanted(now, age);
+                    (!seqs.is_empty()).then(|| ((w.address.to_string(), rank), seqs))
+                })
+            })
+            .collect()
+    }
+
+    /// The messages among `seqs` this replica applied to a cache, for a peer that lost them.
+    pub fn messages(&self, address: &str, rank: u32, seqs: &[u64]) -> Vec<(u64, Vec<KvEvent>)> {
+        let Some(log) = self
+            .fleet
+            .by_address(address)
+            .and_then(|w| w.logs.get(&rank))
+        else {
+            return Vec::new();
+        };
+        seqs.iter()
+            .filter_map(|&seq| Some((seq, log.message(seq)?.to_vec())))
+            .collect()
+    }
+
+    /// A peer's copies of messages this replica lost: put in their place, and every message
+    /// from the earliest one on applied again, so the cache is as if none had been lost.
+    fn fill(
+        &mut self,
+        address: &str,
+        rank: u32,
+        messages: &[(u64, Vec<KvEvent>)],
+        out: &mut Vec<Happened>,
+    ) {
+        let Some(id) = self.fleet.by_address(address).map(|w| w.id) else {
+            return;
+        };
+        let name = self.name(id);
+        let Some(w) = self.fleet.get_mut(id) else {
+            return;
+        };
+        let model = w.model.clone();
+        let Some(log) = w.logs.get_mut(&rank) else {
+            return;
+        };
+        // Events of another rank would change another cache under this one's sequence.
+        let sound: Vec<(u64, Vec<KvEvent>)> = messages
+            .iter()
+            .filter(|(_, events)| events.iter().all(|e| e.dp_rank == rank))
+            .cloned()
+            .collect();
+        let filled = sound.len();
+        let Some(from) = log.fill(&sound) else {
+            return;
+        };
+        let again = log.events_from(from);
+        for kv in &again {
+            self.apply(&name, &model, kv, out);
+        }
+        let cache = index::CacheId {
+            worker: id,
+            dp_rank: rank,
+        };
+        let index = self.indexes.get(&model);
+        let (held, digest) = index.map_or((0, 0), |i| i.cache_state(cache));
+        if let Some(log) = self.fleet.get_mut(id).and_then(|w| w.logs.get_mut(&rank)) {
+            log.recheckpoint(held, digest);
+        }
+        out.push(Happened::Filled {
+            worker: name.clone(),
+            rank,
+            messages: filled,
+        });
+        let blocks = index.map_or(0, |i| i.blocks_of(id));
+        out.push(Happened::Holds {
+            worker: name,
+            blocks,
+        });
+    }
+
+    /// Lost messages no peer handed over within the fill timeout are lost for good.
+    fn give_up(&mut self, now: Instant, out: &mut Vec<Happened>) {
+        let timeout = self.fill_timeout;
+        let mut gone = Vec::new();
+        for w in self.fleet.iter_mut() {
+            for (&rank, log) in &mut w.logs {
+                let n = log.give_up(now, timeout);
+                if n > 0 {
+                    gone.push((w.id, rank, n));
+                }
+            }
+        }
+        for (id, rank, messages) in gone {
+            out.push(Happened::Unfilled {
+                worker: self.name(id),
+                rank,
+                messages,
+            });
+        }
     }
 
     fn apply(&mut self, worker: &Name, model: &str, event: &KvEvent, out: &mut Vec<Happened>) {

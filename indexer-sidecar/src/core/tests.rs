@@ -722,3 +722,67 @@ fn a_peer_snapshot_repairs_a_cache_that_lost_events() {
     assert!(report(&lossy).clean);
     assert_eq!(blocks(&lossy), 12);
 }
+
+/// A replica that lost a message takes a peer's copy of it: applied in its place, with every
+/// later message applied again (the lost message stored blocks a later one removed: applied
+/// late alone, they would come back). Nobody handing it over makes the cache unclean.
+#[test]
+fn a_lost_message_filled_by_a_peer_is_applied_in_its_place() {
+    let (mut clean, mut lossy, mut alone) = (vllm_core(), vllm_core(), vllm_core());
+    let removed = EventBatch {
+        events: vec![VllmEvent::BlockRemoved {
+            block_hashes: vec![EngineBlockHash(10), EngineBlockHash(11)],
+            medium: None,
+        }],
+        ..EventBatch::default()
+    };
+    let stream = [
+        store(None, 0, 2),
+        store(Some(1), 10, 2),
+        removed,
+        store(Some(1), 20, 3),
+    ];
+    for (seq, b) in stream.iter().enumerate() {
+        vllm(&mut clean, seq as u64, Delivery::Live, b);
+        if seq != 1 {
+            vllm(&mut lossy, seq as u64, Delivery::Live, b);
+            vllm(&mut alone, seq as u64, Delivery::Live, b);
+        }
+    }
+    let report = |core: &Core| core.reports().pop().unwrap();
+    assert!(!report(&lossy).clean, "message 1 is missing");
+    let now = Instant::now();
+    assert_eq!(
+        lossy.wanted(now, Duration::ZERO),
+        vec![(("127.0.0.1:9000".to_owned(), 0), vec![1])]
+    );
+    let copies = clean.messages("127.0.0.1:9000", 0, &[1, 9]);
+    assert_eq!(copies.len(), 1, "only message 1 is known to the peer");
+    let happened = lossy.ingest(
+        Input::Fill {
+            worker: "127.0.0.1:9000",
+            rank: 0,
+            messages: &copies,
+        },
+        now,
+    );
+    assert!(happened
+        .iter()
+        .any(|h| matches!(h, Happened::Filled { messages: 1, .. })));
+    assert_eq!(
+        report(&lossy).checkpoints.last(),
+        report(&clean).checkpoints.last()
+    );
+    assert!(report(&lossy).clean);
+    assert_eq!(blocks(&lossy), blocks(&clean));
+    assert!(lossy.wanted(now, Duration::ZERO).is_empty());
+    // The filled message is handed on to a third replica that lost it too.
+    assert_eq!(lossy.messages("127.0.0.1:9000", 0, &[1]), copies);
+    // Without a replica plane a lost message is given up on at the next tick.
+    let happened = alone.ingest(Input::Tick, now);
+    assert!(happened
+        .iter()
+        .any(|h| matches!(h, Happened::Unfilled { messages: 1, .. })));
+    assert!(!report(&alone).clean);
+    assert!(alone.wanted(now, Duration::ZERO).is_empty());
+}

@@ -3,6 +3,10 @@
 //! each other by the subject alone; nothing is configured per peer. A cache of ours that is
 //! divergent and unclean is repaired from a clean peer's snapshot, asked for on
 //! `kvroute.replicas.<group>.snapshot.<peer>` (NATS request/reply, in chunks of one snapshot).
+//! KV-event messages lost on the way here (a gap in a stream) are asked of every peer at once
+//! on `kvroute.replicas.<group>.fill`; each peer that applied some of them sends its copies to
+//! the asker's `kvroute.replicas.<group>.filled.<asker>`. With every replica losing a few
+//! messages of its own, that keeps them all clean: no snapshot is needed.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -16,7 +20,7 @@ use crate::core::digest::Snapshot;
 use crate::core::event::EngineHash;
 use crate::core::Input;
 use crate::metrics::{Direction, DirectionLabel};
-use crate::replicas::{CacheKey, Digests, SnapshotChunk, SnapshotRequest};
+use crate::replicas::{CacheKey, Digests, FillReply, FillRequest, SnapshotChunk, SnapshotRequest};
 use crate::sidecar::Sidecar;
 use kvroute_protocol::PrefixHash;
 
@@ -32,6 +36,10 @@ const CHUNK_TIMEOUT: Duration = Duration::from_secs(5);
 /// Bytes of checkpoints a digests message may carry (about 70 each as JSON): NATS's default
 /// `max_payload` is 1 MiB.
 const DIGESTS_BUDGET: usize = 512 << 10;
+
+/// Messages a fill reply carries at most (a request asks for at most
+/// [`crate::core::digest::RECENT`]; the rest is asked again on the next round).
+const FILL_MESSAGES: usize = 64;
 
 /// Keep each cache's newest checkpoints, as many as fit the budget for all of them (at least
 /// 4: a peer needs a few to find a message in common).
@@ -79,6 +87,18 @@ pub async fn run(
         .subscribe(format!("{snapshots}.{me}"))
         .await
         .context("replica plane: subscribing to snapshot requests")?;
+    let fills = format!("kvroute.replicas.{}.fill", config.group);
+    let mut fill_asks = client
+        .subscribe(fills.clone())
+        .await
+        .context("replica plane: subscribing to fill requests")?;
+    let filled_subject = format!("kvroute.replicas.{}.filled.{me}", config.group);
+    let mut filled = client
+        .subscribe(filled_subject.clone())
+        .await
+        .context("replica plane: subscribing to fill replies")?;
+    let mut fill_tick = tokio::time::interval(config.fill_interval());
+    fill_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut taken: HashMap<CacheKey, (Instant, Arc<Snapshot>)> = HashMap::new();
     tracing::info!(replica = %me, %subject, nats = %shown, "replica plane: publishing and comparing digests");
     let mut tick = tokio::time::interval(Duration::from_millis(config.interval_ms));
@@ -98,6 +118,9 @@ pub async fn run(
                     Err(e) => tracing::warn!(error = %e, "replica plane: cannot encode digests"),
                 }
                 state.replica_gauges(Instant::now());
+                if !config.reconcile {
+                    continue;
+                }
                 let repairs = state.replicas().repairs(&mine, Instant::now());
                 for (peer, cache) in repairs {
                     if state.core().fleet().by_address(&cache.0).is_none() {
@@ -121,6 +144,45 @@ pub async fn run(
                         }
                         state.replicas().repaired(&cache);
                     });
+                }
+            }
+            _ = fill_tick.tick(), if config.reconcile => {
+                // Lost a fill interval ago: a peer a little behind has them by now.
+                let wanted = state.core().wanted(Instant::now(), config.fill_interval());
+                for ((worker, rank), seqs) in wanted {
+                    let ask = FillRequest { replica: me.clone(), worker, rank, seqs };
+                    let Ok(body) = serde_json::to_vec(&ask) else { continue };
+                    if let Err(e) = client.publish_with_reply(fills.clone(), filled_subject.clone(), body.into()).await {
+                        tracing::warn!(error = %e, "replica plane: cannot ask peers for lost messages");
+                    }
+                }
+            }
+            ask = fill_asks.next() => {
+                let Some(ask) = ask else {
+                    anyhow::bail!("replica plane: fill subscription ended");
+                };
+                let Some(reply) = ask.reply.clone() else {
+                    continue;
+                };
+                if let Some(body) = fill_answer(&ask.payload, &me, &state) {
+                    if let Err(e) = client.publish(reply, body.into()).await {
+                        tracing::warn!(error = %e, "replica plane: cannot hand lost messages to a peer");
+                    }
+                }
+            }
+            reply = filled.next() => {
+                let Some(reply) = reply else {
+                    anyhow::bail!("replica plane: fill reply subscription ended");
+                };
+                if reply.payload.len() > MAX_MESSAGE {
+                    continue;
+                }
+                match serde_json::from_slice::<FillReply>(&reply.payload) {
+                    Ok(f) => {
+                        let input = Input::Fill { worker: &f.worker, rank: f.rank, messages: &f.messages };
+                        state.ingest(None, input, Instant::now());
+                    }
+                    Err(e) => tracing::warn!(error = %e, "replica plane: undecodable fill reply ignored"),
                 }
             }
             req = asked.next() => {
@@ -154,6 +216,37 @@ pub async fn run(
                 }
             }
         }
+    }
+}
+
+/// Our copies of the messages a peer lost, within a message's budget; `None` for our own
+/// request, a bad one, or messages we do not have either.
+fn fill_answer(payload: &[u8], me: &str, state: &Sidecar) -> Option<Vec<u8>> {
+    if payload.len() > MAX_MESSAGE {
+        return None;
+    }
+    let ask: FillRequest = serde_json::from_slice(payload).ok()?;
+    if ask.replica == me {
+        return None;
+    }
+    let seqs = &ask.seqs[..ask.seqs.len().min(crate::core::digest::RECENT)];
+    let mut messages = state.core().messages(&ask.worker, ask.rank, seqs);
+    messages.truncate(FILL_MESSAGES);
+    loop {
+        if messages.is_empty() {
+            return None;
+        }
+        let reply = FillReply {
+            worker: ask.worker.clone(),
+            rank: ask.rank,
+            messages,
+        };
+        let body = serde_json::to_vec(&reply).ok()?;
+        if body.len() <= DIGESTS_BUDGET {
+            return Some(body);
+        }
+        messages = reply.messages;
+        messages.truncate(messages.len() / 2);
     }
 }
 
