@@ -7,7 +7,7 @@ VENV   := .venv
 WASM   := target/wasm32-wasip1/release/kvroute_filter.wasm
 
 .PHONY: all build venv venv-peers venv-dynamo venv-vllm toolchain check test test-live lint demo clean \
-	bench-routing bench-routing-quick bench-datapath bench-dynamo bench-vllm bench-index bench-hint bench-prepare fuzz \
+	bench-routing bench-routing-quick bench-replicas bench-replicas-quick bench-datapath bench-dynamo bench-vllm bench-index bench-hint bench-prepare fuzz \
 	precision-fixtures
 
 all: build
@@ -101,6 +101,14 @@ bench-routing: venv venv-peers build
 
 bench-routing-quick: venv build
 	target/release/kvroute-bench routing --quick
+
+# 1, 2 and 4 sidecar + Envoy pairs on one fleet, each losing 0% or 10% of the KV events,
+# repairing from each other or not (target/bench/replicas.json).
+bench-replicas: venv build
+	target/release/kvroute-bench replicas
+
+bench-replicas-quick: venv build
+	target/release/kvroute-bench replicas --quick
 
 # kvroute vs Envoy's ring hash alone and round robin on 2 real vLLM engines (CPU), multi-turn
 # chat; docs/benchmarks.md, "Against real vLLM".

@@ -51,6 +51,54 @@ async fn routing_benchmark_smoke() {
     }
 }
 
+/// Two replicas that each lose a tenth of the events, then the same repairing from each other:
+/// the rows carry the documented fields, and repair brings the replicas to agree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_benchmark_smoke() {
+    use kvroute_harness::bench_replicas::{run, ReplicasBench, Scenario};
+    let out = paths::run_dir("bench-replicas-smoke").unwrap();
+    let lossy = |reconcile| Scenario {
+        replicas: 2,
+        loss: 0.1,
+        reconcile,
+    };
+    let bench = ReplicasBench {
+        engines: 2,
+        probes: 50,
+        scenarios: vec![lossy(false), lossy(true)],
+        workloads: vec!["multi_turn"],
+        ..ReplicasBench::new(Scale::Smoke)
+    };
+    run(&bench, &out).await.unwrap();
+    let text = std::fs::read_to_string(out.join("replicas.json")).unwrap();
+    let rows: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{text}");
+    for r in rows {
+        assert_eq!(r["replicas"], 2, "{r}");
+        assert_eq!(r["loss"], 0.1, "{r}");
+        assert_eq!(r["errors"], 0, "{r}");
+        for k in ["hit_rate", "agreement", "events_dropped"] {
+            assert!(r[k].as_f64().is_some(), "{k}: {r}");
+        }
+        assert!(
+            r["events_dropped"].as_f64().unwrap() >= 1.0,
+            "nothing lost: {r}"
+        );
+    }
+    let repaired = &rows[1];
+    assert_eq!(repaired["reconcile"], true);
+    assert!(
+        repaired["messages_filled"].as_f64().unwrap() >= 1.0,
+        "{repaired}"
+    );
+    assert!(
+        repaired["agreement"].as_f64().unwrap() >= 0.95,
+        "{repaired}"
+    );
+    assert!(std::fs::metadata(out.join("replicas.md")).unwrap().len() > 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn datapath_benchmark_smoke() {
     let out = paths::run_dir("bench-datapath-smoke").unwrap();

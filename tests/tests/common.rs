@@ -164,15 +164,9 @@ pub async fn ask_hint(
     base: &str,
     req: &kvroute_protocol::hint::HintRequest,
 ) -> kvroute_protocol::hint::HintResponse {
-    use kvroute_protocol::hint::{HINT_CONTENT_TYPE, HINT_PATH};
-    let resp = http
-        .post(format!("{base}{HINT_PATH}"))
-        .header("content-type", HINT_CONTENT_TYPE)
-        .body(req.encode())
-        .send()
+    kvroute_harness::bench_replicas::ask_hint(http, base, req)
         .await
-        .unwrap();
-    resp.json().await.unwrap()
+        .expect("the sidecar answers a hint")
 }
 
 /// Start `tests/fixtures/vllm_publisher.py` (libzmq via pyzmq, as vLLM publishes) replaying the

@@ -457,39 +457,17 @@ async fn a_replica_losing_vllm_messages_is_repaired_from_its_peer() {
             metrics(http, b_ref).await
         ),
     };
-    // Both name the same first worker for the prompts sent (asked directly, each ticket
-    // reported finished with the next request so their loads stay alike).
-    let bundle = kvroute_prompt::model_dir::load_bundle(
-        &kvroute_harness::paths::model_dir(),
-        kvroute_harness::stack::MODEL,
-        16,
-    )
-    .unwrap();
-    let pre = kvroute_prompt::Preprocessor::from_bundle(&bundle).unwrap();
-    let mut finished = [Vec::new(), Vec::new()];
-    let mut same = 0;
-    let probes = 60;
-    for i in 0..probes {
-        let body = common::chat(&common::text(5000 + i, 80), "hi").to_string();
-        let req = kvroute_prompt::request::LlmRequest::parse(body.as_bytes()).unwrap();
-        let hashes = pre.hashes(&req).unwrap().hashes;
-        let mut first = Vec::new();
-        for (r, base) in [&a, &b].into_iter().enumerate() {
-            let hint = kvroute_protocol::hint::HintRequest {
-                model: kvroute_harness::stack::MODEL.into(),
-                hashes: hashes.clone(),
-                finished: std::mem::take(&mut finished[r]),
-            };
-            let answer = common::ask_hint(http, base, &hint).await;
-            finished[r].extend(answer.ticket);
-            first.push(answer.workers.first().cloned());
-        }
-        same += usize::from(first[0].is_some() && first[0] == first[1]);
-    }
-    let agreement = same as f64 / probes as f64;
+    // Both name the same first worker for the prompts sent (asked directly).
+    let probes: Vec<_> = (0..60)
+        .map(|i| common::chat(&common::text(5000 + i, 80), "hi"))
+        .collect();
+    let agreement =
+        kvroute_harness::bench_replicas::agreement(http, &[a.clone(), b.clone()], &probes)
+            .await
+            .unwrap();
     assert!(
         agreement >= 0.99,
-        "replicas agree on {same} of {probes} prompts"
+        "replicas agree on {agreement:.3} of the prompts"
     );
     let gaps = kvroute_harness::prometheus::sum_where(&tb, |l| {
         l.starts_with("kvroute_sequence_total{") && l.contains("kind=\"gap\"")

@@ -46,6 +46,8 @@ pub struct Outcome {
     /// Dynamo: the (prefill, decode) worker instance ids that served it, when the request asked
     /// for them (`"nvext": {"extra_fields": ["worker_id"]}`).
     pub dynamo_workers: Option<(u64, u64)>,
+    /// [`Target::Spread`]: which of the routers it was sent to.
+    pub router: Option<usize>,
 }
 
 impl Outcome {
@@ -146,6 +148,10 @@ pub const CLIENT_START_GAP: Duration = Duration::from_micros(2500);
 pub enum Target {
     /// Through a router at this base URL (Envoy, or a peer router).
     Router(String),
+    /// Through several routers, each request to the next one in turn, as a Kubernetes Service
+    /// without session affinity spreads requests over an ingress's pods: the turns of one
+    /// conversation land on different routers.
+    Spread(Vec<String>),
     /// Straight to the engine that holds the longest prefix, asked of every engine's `/oracle`
     /// (perfect knowledge); ties rotate, as kvroute's do. The oracle's questions are not timed.
     Oracle(Vec<String>),
@@ -188,6 +194,8 @@ pub async fn run_sessions(
     progress: &ProgressBar,
 ) -> Vec<Outcome> {
     let next = Mutex::new(0usize);
+    let sent = std::sync::atomic::AtomicUsize::new(0);
+    let sent = &sent;
     let total: usize = sessions.iter().map(|s| s.bodies.len()).sum();
     let outcomes = Mutex::new(Vec::with_capacity(total));
     let (next, outcomes_ref) = (&next, &outcomes);
@@ -204,14 +212,22 @@ pub async fn run_sessions(
             };
             let session = &sessions[index];
             for body in &session.bodies {
+                let mut router = None;
                 let url = match target {
                     Target::Router(base) => format!("{base}{}", session.path),
+                    Target::Spread(bases) => {
+                        let i = sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                            % bases.len().max(1);
+                        router = Some(i);
+                        format!("{}{}", bases[i], session.path)
+                    }
                     Target::Oracle(engines) => {
                         let pick = oracle_pick(http, engines, body, index).await;
                         format!("http://{}{}", engines[pick], session.path)
                     }
                 };
-                let o = send_streaming(http, &url, body).await;
+                let mut o = send_streaming(http, &url, body).await;
+                o.router = router;
                 outcomes_ref
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())

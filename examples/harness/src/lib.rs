@@ -20,9 +20,11 @@
 //! - [`mod@bench`], [`datapath`], [`peers`], [`plot`]: the routing and data-path benchmarks.
 //! - [`bench_dynamo`]: kvroute against Dynamo's own KV router on a real Dynamo fleet.
 //! - [`bench_vllm`]: kvroute against ring hash alone and round robin on real vLLM engines.
+//! - [`bench_replicas`]: several sidecar + Envoy pairs on one fleet, lossy, repairing or not.
 
 pub mod bench;
 pub mod bench_dynamo;
+pub mod bench_replicas;
 pub mod bench_vllm;
 pub mod client;
 pub mod datapath;

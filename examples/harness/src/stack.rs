@@ -95,6 +95,32 @@ impl Default for SimOptions {
     }
 }
 
+/// Several sidecar + Envoy pairs in front of one fleet, as the pods of an ingress: each pair its
+/// own index, fed by the same events, the sidecars on one replica plane (`[replicas]`).
+#[derive(Debug, Clone)]
+pub struct ReplicaOptions {
+    /// Pairs (the stack's own is the first).
+    pub count: usize,
+    /// `[replicas] interval_ms`.
+    pub interval_ms: u64,
+    /// `[replicas] test_drop_events` of every sidecar: each loses this fraction of the KV-event
+    /// messages, different ones.
+    pub loss: f64,
+    /// `[replicas] reconcile`.
+    pub reconcile: bool,
+}
+
+/// One sidecar + Envoy pair of a stack.
+#[derive(Debug, Clone)]
+pub struct Replica {
+    /// Envoy's listener.
+    pub envoy_url: String,
+    /// Envoy's admin endpoint.
+    pub admin_url: String,
+    /// The sidecar's API.
+    pub sidecar_url: String,
+}
+
 /// What to start.
 #[derive(Debug, Clone)]
 pub struct StackOptions {
@@ -128,6 +154,8 @@ pub struct StackOptions {
     pub dynamo: Option<DynamoOptions>,
     /// Real vLLM engines instead of the simulator (`sim` is not used).
     pub vllm: Option<VllmOptions>,
+    /// More sidecar + Envoy pairs on a replica plane (kvroute mode).
+    pub replicas: Option<ReplicaOptions>,
 }
 
 impl StackOptions {
@@ -148,6 +176,7 @@ impl StackOptions {
             dynamo_frontend: false,
             dynamo: None,
             vllm: None,
+            replicas: None,
         }
     }
 
@@ -197,6 +226,9 @@ pub struct Stack {
     pub nats_url: String,
     /// HTTP client for the stack's endpoints.
     pub http: reqwest::Client,
+    /// Every sidecar + Envoy pair, the stack's own first (one without
+    /// [`StackOptions::replicas`]; none in round-robin mode).
+    pub replicas: Vec<Replica>,
     /// Real vLLM engines: how they were started (to start one again).
     vllm: Option<VllmOptions>,
     processes: Vec<Process>,
@@ -263,26 +295,22 @@ impl Stack {
         let sidecar_url = if opts.mode == Mode::RoundRobin {
             None
         } else {
-            let config = dir.join("sidecar.toml");
-            let mut text = sidecar_config(&opts, &engines, &nats_url, sidecar_port);
-            if pin_mode {
-                text.push_str(&format!(
-                    "\n[[dynamo_discovery]]\ndir = \"{}\"\nmodel = \"{MODEL}\"\npoll_interval_ms = 100\n",
-                    discovery.display(),
-                ));
-            }
-            text.push_str(&format!(
-                "\n[envoy]\nadmin_url = \"http://127.0.0.1:{admin}\"\npoll_interval_ms = 100\n"
-            ));
-            text.push('\n');
-            text.push_str(&opts.sidecar_toml);
+            let mut text = sidecar_text(
+                &opts,
+                &engines,
+                &nats_url,
+                sidecar_port,
+                admin,
+                0,
+                &discovery,
+            );
             if opts.sidecar_uds {
                 let socket = dir.join("sidecar.sock");
                 text = format!("unix_socket = \"{}\"\n{text}", socket.display());
             }
-            std::fs::write(&config, text)?;
+            std::fs::write(dir.join("sidecar.toml"), text)?;
             let url = format!("http://127.0.0.1:{sidecar_port}");
-            processes.push(start_sidecar(&dir, &url, &http).await?);
+            processes.push(start_sidecar(&dir, "sidecar", &url, &http).await?);
             Some(url)
         };
 
@@ -296,14 +324,16 @@ impl Stack {
             &envoy_config,
             render_envoy(&opts, &upstreams, listen, admin, &sidecar)?,
         )?;
-        let mut envoy = Command::new(paths::venv_tool("envoy")?);
-        envoy
-            .arg("-c")
-            .arg(&envoy_config)
-            .args(["--concurrency", &opts.envoy_concurrency.to_string()])
-            .args(["--disable-hot-restart", "-l", "info"]);
-        processes.push(Process::spawn("envoy", envoy, &dir)?);
+        processes.push(spawn_envoy(&opts, &envoy_config, &dir, "envoy")?);
         let admin_url = format!("http://127.0.0.1:{admin}");
+        let replicas = sidecar_url
+            .iter()
+            .map(|s| Replica {
+                envoy_url: format!("http://127.0.0.1:{listen}"),
+                admin_url: admin_url.clone(),
+                sidecar_url: s.clone(),
+            })
+            .collect();
         let mut stack = Stack {
             dir,
             mode: opts.mode,
@@ -315,6 +345,7 @@ impl Stack {
             decode_ids,
             nats_url,
             http,
+            replicas,
             vllm: opts.vllm.clone(),
             processes,
         };
@@ -326,21 +357,17 @@ impl Stack {
         .await;
         stack.with_envoy_log(live)?;
         if opts.mode != Mode::RoundRobin {
-            // One VM per worker thread plus the main thread's.
-            let vms = opts.envoy_concurrency as u64 + 1;
-            let stack_ref = &stack;
-            let loaded = wait_for(
-                "every Envoy VM to load the bundle",
-                Duration::from_secs(60),
-                || async move {
-                    let n = stack_ref
-                        .envoy_stat("wasmcustom.kvroute.bundles.loaded")
-                        .await?;
-                    (n >= vms).then_some(())
-                },
-            )
-            .await;
+            let loaded = stack.wait_bundles(&opts, &stack.admin_url.clone()).await;
             stack.with_envoy_log(loaded)?;
+        }
+        if let Some(r) = opts
+            .replicas
+            .as_ref()
+            .filter(|_| opts.mode != Mode::RoundRobin)
+        {
+            for i in 1..r.count {
+                stack.start_replica(&opts, &upstreams, i).await?;
+            }
         }
         // Envoy lists every upstream, and the sidecar hints only workers it has seen Envoy
         // (or, in pin mode, Dynamo discovery) call usable.
@@ -356,20 +383,89 @@ impl Stack {
                 if n < upstreams {
                     return None;
                 }
-                if stack_ref.sidecar_url.is_none() {
-                    return Some(());
+                for r in &stack_ref.replicas {
+                    let url = format!("{}/metrics", r.sidecar_url);
+                    let text = crate::client::get_text(&stack_ref.http, &url).await?;
+                    let usable = crate::prometheus::series(&text, "kvroute_worker_usable{")
+                        .filter(|(_, v)| *v == 1.0)
+                        .count() as u64;
+                    if usable < engines {
+                        return None;
+                    }
                 }
-                let text = stack_ref.sidecar_metrics().await.ok()?;
-                let usable = crate::prometheus::series(&text, "kvroute_worker_usable{")
-                    .filter(|(_, v)| *v == 1.0)
-                    .count() as u64;
-                (usable >= engines).then_some(())
+                Some(())
             },
         )
         .await;
         stack.with_envoy_log(healthy)?;
         stack.check_alive()?;
         Ok(stack)
+    }
+
+    /// Wait until every VM of the Envoy at `admin_url` has loaded the model bundle.
+    async fn wait_bundles(&self, opts: &StackOptions, admin_url: &str) -> Result<()> {
+        // One VM per worker thread plus the main thread's.
+        let vms = opts.envoy_concurrency as u64 + 1;
+        wait_for(
+            "every Envoy VM to load the bundle",
+            Duration::from_secs(60),
+            || async move {
+                let n = self
+                    .envoy_stat_at(admin_url, "wasmcustom.kvroute.bundles.loaded")
+                    .await?;
+                (n >= vms).then_some(())
+            },
+        )
+        .await
+    }
+
+    /// Start sidecar + Envoy pair `i` beside the stack's own, in `replica-<i>/`.
+    async fn start_replica(
+        &mut self,
+        opts: &StackOptions,
+        upstreams: &[String],
+        i: usize,
+    ) -> Result<()> {
+        let dir = self.dir.join(format!("replica-{i}"));
+        std::fs::create_dir_all(&dir)?;
+        let (port, listen, admin) = (free_port()?, free_port()?, free_port()?);
+        let text = sidecar_text(
+            opts,
+            &self.engines,
+            &self.nats_url,
+            port,
+            admin,
+            i,
+            &self.dir.join("discovery"),
+        );
+        std::fs::write(dir.join("sidecar.toml"), text)?;
+        let sidecar_url = format!("http://127.0.0.1:{port}");
+        let sidecar =
+            start_sidecar(&dir, &format!("sidecar-{i}"), &sidecar_url, &self.http).await?;
+        self.processes.push(sidecar);
+        let config = dir.join("envoy.yaml");
+        std::fs::write(
+            &config,
+            render_envoy(opts, upstreams, listen, admin, &SidecarAddress::Tcp(port))?,
+        )?;
+        let name = format!("envoy-{i}");
+        self.processes
+            .push(spawn_envoy(opts, &config, &dir, &name)?);
+        let admin_url = format!("http://127.0.0.1:{admin}");
+        let (ready, http) = (&format!("{admin_url}/ready"), &self.http);
+        wait_for("envoy /ready", Duration::from_secs(60), || async move {
+            let r = http.get(ready).send().await.ok()?;
+            r.status().is_success().then_some(())
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}: {}", self.log_tail(&name)))?;
+        self.wait_bundles(opts, &admin_url).await?;
+        self.replicas.push(Replica {
+            envoy_url: format!("http://127.0.0.1:{listen}"),
+            admin_url,
+            sidecar_url,
+        });
+        Ok(())
     }
 
     /// Add the end of Envoy's log to a failed start-up step.
@@ -416,7 +512,7 @@ impl Stack {
             .clone()
             .context("no sidecar in this stack")?;
         self.kill("sidecar");
-        let sidecar = start_sidecar(&self.dir, &url, &self.http).await?;
+        let sidecar = start_sidecar(&self.dir, "sidecar", &url, &self.http).await?;
         self.processes.push(sidecar);
         Ok(())
     }
@@ -498,11 +594,12 @@ impl Stack {
 
     /// A counter or gauge from Envoy's `/stats`.
     pub async fn envoy_stat(&self, name: &str) -> Option<u64> {
-        let url = format!(
-            "{}/stats?filter=^{}$",
-            self.admin_url,
-            name.replace('.', "\\.")
-        );
+        self.envoy_stat_at(&self.admin_url, name).await
+    }
+
+    /// A counter or gauge from the `/stats` of the Envoy at `admin_url`.
+    pub async fn envoy_stat_at(&self, admin_url: &str, name: &str) -> Option<u64> {
+        let url = format!("{admin_url}/stats?filter=^{}$", name.replace('.', "\\."));
         let text = crate::client::get_text(&self.http, &url).await?;
         text.lines().find_map(|l| {
             l.strip_prefix(name)?
@@ -604,13 +701,61 @@ fn sidecar_config(
     out
 }
 
-/// Start the sidecar on `dir/sidecar.toml` and wait until `url` answers `/healthz`.
-async fn start_sidecar(dir: &Path, url: &str, http: &reqwest::Client) -> Result<Process> {
+/// The configuration of sidecar `replica` (0: the stack's own) on `port`, beside the Envoy
+/// whose admin port is `admin`.
+fn sidecar_text(
+    opts: &StackOptions,
+    engines: &[EngineInfo],
+    nats_url: &str,
+    port: u16,
+    admin: u16,
+    replica: usize,
+    discovery: &Path,
+) -> String {
+    let mut text = sidecar_config(opts, engines, nats_url, port);
+    if opts.pin_mode() {
+        text.push_str(&format!(
+            "\n[[dynamo_discovery]]\ndir = \"{}\"\nmodel = \"{MODEL}\"\npoll_interval_ms = 100\n",
+            discovery.display(),
+        ));
+    }
+    text.push_str(&format!(
+        "\n[envoy]\nadmin_url = \"http://127.0.0.1:{admin}\"\npoll_interval_ms = 100\n"
+    ));
+    if let Some(r) = &opts.replicas {
+        text.push_str(&format!(
+            "\n[replicas]\ngroup = \"stack\"\nid = \"r{replica}\"\ninterval_ms = {}\nreconcile = {}\ntest_drop_events = {}\n",
+            r.interval_ms, r.reconcile, r.loss
+        ));
+    }
+    text.push('\n');
+    text.push_str(&opts.sidecar_toml);
+    text
+}
+
+fn spawn_envoy(opts: &StackOptions, config: &Path, dir: &Path, name: &str) -> Result<Process> {
+    let mut envoy = Command::new(paths::venv_tool("envoy")?);
+    envoy
+        .arg("-c")
+        .arg(config)
+        .args(["--concurrency", &opts.envoy_concurrency.to_string()])
+        .args(["--disable-hot-restart", "-l", "info"]);
+    Process::spawn(name, envoy, dir)
+}
+
+/// Start the sidecar on `dir/sidecar.toml` as process `name` and wait until `url` answers
+/// `/healthz`.
+async fn start_sidecar(
+    dir: &Path,
+    name: &str,
+    url: &str,
+    http: &reqwest::Client,
+) -> Result<Process> {
     let mut cmd = Command::new(paths::binary("kvroute-sidecar")?);
     cmd.arg("serve")
         .arg("--config")
         .arg(dir.join("sidecar.toml"));
-    let process = Process::spawn("sidecar", cmd, dir)?;
+    let process = Process::spawn(name, cmd, dir)?;
     let probe = &format!("{url}/healthz");
     wait_for("sidecar /healthz", Duration::from_secs(30), || async move {
         http.get(probe)

@@ -1,4 +1,5 @@
-//! `kvroute-bench routing|datapath|dynamo|vllm`: the benchmark harness (see docs/benchmarks.md).
+//! `kvroute-bench routing|datapath|dynamo|vllm|replicas`: the benchmark harness (see
+//! docs/benchmarks.md).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -51,6 +52,19 @@ enum Command {
     },
     /// Plain Envoy vs Envoy + kvroute on an instant upstream.
     Datapath,
+    /// 1, 2 and 4 sidecar + Envoy pairs on one fleet, each losing 0% or 10% of the KV events,
+    /// repairing from each other or not: hit rate, agreement, repairs.
+    Replicas {
+        /// Simulated engines.
+        #[arg(long, default_value_t = 4)]
+        engines: usize,
+        /// `[replicas] interval_ms`.
+        #[arg(long, default_value_t = 1000)]
+        interval_ms: u64,
+        /// Probe prompts asked of every sidecar after each run.
+        #[arg(long, default_value_t = 200)]
+        probes: usize,
+    },
     /// kvroute (pin mode) vs Dynamo's KV router and round robin on real Dynamo mocker workers.
     Dynamo {
         /// Aggregated workers (0 with --prefill/--decode: disaggregated).
@@ -194,6 +208,23 @@ async fn main() -> Result<()> {
                 kvroute_harness::bench_vllm::run(&bench, &out).await?
             );
             println!("written to {}", out.join("vllm.{json,md}").display());
+        }
+        Command::Replicas {
+            engines,
+            interval_ms,
+            probes,
+        } => {
+            let bench = kvroute_harness::bench_replicas::ReplicasBench {
+                engines,
+                interval_ms,
+                probes,
+                ..kvroute_harness::bench_replicas::ReplicasBench::new(scale)
+            };
+            println!(
+                "\n{}",
+                kvroute_harness::bench_replicas::run(&bench, &out).await?
+            );
+            println!("written to {}", out.join("replicas.{json,md}").display());
         }
         Command::Datapath => {
             datapath::run(scale, &out).await?;

@@ -1,0 +1,353 @@
+//! `kvroute-bench replicas`: 1, 2 and 4 sidecar + Envoy pairs (the pods of an ingress) in front
+//! of one simulated fleet, every sidecar losing 0% or 10% of the KV-event messages (each its
+//! own), with and without the replica plane's repair (`[replicas] reconcile`). The client spreads
+//! requests over the Envoys in turn, as a Kubernetes Service without session affinity does, so
+//! the turns of one conversation land on different replicas. Reported per scenario: aggregate
+//! and per-replica hit rate, agreement (the fraction of probe prompts on which every sidecar,
+//! asked directly, names the same first worker), messages lost and filled, snapshots taken,
+//! imbalance, TTFT.
+
+use std::time::Duration;
+
+use anyhow::{Context as _, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::{json, Value};
+
+use crate::bench::{self, Scale};
+use crate::client::{run_sessions, Outcome, Target};
+use crate::prometheus;
+use crate::stack::{ReplicaOptions, MODEL};
+use crate::workload::warm_up_sessions;
+use crate::{paths, Mode, Stack, StackOptions};
+
+/// One scenario: replicas, the fraction of events each loses, whether they repair.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Scenario {
+    /// Sidecar + Envoy pairs.
+    pub replicas: usize,
+    /// Fraction of KV-event messages each sidecar loses.
+    pub loss: f64,
+    /// `[replicas] reconcile`.
+    pub reconcile: bool,
+}
+
+/// The scenarios: the single lossless replica (the baseline), a single lossy one (nothing to
+/// repair from), then 2 and 4 replicas lossless, lossy without repair, lossy with it.
+pub fn scenarios() -> Vec<Scenario> {
+    let s = |replicas, loss, reconcile| Scenario {
+        replicas,
+        loss,
+        reconcile,
+    };
+    vec![
+        s(1, 0.0, true),
+        s(1, 0.1, true),
+        s(2, 0.0, true),
+        s(2, 0.1, false),
+        s(2, 0.1, true),
+        s(4, 0.0, true),
+        s(4, 0.1, false),
+        s(4, 0.1, true),
+    ]
+}
+
+/// What the benchmark runs.
+#[derive(Debug, Clone)]
+pub struct ReplicasBench {
+    /// Input sizes (the multi-turn chat and the conversation trace, as in `routing`).
+    pub scale: Scale,
+    /// Simulated engines.
+    pub engines: usize,
+    /// `[replicas] interval_ms`.
+    pub interval_ms: u64,
+    /// Probe prompts asked of every sidecar after a run.
+    pub probes: usize,
+    /// The scenarios run ([`scenarios`]; the first of each workload is its baseline).
+    pub scenarios: Vec<Scenario>,
+    /// The workloads run, by name.
+    pub workloads: Vec<&'static str>,
+}
+
+impl ReplicasBench {
+    /// Every scenario on the multi-turn chat and the conversation trace: 4 engines, digests
+    /// every second, 200 probes.
+    pub fn new(scale: Scale) -> Self {
+        ReplicasBench {
+            scale,
+            engines: 4,
+            interval_ms: 1000,
+            probes: 200,
+            scenarios: scenarios(),
+            workloads: vec!["conversation_trace", "multi_turn"],
+        }
+    }
+}
+
+/// Ask the sidecar at `base` for a hint, as the filter does; `None` when it does not answer.
+pub async fn ask_hint(
+    http: &reqwest::Client,
+    base: &str,
+    req: &kvroute_protocol::hint::HintRequest,
+) -> Option<kvroute_protocol::hint::HintResponse> {
+    use kvroute_protocol::hint::{HINT_CONTENT_TYPE, HINT_PATH};
+    http.post(format!("{base}{HINT_PATH}"))
+        .header("content-type", HINT_CONTENT_TYPE)
+        .body(req.encode())
+        .send()
+        .await
+        .ok()?
+        .json()
+        .await
+        .ok()
+}
+
+/// The fraction of `bodies` for which every sidecar in `sidecars` names the same first worker,
+/// asked directly with the prompt's hashes. Each ticket is reported finished with the next
+/// question, so the sidecars' loads stay alike and only their indexes can differ.
+pub async fn agreement(
+    http: &reqwest::Client,
+    sidecars: &[String],
+    bodies: &[Value],
+) -> Result<f64> {
+    let bundle = kvroute_prompt::model_dir::load_bundle(&paths::model_dir(), MODEL, 16)?;
+    let pre = kvroute_prompt::Preprocessor::from_bundle(&bundle)?;
+    let mut finished = vec![Vec::new(); sidecars.len()];
+    let (mut same, mut asked) = (0usize, 0usize);
+    for body in bodies {
+        let text = body.to_string();
+        let req = kvroute_prompt::request::LlmRequest::parse(text.as_bytes())?;
+        let hashes = pre.hashes(&req)?.hashes;
+        let mut first = Vec::new();
+        for (r, base) in sidecars.iter().enumerate() {
+            let hint = kvroute_protocol::hint::HintRequest {
+                model: MODEL.into(),
+                hashes: hashes.clone(),
+                finished: std::mem::take(&mut finished[r]),
+            };
+            let answer = ask_hint(http, base, &hint)
+                .await
+                .with_context(|| format!("asking {base} for a hint"))?;
+            finished[r].extend(answer.ticket);
+            first.push(answer.workers.first().cloned());
+        }
+        asked += 1;
+        same += usize::from(first[0].is_some() && first.iter().all(|f| *f == first[0]));
+    }
+    Ok(same as f64 / asked.max(1) as f64)
+}
+
+/// Every `n`-th body of the sessions, `probes` of them at most: prompts the fleet has seen.
+fn probe_bodies(workload: &bench::Workload, probes: usize) -> Vec<Value> {
+    let all: Vec<&Value> = workload.sessions.iter().flat_map(|s| &s.bodies).collect();
+    let step = (all.len() / probes.max(1)).max(1);
+    all.into_iter()
+        .step_by(step)
+        .take(probes)
+        .cloned()
+        .collect()
+}
+
+async fn run_scenario(
+    bench: &ReplicasBench,
+    workload: &bench::Workload,
+    scenario: Scenario,
+) -> Result<Value> {
+    let name = format!(
+        "bench-replicas-{}-{}x-{}-{}",
+        workload.name,
+        scenario.replicas,
+        (scenario.loss * 100.0).round(),
+        if scenario.reconcile {
+            "repair"
+        } else {
+            "norepair"
+        }
+    );
+    let mut opts = StackOptions::new(&name, Mode::Kvroute);
+    opts.sim = bench::fleet(bench.engines, workload.capacity_blocks);
+    opts.replicas = Some(ReplicaOptions {
+        count: scenario.replicas,
+        interval_ms: bench.interval_ms,
+        loss: scenario.loss,
+        reconcile: scenario.reconcile,
+    });
+    let mut stack = Stack::start(opts).await?;
+    let routers: Vec<String> = stack.replicas.iter().map(|r| r.envoy_url.clone()).collect();
+    let target = Target::Spread(routers);
+    let warm_up = warm_up_sessions(MODEL, 2 * workload.concurrency);
+    run_sessions(
+        &stack.http,
+        &target,
+        &warm_up,
+        workload.concurrency,
+        Duration::ZERO,
+        &ProgressBar::hidden(),
+    )
+    .await;
+    let total: usize = workload.sessions.iter().map(|s| s.bodies.len()).sum();
+    let bar = ProgressBar::new(total as u64).with_style(
+        ProgressStyle::with_template("{prefix:>44} [{bar:30}] {pos}/{len} {elapsed}")?
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(format!(
+        "{} / {}x loss {} {}",
+        workload.name,
+        scenario.replicas,
+        scenario.loss,
+        if scenario.reconcile {
+            "repair"
+        } else {
+            "no repair"
+        }
+    ));
+    let outcomes = run_sessions(
+        &stack.http,
+        &target,
+        &workload.sessions,
+        workload.concurrency,
+        crate::client::CLIENT_START_GAP,
+        &bar,
+    )
+    .await;
+    bar.finish();
+    stack.check_alive()?;
+    // Events still on their way, and a repair round: then every replica is asked the same.
+    tokio::time::sleep(Duration::from_millis(2 * bench.interval_ms)).await;
+    let sidecars: Vec<String> = stack
+        .replicas
+        .iter()
+        .map(|r| r.sidecar_url.clone())
+        .collect();
+    let agreement = agreement(
+        &stack.http,
+        &sidecars,
+        &probe_bodies(workload, bench.probes),
+    )
+    .await?;
+    let mut sums = [0.0; 5];
+    for base in &sidecars {
+        let text = crate::client::get_text(&stack.http, &format!("{base}/metrics"))
+            .await
+            .unwrap_or_default();
+        let one = |name: &str| prometheus::sum_where(&text, |l| l.starts_with(name));
+        for (sum, series) in sums.iter_mut().zip([
+            "kvroute_test_dropped_events_total",
+            "kvroute_replica_lost_messages_total{outcome=\"filled\"}",
+            "kvroute_replica_lost_messages_total{outcome=\"unfilled\"}",
+            "kvroute_replica_repairs_total{kind=\"peer_snapshot\"}",
+            "kvroute_replica_divergences_total",
+        ]) {
+            *sum += one(series);
+        }
+    }
+    // Requests each Envoy sent where its sidecar said, and hints that came too late.
+    let mut envoys = [0u64; 3];
+    for r in &stack.replicas {
+        for (sum, stat) in envoys.iter_mut().zip([
+            "wasmcustom.kvroute.requests",
+            "wasmcustom.kvroute.hinted",
+            "wasmcustom.kvroute.sidecar.timeouts",
+        ]) {
+            *sum += stack.envoy_stat_at(&r.admin_url, stat).await.unwrap_or(0);
+        }
+    }
+    let per_replica: Vec<f64> = (0..scenario.replicas)
+        .map(|r| {
+            let mine: Vec<Outcome> = outcomes
+                .iter()
+                .filter(|o| o.router == Some(r))
+                .cloned()
+                .collect();
+            bench::summary(&mine, bench.engines)["hit_rate"]
+                .as_f64()
+                .unwrap_or(0.0)
+        })
+        .collect();
+    let mut row = bench::summary(&outcomes, bench.engines);
+    let fields = json!({
+        "workload": workload.name,
+        "replicas": scenario.replicas,
+        "loss": scenario.loss,
+        "reconcile": scenario.reconcile,
+        "agreement": agreement,
+        "hit_rate_per_replica": per_replica,
+        "events_dropped": sums[0],
+        "messages_filled": sums[1],
+        "messages_unfilled": sums[2],
+        "snapshots": sums[3],
+        "divergences": sums[4],
+        "hinted": envoys[1] as f64 / envoys[0].max(1) as f64,
+        "hint_timeouts": envoys[2],
+    });
+    if let (Some(row), Some(fields)) = (row.as_object_mut(), fields.as_object()) {
+        row.extend(fields.clone());
+    }
+    Ok(row)
+}
+
+/// Run the scenarios on the workloads; write `replicas.json` (a list of rows, one per scenario
+/// and workload) and `replicas.md` into `out`. Each row's `hit_rate_vs_single` is against the
+/// first scenario of its workload (the single lossless replica).
+pub async fn run(bench: &ReplicasBench, out: &std::path::Path) -> Result<String> {
+    let mut rows = Vec::new();
+    for workload in bench::workloads(bench.scale)?
+        .into_iter()
+        .filter(|w| bench.workloads.contains(&w.name))
+    {
+        let mut baseline = None;
+        for &scenario in &bench.scenarios {
+            let mut row = run_scenario(bench, &workload, scenario)
+                .await
+                .with_context(|| format!("{} / {scenario:?}", workload.name))?;
+            let hit = row["hit_rate"].as_f64().unwrap_or(0.0);
+            let base = *baseline.get_or_insert(hit);
+            row["hit_rate_vs_single"] = json!(if base > 0.0 { hit / base } else { 0.0 });
+            rows.push(row);
+        }
+    }
+    std::fs::create_dir_all(out)?;
+    let doc = Value::from(rows);
+    std::fs::write(
+        out.join("replicas.json"),
+        serde_json::to_string_pretty(&doc)?,
+    )?;
+    let table = markdown(&doc);
+    std::fs::write(out.join("replicas.md"), &table)?;
+    Ok(table)
+}
+
+/// The markdown table of a `replicas.json` document.
+pub fn markdown(doc: &Value) -> String {
+    let mut out = String::from(
+        "| workload | replicas | loss | repair | hit rate | vs 1 lossless | per replica | agreement | lost → filled / unfilled | snapshots | imbalance | TTFT p95 (ms) | hinted | errors |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in doc.as_array().into_iter().flatten() {
+        let f = |k: &str| r[k].as_f64().unwrap_or(0.0);
+        let per: Vec<String> = r["hit_rate_per_replica"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|h| format!("{:.1}", h.as_f64().unwrap_or(0.0) * 100.0))
+            .collect();
+        out.push_str(&format!(
+            "| {} | {} | {:.0}% | {} | {:.1}% | {:.1}% | {} | {:.1}% | {:.0} → {:.0} / {:.0} | {:.0} | {:.2} | {:.1} | {:.1}% | {} |\n",
+            r["workload"].as_str().unwrap_or(""),
+            r["replicas"],
+            f("loss") * 100.0,
+            if r["reconcile"] == true { "on" } else { "off" },
+            f("hit_rate") * 100.0,
+            f("hit_rate_vs_single") * 100.0,
+            per.join(" / "),
+            f("agreement") * 100.0,
+            f("events_dropped"),
+            f("messages_filled"),
+            f("messages_unfilled"),
+            f("snapshots"),
+            f("imbalance"),
+            f("ttft_p95_ms"),
+            f("hinted") * 100.0,
+            r["errors"],
+        ));
+    }
+    out
+}
