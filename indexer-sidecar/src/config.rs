@@ -101,6 +101,34 @@ pub struct Config {
     /// The other sidecars of this fleet (one per Envoy): compare indexes with them.
     #[serde(default)]
     pub replicas: Option<ReplicasConfig>,
+    /// A copy of the index on local disk, to start from after a restart.
+    #[serde(default)]
+    pub snapshot: Option<SnapshotConfig>,
+}
+
+/// The index kept on local disk (docs/operations.md, "A snapshot on disk"): written every
+/// `interval_ms`, read at start.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotConfig {
+    /// The file (relative paths are relative to the config file); written next to it under
+    /// `<file>.tmp` and renamed, so a crash mid-write leaves the last one whole.
+    pub path: PathBuf,
+    /// How often it is written.
+    #[serde(default = "default_snapshot_interval_ms")]
+    pub interval_ms: u64,
+    /// How long a cache read at start waits for its worker to appear (Dynamo discovery finds
+    /// workers after start); then it is given up, and said.
+    #[serde(default = "default_restore_wait_ms")]
+    pub restore_wait_ms: u64,
+}
+
+fn default_snapshot_interval_ms() -> u64 {
+    30_000
+}
+
+fn default_restore_wait_ms() -> u64 {
+    60_000
 }
 
 /// The replica plane: every sidecar of a fleet publishes its caches' digests on NATS and
@@ -537,6 +565,11 @@ impl Config {
         }
         if let Some(nats) = &mut config.nats {
             nats.resolve_paths(base);
+        }
+        if let Some(s) = &mut config.snapshot {
+            if s.path.is_relative() {
+                s.path = base.join(&s.path);
+            }
         }
         config.validate()?;
         Ok(config)

@@ -11,6 +11,7 @@
 //!   `/metrics` scrapes.
 //! - [`replicas`]: how this sidecar's caches compare with its peers' (the replica plane's
 //!   state; `transports::replica_plane` carries the digests).
+//! - [`disk_snapshot`]: the index saved on local disk, and read back at start.
 //! - [`http_api`]: the HTTP API (`/v1/hint`, bundles, `/metrics`, `/debug/*`).
 //! - [`metrics`]: the Prometheus metrics served on `/metrics`.
 //! - [`config`]: the TOML configuration.
@@ -21,6 +22,7 @@
 
 pub mod config;
 pub mod core;
+pub mod disk_snapshot;
 pub mod envoy_config;
 pub mod event_plane;
 pub mod http_api;

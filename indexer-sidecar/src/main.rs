@@ -228,6 +228,15 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         }
     });
     let mut tasks = tokio::task::JoinSet::new();
+    if let Some(snapshot) = config.snapshot.clone() {
+        // Before any source starts: a vLLM replay then continues the restored caches.
+        kvroute_sidecar::disk_snapshot::restore(&snapshot, &state);
+        let state = state.clone();
+        tasks.spawn(async move {
+            kvroute_sidecar::disk_snapshot::run(snapshot, state).await;
+            Ok(())
+        });
+    }
     tasks.spawn(async move {
         axum::serve(tcp, app.clone())
             .await

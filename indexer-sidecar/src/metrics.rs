@@ -169,6 +169,26 @@ pub struct LostLabel {
     pub outcome: LostOutcome,
 }
 
+label_values!(
+    /// What became of a cache read from the disk snapshot at start.
+    RestoreOutcome {
+        /// Put back.
+        Restored => "restored",
+        /// Refused: events after it arrived first, and this sidecar no longer keeps them all.
+        Refused => "refused",
+        /// Its worker did not appear within `restore_wait_ms` (gone, or a Dynamo instance that
+        /// restarted under a new id).
+        NotFound => "not_found",
+    }
+);
+
+/// `{outcome}` of `kvroute_restored_caches_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct RestoreLabel {
+    /// What became of it.
+    pub outcome: RestoreOutcome,
+}
+
 /// `{kind}` of `kvroute_replica_repairs_total`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct RepairLabel {
@@ -348,6 +368,14 @@ pub struct Metrics {
     pub replica_lost_messages: Family<LostLabel, Counter>,
     /// Snapshot bytes sent to and received from peers.
     pub replica_snapshot_bytes: Family<DirectionLabel, Counter>,
+    /// Caches read from the disk snapshot at start, by outcome.
+    pub restored_caches: Family<RestoreLabel, Counter>,
+    /// Blocks put back from the disk snapshot.
+    pub restored_blocks: Counter,
+    /// Bytes of the last disk snapshot written.
+    pub disk_snapshot_bytes: Gauge,
+    /// Disk snapshots that could not be written.
+    pub disk_snapshot_failures: Counter,
     /// Tests only: KV-event messages dropped by `[replicas] test_drop_events`.
     pub test_dropped_events: Counter,
 }
@@ -395,6 +423,10 @@ impl Default for Metrics {
             replica_repairs: family(&mut r, "replica_repairs", "Caches repaired, by kind: peer_snapshot, refused"),
             replica_lost_messages: family(&mut r, "replica_lost_messages", "KV-event messages lost on the way to this replica, by outcome: filled (a peer handed it over), unfilled"),
             replica_snapshot_bytes: family(&mut r, "replica_snapshot_bytes", "Snapshot bytes exchanged with peers, by direction"),
+            restored_caches: family(&mut r, "restored_caches", "Caches read from the disk snapshot at start, by outcome: restored, refused, not_found"),
+            restored_blocks: counter(&mut r, "restored_blocks", "Blocks put back from the disk snapshot at start"),
+            disk_snapshot_bytes: gauge(&mut r, "disk_snapshot_bytes", "Bytes of the last disk snapshot written"),
+            disk_snapshot_failures: counter(&mut r, "disk_snapshot_failures", "Disk snapshots that could not be written"),
             test_dropped_events: counter(&mut r, "test_dropped_events", "Tests only: KV-event messages dropped on purpose"),
             registry: r,
         }

@@ -46,8 +46,8 @@ use crate::event_plane::{Activity, Alarm, EventPlane};
 use crate::metrics::{
     AgreementLabel, AgreementValue, AlarmLabels, EventLabels, EventType, HintLabels, HintResult,
     LostLabel, LostOutcome, Metrics, PublisherLabel, RejectLabels, RejectReason, RepairKind,
-    RepairLabel, RoleLabels, RoleValue, SequenceKind, SequenceLabels, SourceLabel, TicketHow,
-    TicketLabel, Transport, WorkerLabel,
+    RepairLabel, RestoreLabel, RestoreOutcome, RoleLabels, RoleValue, SequenceKind, SequenceLabels,
+    SourceLabel, TicketHow, TicketLabel, Transport, WorkerLabel,
 };
 use crate::replicas::{Digests, Replicas};
 
@@ -73,6 +73,9 @@ pub struct SourceRef<'a> {
     pub subject: &'a str,
 }
 
+/// A cache read from the disk snapshot: the worker's address, the rank, its entries.
+pub type Saved = (String, u32, crate::core::digest::Snapshot);
+
 /// Everything the sidecar knows, shared by the API and the sources.
 pub struct Sidecar {
     core: Mutex<Core>,
@@ -88,6 +91,9 @@ pub struct Sidecar {
     /// alone (three intervals), counted from `started`.
     peer_wait: Option<Duration>,
     started: Instant,
+    /// Caches read from the disk snapshot whose worker is not in the fleet yet (a Dynamo
+    /// instance discovery has not found), and until when they wait for it.
+    restoring: Mutex<(Vec<Saved>, Instant)>,
     /// Bundles served to filters.
     pub bundles: Bundles,
     /// Metrics.
@@ -146,6 +152,7 @@ impl Sidecar {
                 .map_or(0, |id| xxhash_rust::xxh3::xxh3_64(id.as_bytes())),
             peer_wait: replicas.map(|_| three_intervals),
             started: Instant::now(),
+            restoring: Mutex::new((Vec::new(), Instant::now())),
             bundles,
             metrics: Metrics::default(),
             alarms: config.alarms.clone(),
@@ -164,6 +171,46 @@ impl Sidecar {
             }
         }
         Ok(sidecar)
+    }
+
+    /// Put back the caches read from the disk snapshot: now those whose worker is in the
+    /// fleet, the others as their worker appears, for up to `wait`.
+    pub fn restore(&self, caches: Vec<Saved>, wait: Duration, now: Instant) {
+        *lock(&self.restoring) = (caches, now + wait);
+        self.restore_pending(now);
+    }
+
+    /// Restore what waits for a worker now in the fleet; past the wait, give the rest up.
+    fn restore_pending(&self, now: Instant) {
+        let (waiting, until) = {
+            let mut r = lock(&self.restoring);
+            (std::mem::take(&mut r.0), r.1)
+        };
+        if waiting.is_empty() {
+            return;
+        }
+        let mut still = Vec::new();
+        for (worker, rank, snapshot) in waiting {
+            if self.core().fleet().by_address(&worker).is_some() {
+                let input = Input::Restore {
+                    worker: &worker,
+                    rank,
+                    snapshot: &snapshot,
+                };
+                self.ingest(None, input, now);
+            } else if now >= until {
+                tracing::warn!(%worker, rank, blocks = snapshot.entries.len(), "cache from the disk snapshot not restored: its worker did not appear (gone, or a Dynamo instance that restarted under a new id)");
+                self.metrics
+                    .restored_caches
+                    .get_or_create(&RestoreLabel {
+                        outcome: RestoreOutcome::NotFound,
+                    })
+                    .inc();
+            } else {
+                still.push((worker, rank, snapshot));
+            }
+        }
+        lock(&self.restoring).0.extend(still);
     }
 
     /// The core (held only for a pure call: see the lock model).
@@ -279,6 +326,9 @@ impl Sidecar {
         let happened = self.core().ingest(input, now);
         for h in &happened {
             self.record(source, h, now);
+        }
+        if matches!(input, Input::Discovery { .. } | Input::Tick) {
+            self.restore_pending(now);
         }
         happened
     }
@@ -450,6 +500,25 @@ impl Sidecar {
                 } else {
                     tracing::warn!(%worker, rank, blocks, "peer snapshot refused: the events since it are no longer kept here (or the worker is unknown); asking again later");
                 }
+            }
+            Happened::Restored {
+                worker,
+                rank,
+                installed,
+                blocks,
+                seq,
+            } => {
+                let outcome = if *installed {
+                    m.restored_blocks.inc_by(*blocks as u64);
+                    tracing::info!(%worker, rank, blocks, seq, "cache restored from the disk snapshot; unclean until the events since it are known (a vLLM replay reaching back to it, or a clean peer)");
+                    RestoreOutcome::Restored
+                } else {
+                    tracing::warn!(%worker, rank, blocks, seq, "cache from the disk snapshot not restored: events since it arrived first and are no longer all kept");
+                    RestoreOutcome::Refused
+                };
+                m.restored_caches
+                    .get_or_create(&RestoreLabel { outcome })
+                    .inc();
             }
             Happened::Filled {
                 worker,

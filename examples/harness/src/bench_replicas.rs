@@ -101,6 +101,22 @@ pub async fn ask_hint(
         .ok()
 }
 
+/// The block hashes of a request body for the example model, as the filter computes them.
+pub fn prompt_hashes(body: &Value) -> Result<Vec<kvroute_protocol::PrefixHash>> {
+    static PRE: std::sync::OnceLock<kvroute_prompt::Preprocessor> = std::sync::OnceLock::new();
+    let pre = match PRE.get() {
+        Some(p) => p,
+        None => {
+            let bundle = kvroute_prompt::model_dir::load_bundle(&paths::model_dir(), MODEL, 16)?;
+            let built = kvroute_prompt::Preprocessor::from_bundle(&bundle)?;
+            PRE.get_or_init(|| built)
+        }
+    };
+    let text = body.to_string();
+    let req = kvroute_prompt::request::LlmRequest::parse(text.as_bytes())?;
+    Ok(pre.hashes(&req)?.hashes)
+}
+
 /// The fraction of `bodies` for which every sidecar in `sidecars` names the same first worker,
 /// asked directly with the prompt's hashes. Each ticket is reported finished with the next
 /// question, so the sidecars' loads stay alike and only their indexes can differ.
@@ -109,14 +125,10 @@ pub async fn agreement(
     sidecars: &[String],
     bodies: &[Value],
 ) -> Result<f64> {
-    let bundle = kvroute_prompt::model_dir::load_bundle(&paths::model_dir(), MODEL, 16)?;
-    let pre = kvroute_prompt::Preprocessor::from_bundle(&bundle)?;
     let mut finished = vec![Vec::new(); sidecars.len()];
     let (mut same, mut asked) = (0usize, 0usize);
     for body in bodies {
-        let text = body.to_string();
-        let req = kvroute_prompt::request::LlmRequest::parse(text.as_bytes())?;
-        let hashes = pre.hashes(&req)?.hashes;
+        let hashes = prompt_hashes(body)?;
         let mut first = Vec::new();
         for (r, base) in sidecars.iter().enumerate() {
             let hint = kvroute_protocol::hint::HintRequest {

@@ -200,6 +200,17 @@ pub enum Input<'a> {
         /// The cache.
         snapshot: &'a digest::Snapshot,
     },
+    /// A cache as this sidecar saved it on disk before it stopped (the worker's address and
+    /// rank): its entries, until the events after it say otherwise. Unclean: events while the
+    /// sidecar was down may be missing (a vLLM replay that reaches back to it continues it).
+    Restore {
+        /// The worker's address.
+        worker: &'a str,
+        /// The rank.
+        rank: u32,
+        /// The cache.
+        snapshot: &'a digest::Snapshot,
+    },
     /// Messages of a cache (the worker's address and rank) that this replica lost, as a peer
     /// applied them: (sequence number, events).
     Fill {
@@ -370,6 +381,19 @@ pub enum Happened {
         installed: bool,
         /// Blocks in the snapshot.
         blocks: usize,
+    },
+    /// A cache saved on disk was put back (or refused: events since arrived first).
+    Restored {
+        /// The worker's address.
+        worker: String,
+        /// The rank.
+        rank: u32,
+        /// Installed.
+        installed: bool,
+        /// Blocks in it.
+        blocks: usize,
+        /// The last message applied to it when it was saved.
+        seq: u64,
     },
     /// Messages this replica lost, handed over by a peer and applied in their place.
     Filled {
@@ -614,6 +638,20 @@ impl Core {
                     blocks: snapshot.entries.len(),
                 });
             }
+            Input::Restore {
+                worker,
+                rank,
+                snapshot,
+            } => {
+                let installed = self.restore(worker, rank, snapshot, &mut out);
+                out.push(Happened::Restored {
+                    worker: worker.to_owned(),
+                    rank,
+                    installed,
+                    blocks: snapshot.entries.len(),
+                    seq: snapshot.seq,
+                });
+            }
             Input::Fill {
                 worker,
                 rank,
@@ -703,9 +741,9 @@ impl Core {
         let cursor = worker.cursors.entry(m.stream).or_default();
         let verdict = match m.delivery {
             Delivery::WarmStart => {
-                let continues = cursor
-                    .warm_through
-                    .is_some_and(|t| m.seq == t.wrapping_add(1));
+                // A replay continuing what is applied (the edge skips what it already has, as
+                // after a restore from disk) extends it; any other replaces it.
+                let continues = cursor.last.is_some_and(|l| m.seq == l.wrapping_add(1));
                 cursor.warm_applied(m.seq);
                 if continues {
                     Verdict::Next
@@ -905,6 +943,33 @@ impl Core {
             worker: name,
             blocks,
         });
+        true
+    }
+
+    /// Put back a cache saved on disk: installed like a peer's snapshot, but nothing is taken
+    /// for a copy (a live message numbered below it is an engine that restarted meanwhile) and
+    /// it is unclean (a peer's clean copy replaces it).
+    fn restore(
+        &mut self,
+        address: &str,
+        rank: u32,
+        snapshot: &digest::Snapshot,
+        out: &mut Vec<Happened>,
+    ) -> bool {
+        if !self.install(address, rank, snapshot, out) {
+            return false;
+        }
+        let Some(id) = self.fleet.by_address(address).map(|w| w.id) else {
+            return false;
+        };
+        if let Some(w) = self.fleet.get_mut(id) {
+            if let Some(c) = w.cursors.get_mut(&rank) {
+                c.warm_through = None;
+            }
+            if let Some(log) = w.logs.get_mut(&rank) {
+                log.clean = false;
+            }
+        }
         true
     }
 

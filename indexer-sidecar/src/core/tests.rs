@@ -786,3 +786,61 @@ fn a_lost_message_filled_by_a_peer_is_applied_in_its_place() {
     assert!(!report(&alone).clean);
     assert!(alone.wanted(now, Duration::ZERO).is_empty());
 }
+
+/// A cache saved on disk is put back unclean; a replay that continues it extends it, and an
+/// engine numbering from 0 again (it restarted while the sidecar was down) replaces it.
+#[test]
+fn a_cache_restored_from_disk_is_continued_or_replaced() {
+    let address = "127.0.0.1:9000";
+    let mut saved = vllm_core();
+    vllm(&mut saved, 0, Delivery::Live, &store(None, 0, 2));
+    vllm(&mut saved, 1, Delivery::Live, &store(Some(1), 10, 2));
+    let snapshot = saved.snapshot(address, 0).unwrap();
+    assert_eq!(snapshot.seq, 1);
+    let restore = |core: &mut Core| {
+        core.ingest(
+            Input::Restore {
+                worker: address,
+                rank: 0,
+                snapshot: &snapshot,
+            },
+            Instant::now(),
+        )
+    };
+    let mut continued = vllm_core();
+    let happened = restore(&mut continued);
+    assert!(happened.iter().any(|h| matches!(
+        h,
+        Happened::Restored {
+            installed: true,
+            blocks: 4,
+            seq: 1,
+            ..
+        }
+    )));
+    assert_eq!(blocks(&continued), 4);
+    assert!(!continued.reports().pop().unwrap().clean);
+    vllm(
+        &mut continued,
+        2,
+        Delivery::WarmStart,
+        &store(Some(11), 20, 1),
+    );
+    assert_eq!(
+        blocks(&continued),
+        5,
+        "the replay continued the restored cache"
+    );
+
+    let mut restarted = vllm_core();
+    restore(&mut restarted);
+    let happened = vllm(&mut restarted, 0, Delivery::Live, &store(None, 30, 1));
+    assert!(happened.iter().any(|h| matches!(
+        h,
+        Happened::Forgot {
+            why: Forgot::Restarted,
+            ..
+        }
+    )));
+    assert_eq!(blocks(&restarted), 1);
+}

@@ -21,7 +21,7 @@
 //! CLOSE-WAIT and never reported it (docs/architecture.md, "ZMQ"). libzmq's API blocks, so each
 //! endpoint runs on its own thread.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -282,9 +282,24 @@ impl Subscriber<'_> {
             return;
         };
         let mut replayed = BTreeSet::new();
+        // Per stream: the message after which the replay continues what is applied already.
+        let mut resume: HashMap<(String, u32), Option<u64>> = HashMap::new();
         for (topic, seq, payload) in &messages {
             let address = self.publisher_of(topic);
             let batch = self.decode(payload);
+            let after = *resume
+                .entry((address.clone(), batch.dp_rank))
+                .or_insert_with(|| {
+                    let applied = self.state.core().cursor_of(&address, batch.dp_rank);
+                    let after = resume_after(applied, first, last);
+                    if let Some(a) = after {
+                        tracing::info!(endpoint = %self.config.endpoint, worker = %address, after = a, "warm start continues what is indexed (restored from disk, or kept across the reconnect)");
+                    }
+                    after
+                });
+            if after.is_some_and(|a| *seq <= a) {
+                continue;
+            }
             self.ingest(Input::Message(Message::vllm(
                 &address,
                 *seq,
@@ -421,6 +436,16 @@ fn count_bad(state: &Sidecar, why: &str, source: &str) {
     state.metrics.decode_errors.get_or_create(&ZMQ).inc();
 }
 
+/// Where a warm start picks up a stream whose last applied message is `applied`, the replay
+/// buffer holding `first..=last`: after `applied` when the buffer reaches back to it and the
+/// engine got that far (the same engine, continued: nothing lost); `None` when the whole
+/// buffer replaces the stream (nothing applied, messages lost in between, or an engine that
+/// restarted and numbers from 0 again).
+fn resume_after(applied: Option<u64>, first: u64, last: u64) -> Option<u64> {
+    let a = applied?;
+    (first <= a.saturating_add(1) && a <= last).then_some(a)
+}
+
 /// Ask a replay socket for its buffered messages from `from` (up to `to`, exclusive, when
 /// given): consecutive, in order. A gap fill (`to` given) needs all of `from..to`; a warm start
 /// takes whatever the buffer still holds.
@@ -473,6 +498,28 @@ fn replay(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_warm_start_continues_a_stream_only_where_the_buffer_reaches_back() {
+        assert_eq!(resume_after(None, 0, 9), None, "nothing applied: replace");
+        assert_eq!(
+            resume_after(Some(5), 0, 9),
+            Some(5),
+            "buffer covers 6..: continue"
+        );
+        assert_eq!(resume_after(Some(5), 6, 9), Some(5));
+        assert_eq!(resume_after(Some(9), 3, 9), Some(9), "nothing new");
+        assert_eq!(
+            resume_after(Some(5), 7, 9),
+            None,
+            "6 no longer buffered: replace"
+        );
+        assert_eq!(
+            resume_after(Some(50), 0, 9),
+            None,
+            "the engine restarted: replace"
+        );
+    }
 
     #[test]
     fn llm_d_topics_name_the_worker() {
