@@ -114,7 +114,19 @@ async fn discovery(State(state): State<Arc<Sidecar>>) -> Response {
 }
 
 async fn replicas(State(state): State<Arc<Sidecar>>) -> Response {
-    Json(state.replicas().debug(std::time::Instant::now())).into_response()
+    // Our own caches first (the core's lock), then the peers' (the replicas' lock).
+    let mine: Vec<serde_json::Value> = state
+        .core()
+        .reports()
+        .iter()
+        .map(|c| {
+            serde_json::json!({"worker": c.worker, "rank": c.rank, "clean": c.clean,
+                               "latest": c.checkpoints.last()})
+        })
+        .collect();
+    let mut body = state.replicas().debug(std::time::Instant::now());
+    body["mine"] = mine.into();
+    Json(body).into_response()
 }
 
 /// 200 once warm (see `Sidecar::ready`), 503 while warming: hints are served either way.

@@ -316,6 +316,7 @@ impl Replicas {
                             "worker": c.worker,
                             "rank": c.rank,
                             "latest": c.checkpoints.last(),
+                            "clean": c.clean,
                             "agreement": p.states.get(&key),
                         })
                     })

@@ -207,6 +207,7 @@ async fn replicas_find_lost_events_within_an_interval_and_repair_them() {
     );
     let debug = kvroute_harness::client::get_json(&http, &format!("{a}/debug/replicas")).await;
     assert_eq!(debug["peers"][0]["replica"], "b", "{debug}");
+    assert_eq!(debug["mine"][0]["clean"], true, "a lost nothing: {debug}");
     assert_eq!(
         debug["peers"][0]["caches"][0]["agreement"]["state"], "divergent",
         "{debug}"
