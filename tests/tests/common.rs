@@ -158,6 +158,19 @@ pub async fn hint_for_tokens(
     ask_hint(http, base, &req).await
 }
 
+/// Whether the sidecar whose `/metrics` is `text` was repaired from a peer: from its snapshot,
+/// or its copies of the messages lost here.
+pub fn repaired_from_peer(text: &str) -> bool {
+    metric(
+        text,
+        "kvroute_replica_repairs_total{kind=\"peer_snapshot\"}",
+    ) >= Some(1.0)
+        || metric(
+            text,
+            "kvroute_replica_lost_messages_total{outcome=\"filled\"}",
+        ) >= Some(1.0)
+}
+
 /// Ask the sidecar at `base` for a hint, as the filter does.
 pub async fn ask_hint(
     http: &reqwest::Client,

@@ -298,13 +298,7 @@ async fn a_replica_that_lost_real_dynamo_events_is_repaired_from_its_peer() {
         Duration::from_secs(15),
         || async {
             let (ta, tb) = (metrics(a.clone()).await, metrics(b.clone()).await);
-            // From the peer's snapshot, or its copies of the lost messages.
-            let repaired = metric(&tb, "kvroute_replica_repairs_total{kind=\"peer_snapshot\"}")
-                >= Some(1.0)
-                || metric(
-                    &tb,
-                    "kvroute_replica_lost_messages_total{outcome=\"filled\"}",
-                ) >= Some(1.0);
+            let repaired = common::repaired_from_peer(&tb);
             let agree = [&ta, &tb].iter().all(|t| {
                 metric(t, "kvroute_replica_caches{state=\"divergent\"}") == Some(0.0)
                     && metric(t, "kvroute_replica_caches{state=\"agree\"}") >= Some(1.0)

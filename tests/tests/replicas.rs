@@ -436,13 +436,7 @@ async fn a_replica_losing_vllm_messages_is_repaired_from_its_peer() {
         Duration::from_secs(20),
         || async move {
             let (ta, tb) = (metrics(http, a_ref).await, metrics(http, b_ref).await);
-            // From the peer's snapshot, or its copies of the lost messages.
-            let repaired = metric(&tb, "kvroute_replica_repairs_total{kind=\"peer_snapshot\"}")
-                >= Some(1.0)
-                || metric(
-                    &tb,
-                    "kvroute_replica_lost_messages_total{outcome=\"filled\"}",
-                ) >= Some(1.0);
+            let repaired = common::repaired_from_peer(&tb);
             let agree = [&ta, &tb]
                 .iter()
                 .all(|t| metric(t, "kvroute_replica_caches{state=\"divergent\"}") == Some(0.0));

@@ -233,39 +233,7 @@ async fn run_mode(mode: &str, workload: &Workload, bench: &RoutingBench) -> Resu
             }
         }
     };
-    // Warm the fleet up through the same path (see `warm_up_sessions`); not measured.
-    let warm_up = warm_up_sessions(MODEL, 2 * workload.concurrency);
-    let warmed = run_sessions(
-        &stack.http,
-        &target,
-        &warm_up,
-        workload.concurrency,
-        Duration::ZERO,
-        &ProgressBar::hidden(),
-    )
-    .await;
-    if let Some(failed) = warmed.iter().find(|o| !o.ok()) {
-        eprintln!(
-            "{} / {mode}: a warm-up request failed: {failed:?}",
-            workload.name
-        );
-    }
-    let total: usize = workload.sessions.iter().map(|s| s.bodies.len()).sum();
-    let bar = ProgressBar::new(total as u64).with_style(
-        ProgressStyle::with_template("{prefix:>44} [{bar:30}] {pos}/{len} {elapsed}")?
-            .progress_chars("=> "),
-    );
-    bar.set_prefix(format!("{} / {mode}", workload.name));
-    let outcomes = run_sessions(
-        &stack.http,
-        &target,
-        &workload.sessions,
-        workload.concurrency,
-        start_gap,
-        &bar,
-    )
-    .await;
-    bar.finish();
+    let outcomes = run_workload(&stack.http, &target, workload, start_gap, mode).await?;
     stack.check_alive()?;
     // Every request's outcome next to the logs, to look into a tail.
     let rows: Vec<Value> = outcomes
@@ -288,6 +256,50 @@ async fn run_mode(mode: &str, workload: &Workload, bench: &RoutingBench) -> Resu
         result["hinted_match_tokens"] = json!(stack.hinted_match_tokens(block_size).await);
     }
     Ok(result)
+}
+
+/// Warm the fleet up through `target` (see `warm_up_sessions`; not measured), then run the
+/// workload's sessions with a progress bar labelled `label`.
+pub async fn run_workload(
+    http: &reqwest::Client,
+    target: &Target,
+    workload: &Workload,
+    start_gap: Duration,
+    label: &str,
+) -> Result<Vec<Outcome>> {
+    let warm_up = warm_up_sessions(MODEL, 2 * workload.concurrency);
+    let warmed = run_sessions(
+        http,
+        target,
+        &warm_up,
+        workload.concurrency,
+        Duration::ZERO,
+        &ProgressBar::hidden(),
+    )
+    .await;
+    if let Some(failed) = warmed.iter().find(|o| !o.ok()) {
+        eprintln!(
+            "{} / {label}: a warm-up request failed: {failed:?}",
+            workload.name
+        );
+    }
+    let total: usize = workload.sessions.iter().map(|s| s.bodies.len()).sum();
+    let bar = ProgressBar::new(total as u64).with_style(
+        ProgressStyle::with_template("{prefix:>44} [{bar:30}] {pos}/{len} {elapsed}")?
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(format!("{} / {label}", workload.name));
+    let outcomes = run_sessions(
+        http,
+        target,
+        &workload.sessions,
+        workload.concurrency,
+        start_gap,
+        &bar,
+    )
+    .await;
+    bar.finish();
+    Ok(outcomes)
 }
 
 /// What the routing benchmark runs.

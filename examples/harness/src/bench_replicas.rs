@@ -10,14 +10,12 @@
 use std::time::Duration;
 
 use anyhow::{Context as _, Result};
-use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
 
 use crate::bench::{self, Scale};
-use crate::client::{run_sessions, Outcome, Target};
+use crate::client::{Outcome, Target};
 use crate::prometheus;
 use crate::stack::{ReplicaOptions, MODEL};
-use crate::workload::warm_up_sessions;
 use crate::{paths, Mode, Stack, StackOptions};
 
 /// One scenario: replicas, the fraction of events each loses, whether they repair.
@@ -186,24 +184,8 @@ async fn run_scenario(
     let mut stack = Stack::start(opts).await?;
     let routers: Vec<String> = stack.replicas.iter().map(|r| r.envoy_url.clone()).collect();
     let target = Target::Spread(routers);
-    let warm_up = warm_up_sessions(MODEL, 2 * workload.concurrency);
-    run_sessions(
-        &stack.http,
-        &target,
-        &warm_up,
-        workload.concurrency,
-        Duration::ZERO,
-        &ProgressBar::hidden(),
-    )
-    .await;
-    let total: usize = workload.sessions.iter().map(|s| s.bodies.len()).sum();
-    let bar = ProgressBar::new(total as u64).with_style(
-        ProgressStyle::with_template("{prefix:>44} [{bar:30}] {pos}/{len} {elapsed}")?
-            .progress_chars("=> "),
-    );
-    bar.set_prefix(format!(
-        "{} / {}x loss {} {}",
-        workload.name,
+    let label = format!(
+        "{}x loss {} {}",
         scenario.replicas,
         scenario.loss,
         if scenario.reconcile {
@@ -211,17 +193,15 @@ async fn run_scenario(
         } else {
             "no repair"
         }
-    ));
-    let outcomes = run_sessions(
+    );
+    let outcomes = bench::run_workload(
         &stack.http,
         &target,
-        &workload.sessions,
-        workload.concurrency,
+        workload,
         crate::client::CLIENT_START_GAP,
-        &bar,
+        &label,
     )
-    .await;
-    bar.finish();
+    .await?;
     stack.check_alive()?;
     // Events still on their way, and a repair round: then every replica is asked the same.
     tokio::time::sleep(Duration::from_millis(2 * bench.interval_ms)).await;
