@@ -511,8 +511,9 @@ pub struct Core {
     last_hint: Option<Instant>,
     /// When the last hint request arrived, hinted or not.
     last_request: Option<Instant>,
-    /// How long a lost message is waited for from peers ([`crate::config::ReplicasConfig`]).
-    fill_timeout: Duration,
+    /// How long a lost message is waited for from peers ([`crate::config::ReplicasConfig`]);
+    /// `None` without peers to repair from: a loss makes the cache unclean at once.
+    fill_timeout: Option<Duration>,
 }
 
 impl Core {
@@ -544,7 +545,8 @@ impl Core {
             fill_timeout: config
                 .replicas
                 .as_ref()
-                .map_or(Duration::ZERO, |r| r.fill_timeout()),
+                .filter(|r| r.reconcile)
+                .map(|r| r.fill_timeout()),
         }
     }
 
@@ -816,6 +818,14 @@ impl Core {
         });
         if let Some(w) = self.fleet.get_mut(id) {
             let log = w.logs.entry(m.stream).or_default();
+            let fills = self.fill_timeout.is_some();
+            let lost = |log: &mut digest::CacheLog, from: u64, to: u64| {
+                if fills {
+                    log.lost(from, to, now);
+                } else {
+                    log.clean = false;
+                }
+            };
             // Clean from a known state on: the stream's first message, or an engine that
             // restarted (empty); a live gap is asked of peers, unclean until they fill it.
             match verdict {
@@ -828,11 +838,11 @@ impl Core {
                     };
                     log.clean = true;
                     if m.seq > start {
-                        log.lost(start, m.seq, now);
+                        lost(log, start, m.seq);
                     }
                 }
                 Verdict::Restarted => log.clean = true,
-                Verdict::Gap { from, to } => log.lost(from, to, now),
+                Verdict::Gap { from, to } => lost(log, from, to),
                 Verdict::Next | Verdict::Duplicate => {}
             }
             let given_up = log.push(m.seq, events, held, digest);
@@ -1057,7 +1067,9 @@ impl Core {
 
     /// Lost messages no peer handed over within the fill timeout are lost for good.
     fn give_up(&mut self, now: Instant, out: &mut Vec<Happened>) {
-        let timeout = self.fill_timeout;
+        let Some(timeout) = self.fill_timeout else {
+            return;
+        };
         let mut gone = Vec::new();
         for w in self.fleet.iter_mut() {
             for (&rank, log) in &mut w.logs {

@@ -728,7 +728,13 @@ fn a_peer_snapshot_repairs_a_cache_that_lost_events() {
 /// late alone, they would come back). Nobody handing it over makes the cache unclean.
 #[test]
 fn a_lost_message_filled_by_a_peer_is_applied_in_its_place() {
-    let (mut clean, mut lossy, mut alone) = (vllm_core(), vllm_core(), vllm_core());
+    let replica = || {
+        Core::new(
+            &config("[replicas]\ngroup = \"t\"\n\n[[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\n"),
+            7,
+        )
+    };
+    let (mut clean, mut lossy, mut alone) = (replica(), replica(), vllm_core());
     let removed = EventBatch {
         events: vec![VllmEvent::BlockRemoved {
             block_hashes: vec![EngineBlockHash(10), EngineBlockHash(11)],
@@ -778,13 +784,21 @@ fn a_lost_message_filled_by_a_peer_is_applied_in_its_place() {
     assert!(lossy.wanted(now, Duration::ZERO).is_empty());
     // The filled message is handed on to a third replica that lost it too.
     assert_eq!(lossy.messages("127.0.0.1:9000", 0, &[1]), copies);
-    // Without a replica plane a lost message is given up on at the next tick.
-    let happened = alone.ingest(Input::Tick, now);
+    // Without peers to repair from, a loss makes the cache unclean at once: nothing to ask.
+    assert!(!report(&alone).clean);
+    assert!(alone.wanted(now, Duration::ZERO).is_empty());
+    // With peers, a loss nobody hands over is given up on after the fill timeout.
+    let mut unlucky = replica();
+    for (seq, b) in stream.iter().enumerate().filter(|(s, _)| *s != 1) {
+        vllm(&mut unlucky, seq as u64, Delivery::Live, b);
+    }
+    assert!(unlucky.ingest(Input::Tick, now).is_empty(), "still waiting");
+    let later = now + Duration::from_secs(3);
+    let happened = unlucky.ingest(Input::Tick, later);
     assert!(happened
         .iter()
         .any(|h| matches!(h, Happened::Unfilled { messages: 1, .. })));
-    assert!(!report(&alone).clean);
-    assert!(alone.wanted(now, Duration::ZERO).is_empty());
+    assert!(unlucky.wanted(later, Duration::ZERO).is_empty());
 }
 
 /// A cache saved on disk is put back unclean; a replay that continues it extends it, and an
