@@ -145,6 +145,8 @@ label_values!(
 label_values!(
     /// How a cache was repaired.
     RepairKind {
+        /// A gap filled from the engine's replay socket (vLLM).
+        EngineReplay => "engine_replay",
         /// From a clean peer's snapshot.
         PeerSnapshot => "peer_snapshot",
         /// A snapshot arrived but could not be installed.
@@ -420,7 +422,7 @@ impl Default for Metrics {
                 "How long caches stayed divergent from a peer before agreeing again",
                 &[0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0],
             ),
-            replica_repairs: family(&mut r, "replica_repairs", "Caches repaired, by kind: peer_snapshot, refused"),
+            replica_repairs: family(&mut r, "replica_repairs", "Caches repaired, by kind: engine_replay (a gap filled from the engine's replay socket), peer_snapshot, refused"),
             replica_lost_messages: family(&mut r, "replica_lost_messages", "KV-event messages lost on the way to this replica, by outcome: filled (a peer handed it over), unfilled"),
             replica_snapshot_bytes: family(&mut r, "replica_snapshot_bytes", "Snapshot bytes exchanged with peers, by direction"),
             restored_caches: family(&mut r, "restored_caches", "Caches read from the disk snapshot at start, by outcome: restored, refused, not_found"),

@@ -76,6 +76,14 @@ async fn a_gap_is_filled_by_replay() {
     .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(sequence(&replayed, &address, "gap"), 1.0, "{replayed}");
     assert_eq!(sequence(&replayed, &address, "resync"), 0.0, "{replayed}");
+    assert_eq!(
+        common::metric(
+            &replayed,
+            "kvroute_replica_repairs_total{kind=\"engine_replay\"}"
+        ),
+        Some(1.0),
+        "{replayed}"
+    );
     // The missed prompt is known in full: its hint matches every block on engine 1.
     let o = via_envoy(&stack, &missed_prompt).await;
     assert_eq!(served_by(&o), 1);

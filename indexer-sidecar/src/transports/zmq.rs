@@ -30,7 +30,9 @@ use kvroute_protocol::vllm::{decode_batch, decode_seq, EventBatch, REPLAY_END};
 
 use crate::config::ZmqConfig;
 use crate::core::{Delivery, Happened, Input, Message, Publisher};
-use crate::metrics::{SequenceKind, SequenceLabels, SourceLabel, Transport};
+use crate::metrics::{
+    RepairKind, RepairLabel, SequenceKind, SequenceLabels, SourceLabel, Transport,
+};
 use crate::sidecar::{Sidecar, SourceRef};
 
 const ZMQ: SourceLabel = SourceLabel {
@@ -391,6 +393,13 @@ impl Subscriber<'_> {
             Ok(missed) => {
                 tracing::info!(worker = %address, from, to, "filled an event gap from the replay socket");
                 self.replayed(&address, missed.len() as u64);
+                self.state
+                    .metrics
+                    .replica_repairs
+                    .get_or_create(&RepairLabel {
+                        kind: RepairKind::EngineReplay,
+                    })
+                    .inc();
                 for (_, seq, payload) in &missed {
                     let batch = self.decode(payload);
                     let message = Message::vllm(&address, *seq, Delivery::Replayed, &batch);
