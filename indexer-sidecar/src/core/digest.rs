@@ -151,9 +151,11 @@ impl CacheLog {
     }
 
     /// A peer handed over lost messages: those still missing take their place in the log.
-    /// The earliest taken, from which the caller re-applies ([`CacheLog::events_from`]).
-    pub fn fill(&mut self, messages: &[(u64, Vec<KvEvent>)]) -> Option<u64> {
+    /// The earliest taken, from which the caller re-applies ([`CacheLog::events_from`]), and
+    /// how many were taken (another peer may have handed some over first).
+    pub fn fill(&mut self, messages: &[(u64, Vec<KvEvent>)]) -> Option<(u64, usize)> {
         let mut earliest = None;
+        let mut taken = 0;
         for (seq, events) in messages {
             if self.missing.remove(seq).is_none() {
                 continue;
@@ -161,9 +163,10 @@ impl CacheLog {
             if let Err(i) = self.recent.binary_search_by_key(seq, |(s, _)| *s) {
                 self.recent.insert(i, (*seq, events.clone()));
             }
+            taken += 1;
             earliest = Some(earliest.map_or(*seq, |e: u64| e.min(*seq)));
         }
-        earliest
+        Some((earliest?, taken))
     }
 
     /// The events of the messages from `seq` on, in order. Applying them again on top of the
@@ -343,9 +346,10 @@ mod tests {
         assert_eq!(log.after(0).map(|(_, c)| c), Some(true), "asked of peers");
         assert_eq!(
             log.fill(&[(2, vec![]), (7, vec![])]),
-            Some(2),
+            Some((2, 1)),
             "7 was not lost"
         );
+        assert_eq!(log.fill(&[(2, vec![])]), None, "2 is filled already");
         assert_eq!(log.message(2), Some(&[][..]));
         assert_eq!(log.give_up(later, Duration::from_secs(1)), 1);
         assert!(!log.clean, "message 1 is lost for good");

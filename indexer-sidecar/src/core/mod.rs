@@ -1036,8 +1036,7 @@ impl Core {
             .filter(|(_, events)| events.iter().all(|e| e.dp_rank == rank))
             .cloned()
             .collect();
-        let filled = sound.len();
-        let Some(from) = log.fill(&sound) else {
+        let Some((from, filled)) = log.fill(&sound) else {
             return;
         };
         let again = log.events_from(from);
