@@ -299,15 +299,14 @@ impl Subscriber<'_> {
                     }
                     after
                 });
-            if after.is_some_and(|a| *seq <= a) {
-                continue;
+            if after.is_none_or(|a| *seq > a) {
+                self.ingest(Input::Message(Message::vllm(
+                    &address,
+                    *seq,
+                    Delivery::WarmStart,
+                    &batch,
+                )));
             }
-            self.ingest(Input::Message(Message::vllm(
-                &address,
-                *seq,
-                Delivery::WarmStart,
-                &batch,
-            )));
             replayed.insert(address);
         }
         let lost = if first == 0 {
