@@ -226,6 +226,15 @@ pub enum Input<'a> {
     Tick,
 }
 
+/// Where a snapshot being installed comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SnapshotFrom {
+    /// A clean peer ([`Input::Snapshot`]).
+    Peer,
+    /// This sidecar's disk, before it restarted ([`Input::Restore`]).
+    Disk,
+}
+
 /// A worker as outcomes name it: cheap to copy around, readable in logs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Name {
@@ -632,7 +641,7 @@ impl Core {
                 rank,
                 snapshot,
             } => {
-                let installed = self.install(worker, rank, snapshot, &mut out);
+                let installed = self.install(worker, rank, snapshot, SnapshotFrom::Peer, &mut out);
                 out.push(Happened::Repaired {
                     worker: worker.to_owned(),
                     rank,
@@ -645,7 +654,7 @@ impl Core {
                 rank,
                 snapshot,
             } => {
-                let installed = self.restore(worker, rank, snapshot, &mut out);
+                let installed = self.install(worker, rank, snapshot, SnapshotFrom::Disk, &mut out);
                 out.push(Happened::Restored {
                     worker: worker.to_owned(),
                     rank,
@@ -896,15 +905,20 @@ impl Core {
         })
     }
 
-    /// Install a clean peer's snapshot of a cache: its entries, then the events this replica
-    /// applied after the snapshot's message; the cache is clean again unless messages are
-    /// missing among those (then a fresher snapshot repairs it). Refused (`false`) when
-    /// this replica no longer keeps those events, or does not know the worker.
+    /// Install a snapshot of a cache: its entries, then the events this replica applied after
+    /// the snapshot's message. A clean peer's leaves the cache clean unless messages are
+    /// missing among those (then a fresher snapshot repairs it), and live copies of the
+    /// messages up to it are duplicates. One saved on disk leaves it unclean (events while the
+    /// sidecar was down may be missing; a peer's clean copy replaces it), and nothing is taken
+    /// for a copy: a live message numbered below it is an engine that restarted meanwhile.
+    /// Refused (`false`) when this replica no longer keeps those events, or does not know the
+    /// worker.
     fn install(
         &mut self,
         address: &str,
         rank: u32,
         snapshot: &digest::Snapshot,
+        from: SnapshotFrom,
         out: &mut Vec<Happened>,
     ) -> bool {
         let Some(id) = self.fleet.by_address(address).map(|w| w.id) else {
@@ -931,10 +945,10 @@ impl Core {
         }
         if snapshot.seq > ours {
             if let Some(w) = self.fleet.get_mut(id) {
-                // Events up to the snapshot's still on their way here are copies now.
+                // A peer's: events up to the snapshot's still on their way here are copies now.
                 let cursor = w.cursors.entry(rank).or_default();
                 cursor.last = Some(snapshot.seq);
-                cursor.warm_through = Some(snapshot.seq);
+                cursor.warm_through = (from == SnapshotFrom::Peer).then_some(snapshot.seq);
             }
         }
         for kv in &after {
@@ -946,40 +960,13 @@ impl Core {
             let log = w.logs.entry(rank).or_default();
             log.restart_at(snapshot.seq.max(ours), held, digest);
             // Clean only if nothing is missing since the snapshot: else a fresher one is due.
-            log.clean = contiguous;
+            log.clean = from == SnapshotFrom::Peer && contiguous;
         }
         let blocks = index.map_or(0, |i| i.blocks_of(id));
         out.push(Happened::Holds {
             worker: name,
             blocks,
         });
-        true
-    }
-
-    /// Put back a cache saved on disk: installed like a peer's snapshot, but nothing is taken
-    /// for a copy (a live message numbered below it is an engine that restarted meanwhile) and
-    /// it is unclean (a peer's clean copy replaces it).
-    fn restore(
-        &mut self,
-        address: &str,
-        rank: u32,
-        snapshot: &digest::Snapshot,
-        out: &mut Vec<Happened>,
-    ) -> bool {
-        if !self.install(address, rank, snapshot, out) {
-            return false;
-        }
-        let Some(id) = self.fleet.by_address(address).map(|w| w.id) else {
-            return false;
-        };
-        if let Some(w) = self.fleet.get_mut(id) {
-            if let Some(c) = w.cursors.get_mut(&rank) {
-                c.warm_through = None;
-            }
-            if let Some(log) = w.logs.get_mut(&rank) {
-                log.clean = false;
-            }
-        }
         true
     }
 
