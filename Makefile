@@ -7,7 +7,7 @@ VENV   := .venv
 WASM   := target/wasm32-wasip1/release/kvroute_filter.wasm
 
 .PHONY: all build venv venv-peers venv-dynamo venv-vllm toolchain check test test-live lint demo clean \
-	bench-routing bench-routing-quick bench-replicas bench-replicas-quick bench-datapath bench-dynamo bench-vllm bench-index bench-hint bench-prepare fuzz \
+	bench-routing bench-routing-quick bench-replicas bench-replicas-quick bench-datapath bench-dynamo bench-vllm bench-index bench-hint bench-prepare bench-usage fuzz \
 	precision-fixtures
 
 all: build
@@ -134,6 +134,9 @@ bench-hint:
 bench-prepare:
 	cargo bench -p kvroute-prompt --bench prepare
 
+bench-usage:
+	cargo bench -p kvroute-filter --bench usage
+
 # Regenerate the precision fixtures (trained tokenizers, model dirs, transformers' token ids) in a
 # separate venv with the pinned transformers; not part of `make test` — commit what it writes.
 PRECISION := prompt/fixtures/precision
@@ -152,7 +155,7 @@ precision-fixtures:
 FUZZ_SECONDS ?= 60
 FUZZ_RUNS    ?=
 FUZZ_SANITIZER ?= address
-FUZZ_TARGETS := vllm_batch dynamo_message hint_request llm_request chat_template filter_plan
+FUZZ_TARGETS := vllm_batch dynamo_message hint_request llm_request chat_template filter_plan response_usage
 fuzz:
 	@rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
 	@command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked

@@ -34,6 +34,9 @@ pub struct FilterConfig {
     pub session_header: String,
     /// How often each VM checks the sidecar's catalog for new or changed bundles.
     pub bundle_refresh_ms: u64,
+    /// Read each hinted response's `usage` as it passes (cached and prompt tokens, reported
+    /// to the sidecar beside its prediction); `false` reports finished requests only.
+    pub read_usage: bool,
     /// Tests only: a request carrying this header makes the VM trap, as a bug would, so that
     /// Envoy's handling of a failed VM (`failure_policy`) can be checked. Empty (the default):
     /// off. Never set it in production.
@@ -59,6 +62,7 @@ impl Default for FilterConfig {
             fallback_key_blocks: 8,
             session_header: "x-session-id".into(),
             bundle_refresh_ms: 5000,
+            read_usage: true,
             test_trap_header: String::new(),
         }
     }
@@ -139,8 +143,11 @@ mod tests {
     fn defaults_and_overrides() {
         assert_eq!(FilterConfig::parse(b"").unwrap(), FilterConfig::default());
         assert_eq!(FilterConfig::parse(b"{}").unwrap(), FilterConfig::default());
-        let c = FilterConfig::parse(br#"{"hints": false, "hint_timeout_ms": 20}"#).unwrap();
+        let c =
+            FilterConfig::parse(br#"{"hints": false, "hint_timeout_ms": 20, "read_usage": false}"#)
+                .unwrap();
         assert!(!c.hints);
+        assert!(!c.read_usage && FilterConfig::default().read_usage);
         assert_eq!(c.hint_timeout_ms, 20);
         assert_eq!(c.worker_header, "x-kvroute-worker");
         assert!(

@@ -1,13 +1,14 @@
 //! Every decision the proxy-wasm callbacks need, as plain functions: what to do with a
 //! request's headers, its body, the sidecar's answer; which calls go to the sidecar, with what
-//! timeout; when the catalog is due; how many finished tickets wait. The glue (`glue.rs`, wasm
+//! timeout; when the catalog is due; how many finished requests wait. The glue (`glue.rs`, wasm
 //! only) reads what Envoy hands it, calls these, and executes what they return.
 
 use std::time::Duration;
 
 use kvroute_protocol::bundle::{bundle_path, CATALOG_PATH};
+use kvroute_protocol::headers::REQUEST_ID;
 use kvroute_protocol::hint::{
-    encode_finished, HintRequest, HintResponse, HintTarget, Ticket, FINISHED_PATH,
+    encode_finished, Finished, HintRequest, HintResponse, HintTarget, Ticket, FINISHED_PATH,
     HINT_CONTENT_TYPE, HINT_PATH,
 };
 
@@ -164,6 +165,8 @@ pub struct Call {
     pub body: Option<Vec<u8>>,
     /// How long Envoy waits for the answer.
     pub timeout: Duration,
+    /// A hint call's request: its `x-request-id`, for `/debug/explain` to show.
+    pub request_id: Option<String>,
 }
 
 impl Call {
@@ -177,6 +180,9 @@ impl Call {
         if self.body.is_some() {
             headers.push(("content-type", HINT_CONTENT_TYPE));
         }
+        if let Some(id) = &self.request_id {
+            headers.push((REQUEST_ID, id.as_str()));
+        }
         headers
     }
 
@@ -187,6 +193,7 @@ impl Call {
             path: CATALOG_PATH.to_owned(),
             body: None,
             timeout: FETCH_TIMEOUT,
+            request_id: None,
         }
     }
 
@@ -197,57 +204,61 @@ impl Call {
             path: bundle_path(model),
             body: None,
             timeout: FETCH_TIMEOUT,
+            request_id: None,
         }
     }
 
-    /// A hint request, within the configured hint timeout: the request waits for it.
-    pub fn hint(req: &HintRequest, cfg: &FilterConfig) -> Self {
+    /// A hint request for the request Envoy calls `request_id`, within the configured hint
+    /// timeout: the request waits for it.
+    pub fn hint(req: &HintRequest, request_id: Option<String>, cfg: &FilterConfig) -> Self {
         Call {
             method: "POST",
             path: HINT_PATH.to_owned(),
             body: Some(req.encode()),
             timeout: Duration::from_millis(cfg.hint_timeout_ms),
+            request_id,
         }
     }
 
-    /// A report of finished tickets, when there are any.
-    pub fn finished(tickets: &[Ticket]) -> Option<Self> {
-        (!tickets.is_empty()).then(|| Call {
+    /// A report of finished requests, when there are any.
+    pub fn finished(finished: &[Finished]) -> Option<Self> {
+        (!finished.is_empty()).then(|| Call {
             method: "POST",
             path: FINISHED_PATH.to_owned(),
-            body: Some(encode_finished(tickets)),
+            body: Some(encode_finished(finished)),
             timeout: FINISHED_TIMEOUT,
+            request_id: None,
         })
     }
 }
 
-/// Tickets of requests that ended, waiting to ride on the next hint call or a report.
+/// Hinted requests that ended, waiting to ride on the next hint call or a report.
 #[derive(Debug, Default)]
 pub struct Unreported {
-    tickets: Vec<Ticket>,
+    finished: Vec<Finished>,
 }
 
 impl Unreported {
-    /// A request with `ticket` ended; beyond [`MAX_UNREPORTED`] waiting, it is dropped.
-    pub fn push(&mut self, ticket: Ticket) {
-        if self.tickets.len() < MAX_UNREPORTED {
-            self.tickets.push(ticket);
+    /// A hinted request ended; beyond [`MAX_UNREPORTED`] waiting, it is dropped.
+    pub fn push(&mut self, finished: Finished) {
+        if self.finished.len() < MAX_UNREPORTED {
+            self.finished.push(finished);
         }
     }
 
     /// Everything waiting, now on its way.
-    pub fn take(&mut self) -> Vec<Ticket> {
-        std::mem::take(&mut self.tickets)
+    pub fn take(&mut self) -> Vec<Finished> {
+        std::mem::take(&mut self.finished)
     }
 
     /// How many wait.
     pub fn len(&self) -> usize {
-        self.tickets.len()
+        self.finished.len()
     }
 
     /// Whether none wait.
     pub fn is_empty(&self) -> bool {
-        self.tickets.is_empty()
+        self.finished.is_empty()
     }
 }
 
@@ -266,6 +277,7 @@ pub fn catalog_due(since_last: Option<Duration>, loaded: bool, cfg: &FilterConfi
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvroute_protocol::hint::Usage;
 
     fn cfg() -> FilterConfig {
         FilterConfig::default()
@@ -373,28 +385,33 @@ mod tests {
             hashes: vec![],
             finished: vec![],
         };
-        let hint = Call::hint(&req, &c);
+        let hint = Call::hint(&req, Some("7f3c".into()), &c);
         assert_eq!(hint.timeout, Duration::from_millis(25));
         assert!(hint
             .headers(&c)
             .contains(&("content-type", HINT_CONTENT_TYPE)));
+        assert!(hint.headers(&c).contains(&("x-request-id", "7f3c")));
         assert_eq!(Call::catalog().timeout, FETCH_TIMEOUT);
         assert!(!Call::catalog()
             .headers(&c)
             .iter()
             .any(|(k, _)| *k == "content-type"));
         assert_eq!(Call::finished(&[]), None, "nothing to report, no call");
-        assert_eq!(
-            Call::finished(&[Ticket(1)]).unwrap().timeout,
-            FINISHED_TIMEOUT
-        );
+        let one = Finished {
+            ticket: Ticket(1),
+            usage: Usage::Missing,
+        };
+        assert_eq!(Call::finished(&[one]).unwrap().timeout, FINISHED_TIMEOUT);
     }
 
     #[test]
     fn unreported_tickets_are_bounded() {
         let mut u = Unreported::default();
         for i in 0..MAX_UNREPORTED as u64 + 10 {
-            u.push(Ticket(i));
+            u.push(Finished {
+                ticket: Ticket(i),
+                usage: Usage::Unanswered,
+            });
         }
         assert_eq!(u.len(), MAX_UNREPORTED);
         assert_eq!(u.take().len(), MAX_UNREPORTED);

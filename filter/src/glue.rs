@@ -12,7 +12,8 @@ use std::rc::Rc;
 use std::time::SystemTime;
 
 use kvroute_protocol::bundle::Catalog;
-use kvroute_protocol::hint::Ticket;
+use kvroute_protocol::headers::REQUEST_ID;
+use kvroute_protocol::hint::{Finished, Ticket, Usage};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
@@ -22,6 +23,7 @@ use crate::flow::{self, Call, OnBody, OnHeaders, OnHint, Unreported};
 use crate::metrics::{Counter, FallbackReason};
 use crate::models::ModelRegistry;
 use crate::plan::{plan, warm_up, Next};
+use crate::usage::{worth_scanning, UsageScanner};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -36,7 +38,7 @@ struct Shared {
     config: Rc<FilterConfig>,
     models: ModelRegistry,
     metrics: HashMap<Counter, u32>,
-    /// Tickets of hinted requests that finished, not yet reported to the sidecar.
+    /// Hinted requests that finished, not yet reported to the sidecar.
     finished: Unreported,
 }
 
@@ -93,10 +95,10 @@ impl Root {
         }
     }
 
-    /// Report finished tickets that no hint request carried (traffic paused, or unhinted).
+    /// Report finished requests that no hint request carried (traffic paused, or unhinted).
     fn report_finished(&mut self) {
-        let tickets = self.shared.borrow_mut().finished.take();
-        if let Some(call) = Call::finished(&tickets) {
+        let finished = self.shared.borrow_mut().finished.take();
+        if let Some(call) = Call::finished(&finished) {
             if let Some(token) = self.shared.borrow().dispatch(&call) {
                 self.pending.insert(token, Fetch::Finished);
             }
@@ -237,6 +239,8 @@ impl RootContext for Root {
             state: State::Passing,
             session: None,
             ticket: None,
+            response: None,
+            answered: false,
         }))
     }
 
@@ -270,6 +274,10 @@ struct Request {
     session: Option<String>,
     /// The sidecar counts this request against its worker until it is reported finished.
     ticket: Option<Ticket>,
+    /// A hinted request's successful response, read for its usage as it passes.
+    response: Option<UsageScanner>,
+    /// Whether that response was seen to its end.
+    answered: bool,
 }
 
 impl Request {
@@ -396,7 +404,8 @@ impl HttpContext for Request {
             Next::Ask(hint) => hint,
         };
         hint.finished = self.shared.borrow_mut().finished.take();
-        let sent = self.shared.borrow().dispatch(&Call::hint(&hint, &config));
+        let call = Call::hint(&hint, self.header(REQUEST_ID), &config);
+        let sent = self.shared.borrow().dispatch(&call);
         if sent.is_some() {
             self.state = State::AwaitingHint;
             Action::Pause
@@ -406,11 +415,51 @@ impl HttpContext for Request {
         }
     }
 
+    fn on_http_response_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
+        if self.ticket.is_some() && self.shared.borrow().config.read_usage {
+            let status = hostcalls::get_map_value(MapType::HttpResponseHeaders, ":status")
+                .ok()
+                .flatten();
+            if worth_scanning(status.as_deref()) {
+                self.response = Some(UsageScanner::default());
+                self.answered = end_of_stream;
+            }
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if let Some(scanner) = self.response.as_mut() {
+            // Returning Continue each time, the buffer holds only this piece.
+            if body_size > 0 {
+                match hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size) {
+                    Ok(Some(piece)) => scanner.feed(&piece),
+                    Ok(None) => {}
+                    Err(_) => self.shared.borrow().bump(Counter::HostErrors, 1),
+                }
+            }
+            self.answered |= end_of_stream;
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_trailers(&mut self, _: usize) -> Action {
+        self.answered = self.response.is_some();
+        Action::Continue
+    }
+
     /// Envoy logs a stream once it is over (finished, failed or reset): the request no longer
-    /// loads its worker.
+    /// loads its worker, and its response said what the worker had cached.
     fn on_log(&mut self) {
         if let Some(ticket) = self.ticket.take() {
-            self.shared.borrow_mut().finished.push(ticket);
+            let usage = match self.response.take() {
+                Some(scanner) => scanner.finish(self.answered),
+                None => Usage::Unanswered,
+            };
+            self.shared
+                .borrow_mut()
+                .finished
+                .push(Finished { ticket, usage });
         }
     }
 }

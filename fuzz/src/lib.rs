@@ -22,6 +22,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("llm_request", llm_request),
     ("chat_template", chat_template),
     ("filter_plan", filter_plan),
+    ("response_usage", response_usage),
 ];
 
 /// vLLM ZMQ payload and sequence frames.
@@ -40,6 +41,21 @@ pub fn dynamo_message(data: &[u8]) {
 pub fn hint_request(data: &[u8]) {
     let _ = kvroute_protocol::hint::HintRequest::decode(data);
     let _ = kvroute_protocol::hint::decode_finished(data);
+}
+
+/// What the filter reads from an engine's response: the input as one body, and cut into pieces
+/// whose sizes come from its first byte (a key or an object split across pieces).
+pub fn response_usage(data: &[u8]) {
+    use kvroute_filter::usage::UsageScanner;
+    let mut whole = UsageScanner::default();
+    whole.feed(data);
+    let _ = whole.finish(true);
+    let piece = usize::from(data.first().copied().unwrap_or(1)).max(1);
+    let mut pieces = UsageScanner::default();
+    for chunk in data.chunks(piece) {
+        pieces.feed(chunk);
+    }
+    let _ = pieces.finish(true);
 }
 
 /// An OpenAI request body (chat or completion), and the text prefix of its chat.

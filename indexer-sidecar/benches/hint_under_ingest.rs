@@ -17,7 +17,7 @@ use kvroute_protocol::dynamo::{
     KvCacheEvent, KvCacheEventData, RemovedBlocks, RouterEvent, StoredBlock, StoredBlocks,
 };
 use kvroute_protocol::hash::prefix_hashes;
-use kvroute_protocol::hint::HintRequest;
+use kvroute_protocol::hint::{Finished, HintRequest, Usage};
 use kvroute_protocol::LocalBlockHash;
 use kvroute_sidecar::config::Config;
 use kvroute_sidecar::core::{Input, Message};
@@ -153,9 +153,12 @@ fn hints(sidecar: &Sidecar, resident: &[AtomicU64], seconds: f64) -> Vec<f64> {
             finished: std::mem::take(&mut finished),
         };
         let t = Instant::now();
-        let resp = sidecar.hint(&req, Instant::now());
+        let resp = sidecar.hint(&req, None, Instant::now());
         out.push(t.elapsed().as_secs_f64() * 1e6);
-        finished.extend(resp.and_then(|r| r.ticket));
+        finished.extend(resp.and_then(|r| r.ticket).map(|ticket| Finished {
+            ticket,
+            usage: Usage::Missing,
+        }));
         i += 1;
     }
     out.sort_by(f64::total_cmp);

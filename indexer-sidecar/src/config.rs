@@ -3,6 +3,7 @@
 //! ```toml
 //! listen = "127.0.0.1:9100"        # HTTP API (hints, bundles, metrics); loopback by default
 //! unix_socket = "/run/kvroute.sock" # optional: the same API on a Unix socket
+//! explain_bytes = 16777216          # recent decisions kept for /debug/explain
 //!
 //! [nats]                            # Dynamo KV events; omit the section to disable
 //! url = "nats://127.0.0.1:4222"
@@ -42,6 +43,11 @@
 //! [alarms]                          # see docs/operations.md, "Event sources"
 //! silence_s = 30                    # no KV events this long while hints are served: alarm
 //! min_hints = 20                    # a worker hinted this often without events: alarm
+//! truth_window_s = 60               # stale_index / replica_skew weigh this much of the past
+//!
+//! [replicas]                        # see docs/operations.md, "Replicas"
+//! group = "ingress"                 # peers publish and compare on kvroute.replicas.<group>.*
+//! share_load = true                 # share requests in flight per worker, weigh the peers'
 //!
 //! [routing]
 //! min_matched_blocks = 1            # a shorter match is not worth a hint
@@ -71,6 +77,10 @@ pub struct Config {
     /// Optional Unix socket serving the same API.
     #[serde(default)]
     pub unix_socket: Option<PathBuf>,
+    /// Bytes of recent decisions `GET /debug/explain` keeps (about 1–3 KB each with a few
+    /// workers: 16 MiB is a minute at a few hundred requests a second).
+    #[serde(default = "default_explain_bytes")]
+    pub explain_bytes: usize,
     /// Dynamo event plane on NATS.
     #[serde(default)]
     pub nats: Option<NatsConfig>,
@@ -150,6 +160,11 @@ pub struct ReplicasConfig {
     /// Repair from peers: lost messages asked of them, divergent caches replaced by a clean
     /// peer's snapshot. `false` only compares (to measure what repair buys).
     pub reconcile: bool,
+    /// Share this replica's requests in flight per worker with its peers, and weigh theirs: the
+    /// load rule then sees the fleet's load, not this replica's share of it.
+    pub share_load: bool,
+    /// How often a changed in-flight count is shared (coalesced: a burst is one message).
+    pub load_interval_ms: u64,
     /// Tests only: drop this fraction (0..1) of the KV-event messages this replica ingests, to
     /// make it diverge. Never set it in production.
     pub test_drop_events: f64,
@@ -163,6 +178,8 @@ impl Default for ReplicasConfig {
             interval_ms: 2000,
             nats_url: None,
             reconcile: true,
+            share_load: true,
+            load_interval_ms: 50,
             test_drop_events: 0.0,
         }
     }
@@ -189,6 +206,12 @@ impl ReplicasConfig {
     /// then. Only losses are asked for, so this costs nothing while nothing is lost.
     pub fn fill_interval(&self) -> Duration {
         Duration::from_millis((self.interval_ms / 20).clamp(20, 200))
+    }
+
+    /// How long a peer's shared in-flight counts are believed without a new message: it shares
+    /// them at least every interval, so two intervals without one is a peer gone.
+    pub fn peer_load_ttl(&self) -> Duration {
+        Duration::from_millis(2 * self.interval_ms)
     }
 
     /// How long a lost message is asked for before the cache counts as unclean (a snapshot
@@ -301,6 +324,10 @@ fn default_poll_ms() -> u64 {
 
 fn default_grace_ms() -> u64 {
     30_000
+}
+
+fn default_explain_bytes() -> usize {
+    16 << 20
 }
 
 fn default_listen() -> SocketAddr {
@@ -586,6 +613,18 @@ impl Config {
                 bail!("model {} is configured twice", m.name);
             }
         }
+        let a = &self.alarms;
+        if a.truth_window_s == 0 {
+            bail!("[alarms] truth_window_s must be at least 1");
+        }
+        for (name, v) in [
+            ("stale_index_ratio", a.stale_index_ratio),
+            ("replica_skew_ratio", a.replica_skew_ratio),
+        ] {
+            if !(0.0..=1.0).contains(&v) {
+                bail!("[alarms] {name} = {v}: must be within 0..=1");
+            }
+        }
         if let Some(r) = &self.replicas {
             if r.nats_url.is_none() && self.nats.is_none() {
                 bail!("[replicas] needs nats_url, or a [nats] section to share");
@@ -594,6 +633,12 @@ impl Config {
                 bail!(
                     "[replicas] interval_ms = {}: must be 100..=60000",
                     r.interval_ms
+                );
+            }
+            if !(10..=r.interval_ms).contains(&r.load_interval_ms) {
+                bail!(
+                    "[replicas] load_interval_ms = {}: must be 10..=interval_ms",
+                    r.load_interval_ms
                 );
             }
             if !(0.0..=1.0).contains(&r.test_drop_events) {
@@ -707,6 +752,18 @@ pub struct AlarmConfig {
     pub silence_s: u64,
     /// Hints a worker must have received before `silent_worker` can fire for it.
     pub min_hints: u64,
+    /// Seconds of finished requests `stale_index` and `replica_skew` weigh.
+    pub truth_window_s: u64,
+    /// `stale_index`: the engine reported less than this fraction of the cached tokens the
+    /// hints to a worker predicted…
+    pub stale_index_ratio: f64,
+    /// …over at least this many predicted tokens in the window.
+    pub stale_index_min_tokens: u64,
+    /// `replica_skew`: a replica's hit rate (cached / prompt tokens its engines reported) is
+    /// below this fraction of its peers' together (and 0.05 below it)…
+    pub replica_skew_ratio: f64,
+    /// …each with at least this many prompt tokens in the window.
+    pub replica_skew_min_tokens: u64,
 }
 
 impl Default for AlarmConfig {
@@ -714,6 +771,11 @@ impl Default for AlarmConfig {
         AlarmConfig {
             silence_s: 30,
             min_hints: 20,
+            truth_window_s: 60,
+            stale_index_ratio: 0.5,
+            stale_index_min_tokens: 4096,
+            replica_skew_ratio: 0.7,
+            replica_skew_min_tokens: 16384,
         }
     }
 }

@@ -420,6 +420,7 @@ mod tests {
         AlarmConfig {
             silence_s: 0,
             min_hints: 2,
+            ..AlarmConfig::default()
         }
     }
 
@@ -504,6 +505,7 @@ mod tests {
         let slow = AlarmConfig {
             silence_s: 3600,
             min_hints: 2,
+            ..AlarmConfig::default()
         };
         assert!(
             plane.alarms(&slow, &activity, now).is_empty(),
@@ -541,6 +543,7 @@ mod tests {
         let config = AlarmConfig {
             silence_s: 30,
             min_hints: 2,
+            ..AlarmConfig::default()
         };
         let now = start + Duration::from_secs(100);
         let quiet = |hints, others: Instant| Activity {

@@ -12,10 +12,11 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use kvroute_protocol::headers::REQUEST_ID;
 use kvroute_protocol::hint::{decode_finished, HintRequest, FINISHED_PATH, HINT_PATH};
 
 use crate::core::Input;
@@ -39,7 +40,7 @@ pub fn router(state: Arc<Sidecar>) -> Router {
         .with_state(state)
 }
 
-async fn hint(State(state): State<Arc<Sidecar>>, body: Bytes) -> Response {
+async fn hint(State(state): State<Arc<Sidecar>>, headers: HeaderMap, body: Bytes) -> Response {
     let req = match HintRequest::decode(&body) {
         Ok(r) => r,
         Err(e) => {
@@ -53,7 +54,11 @@ async fn hint(State(state): State<Arc<Sidecar>>, body: Bytes) -> Response {
             return (StatusCode::BAD_REQUEST, e.to_string()).into_response();
         }
     };
-    match state.hint(&req, std::time::Instant::now()) {
+    let request_id = headers
+        .get(REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .filter(|id| id.len() <= 128);
+    match state.hint(&req, request_id, std::time::Instant::now()) {
         Some(resp) => Json(resp).into_response(),
         None => (
             StatusCode::NOT_FOUND,
@@ -115,9 +120,11 @@ async fn discovery(State(state): State<Arc<Sidecar>>) -> Response {
 
 async fn replicas(State(state): State<Arc<Sidecar>>) -> Response {
     // Our own caches first (the core's lock), then the peers' (the replicas' lock).
-    let mine: Vec<serde_json::Value> = state
-        .core()
-        .reports()
+    let (reports, served) = {
+        let core = state.core();
+        (core.reports(), core.served())
+    };
+    let mine: Vec<serde_json::Value> = reports
         .iter()
         .map(|c| {
             serde_json::json!({"worker": c.worker, "rank": c.rank, "clean": c.clean,
@@ -126,6 +133,7 @@ async fn replicas(State(state): State<Arc<Sidecar>>) -> Response {
         .collect();
     let mut body = state.replicas().debug(std::time::Instant::now());
     body["mine"] = mine.into();
+    body["served"] = crate::replicas::served_json(&served).into();
     Json(body).into_response()
 }
 

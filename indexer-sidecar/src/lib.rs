@@ -6,12 +6,15 @@
 //! - [`sidecar`]: [`sidecar::Sidecar`], the core behind its lock plus what the edges share;
 //!   the one place where what happened becomes metrics and log lines. The lock model is there.
 //! - [`event_plane`]: per-source counters (`/debug/sources`) and the event-plane alarms.
+//! - [`truth_watch`]: the alarms on what the engines reported against what was predicted
+//!   (`stale_index`, `replica_skew`).
 //! - [`transports`]: where KV events come from: NATS (Dynamo), ZMQ (vLLM).
 //! - [`observers`]: what else feeds the fleet: Dynamo discovery, Envoy's admin view, engine
 //!   `/metrics` scrapes.
 //! - [`replicas`]: how this sidecar's caches compare with its peers' (the replica plane's
 //!   state; `transports::replica_plane` carries the digests).
 //! - [`disk_snapshot`]: the index saved on local disk, and read back at start.
+//! - [`explain`]: the recent decisions `/debug/explain` shows, joined to their requests.
 //! - [`http_api`]: the HTTP API (`/v1/hint`, bundles, `/metrics`, `/debug/*`).
 //! - [`metrics`]: the Prometheus metrics served on `/metrics`.
 //! - [`config`]: the TOML configuration.
@@ -25,6 +28,7 @@ pub mod core;
 pub mod disk_snapshot;
 pub mod envoy_config;
 pub mod event_plane;
+pub mod explain;
 pub mod http_api;
 pub mod inspect;
 pub mod metrics;
@@ -32,6 +36,7 @@ pub mod observers;
 pub mod replicas;
 pub mod sidecar;
 pub mod transports;
+pub mod truth_watch;
 
 pub use crate::core::event::KvEvent;
 pub use crate::core::fleet::WorkerId;

@@ -7,6 +7,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 
 /// A closed set of label values, each with its text.
 macro_rules! label_values {
@@ -294,6 +295,61 @@ pub struct TicketLabel {
     pub how: TicketHow,
 }
 
+label_values!(
+    /// What a finished request's response said about its prompt.
+    UsageKind {
+        /// `usage.prompt_tokens_details.cached_tokens`.
+        Cached => "cached",
+        /// A usage without cached tokens.
+        PromptOnly => "prompt_only",
+        /// A successful response without a usage.
+        Missing => "missing",
+        /// A usage that could not be read.
+        Malformed => "malformed",
+        /// No successful response seen to its end.
+        Unanswered => "unanswered",
+    }
+);
+
+label_values!(
+    /// How a hint's predicted cached tokens compared with the engine's.
+    PredictionOutcome {
+        /// Within one block.
+        Exact => "exact",
+        /// More than a block above.
+        Over => "over",
+        /// More than a block below.
+        Under => "under",
+    }
+);
+
+/// `{worker, usage}` of `kvroute_served_requests_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct ServedLabels {
+    /// The worker's address.
+    pub worker: String,
+    /// What the response said.
+    pub usage: UsageKind,
+}
+
+/// `{worker, outcome}` of `kvroute_predictions_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct PredictionLabels {
+    /// The worker's address.
+    pub worker: String,
+    /// How the prediction compared.
+    pub outcome: PredictionOutcome,
+}
+
+/// `{replica, worker}` of the `kvroute_replica_*_tokens` gauges.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct ReplicaWorkerLabels {
+    /// The replica's id (this one's too).
+    pub replica: String,
+    /// The worker's address.
+    pub worker: String,
+}
+
 /// `{model, role}` of `kvroute_discovered_instances`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct RoleLabels {
@@ -378,6 +434,26 @@ pub struct Metrics {
     pub disk_snapshot_bytes: Gauge,
     /// Disk snapshots that could not be written.
     pub disk_snapshot_failures: Counter,
+    /// Hinted requests finished, by worker and what their response's usage said.
+    pub served_requests: Family<ServedLabels, Counter>,
+    /// Cached prompt tokens the hints predicted, by worker (requests whose usage said).
+    pub predicted_cached_tokens: Family<WorkerLabel, Counter>,
+    /// Cached prompt tokens the engines reported, by worker (the same requests).
+    pub actual_cached_tokens: Family<WorkerLabel, Counter>,
+    /// Prompt tokens the engines reported, by worker (the same requests).
+    pub served_prompt_tokens: Family<WorkerLabel, Counter>,
+    /// Predictions by worker and how they compared with the engine's count.
+    pub predictions: Family<PredictionLabels, Counter>,
+    /// The engine's own `vllm:prefix_cache_hits_total` (tokens) as last scraped, by worker.
+    pub engine_prefix_cache_hits: Family<WorkerLabel, Gauge<f64, AtomicU64>>,
+    /// The engine's own `vllm:prefix_cache_queries_total` (tokens) as last scraped, by worker.
+    pub engine_prefix_cache_queries: Family<WorkerLabel, Gauge<f64, AtomicU64>>,
+    /// Every replica's predicted cached tokens per worker, as it last published them.
+    pub replica_predicted_cached_tokens: Family<ReplicaWorkerLabels, Gauge>,
+    /// Every replica's reported cached tokens per worker.
+    pub replica_actual_cached_tokens: Family<ReplicaWorkerLabels, Gauge>,
+    /// Every replica's reported prompt tokens per worker.
+    pub replica_prompt_tokens: Family<ReplicaWorkerLabels, Gauge>,
     /// Tests only: KV-event messages dropped by `[replicas] test_drop_events`.
     pub test_dropped_events: Counter,
 }
@@ -429,6 +505,16 @@ impl Default for Metrics {
             restored_blocks: counter(&mut r, "restored_blocks", "Blocks put back from the disk snapshot at start"),
             disk_snapshot_bytes: gauge(&mut r, "disk_snapshot_bytes", "Bytes of the last disk snapshot written"),
             disk_snapshot_failures: counter(&mut r, "disk_snapshot_failures", "Disk snapshots that could not be written"),
+            served_requests: family(&mut r, "served_requests", "Hinted requests finished, by what their response's usage said: cached, prompt_only, missing, malformed, unanswered"),
+            predicted_cached_tokens: family(&mut r, "predicted_cached_tokens", "Cached prompt tokens the hints predicted (requests whose usage gave cached_tokens)"),
+            actual_cached_tokens: family(&mut r, "actual_cached_tokens", "Cached prompt tokens the engines reported (usage.prompt_tokens_details.cached_tokens)"),
+            served_prompt_tokens: family(&mut r, "served_prompt_tokens", "Prompt tokens the engines reported (requests whose usage gave cached_tokens)"),
+            predictions: family(&mut r, "predictions", "Predicted against reported cached tokens: exact (within one block), over, under"),
+            engine_prefix_cache_hits: family(&mut r, "engine_prefix_cache_hits", "The engine's vllm:prefix_cache_hits_total (tokens) as last scraped"),
+            engine_prefix_cache_queries: family(&mut r, "engine_prefix_cache_queries", "The engine's vllm:prefix_cache_queries_total (tokens) as last scraped"),
+            replica_predicted_cached_tokens: family(&mut r, "replica_predicted_cached_tokens", "Every replica's predicted cached tokens per worker since it started, as last published on the replica plane"),
+            replica_actual_cached_tokens: family(&mut r, "replica_actual_cached_tokens", "Every replica's reported cached tokens per worker since it started"),
+            replica_prompt_tokens: family(&mut r, "replica_prompt_tokens", "Every replica's reported prompt tokens per worker since it started (requests whose usage gave cached tokens)"),
             test_dropped_events: counter(&mut r, "test_dropped_events", "Tests only: KV-event messages dropped on purpose"),
             registry: r,
         }
@@ -473,5 +559,67 @@ impl Metrics {
         // Writing into a String cannot fail.
         let _ = encode(&mut out, &self.registry);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every query of the shipped Grafana dashboard (`dashboards/kvroute.json`) names only
+    /// metrics the sidecar exports.
+    #[test]
+    fn the_dashboard_queries_exported_metrics() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../dashboards/kvroute.json");
+        let dashboard: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        // Every family registered in `Metrics::default` (a family without samples yet is not
+        // rendered, so the registrations are read from this file).
+        let source = include_str!("metrics.rs");
+        let registered: std::collections::BTreeSet<String> = source
+            .split("&mut r,")
+            .skip(1)
+            .filter_map(|rest| {
+                let name = rest.trim_start().strip_prefix('"')?.split('"').next()?;
+                Some(format!("kvroute_{name}"))
+            })
+            .collect();
+        assert!(registered.len() > 40, "{registered:?}");
+        let mut exprs = Vec::new();
+        for panel in dashboard["panels"].as_array().unwrap() {
+            for target in panel["targets"].as_array().into_iter().flatten() {
+                exprs.push(target["expr"].as_str().unwrap().to_owned());
+            }
+        }
+        assert!(exprs.len() >= 15, "{} queries", exprs.len());
+        let mut names = std::collections::BTreeSet::new();
+        for expr in &exprs {
+            let mut found = 0;
+            for (at, _) in expr.match_indices("kvroute_") {
+                let name: String = expr[at..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                let family = ["_total", "_bucket", "_sum", "_count"]
+                    .iter()
+                    .find_map(|s| name.strip_suffix(s))
+                    .unwrap_or(&name);
+                assert!(
+                    registered.contains(family),
+                    "{expr}: {name} is not exported"
+                );
+                names.insert(family.to_owned());
+                found += 1;
+            }
+            assert!(found > 0, "{expr}: names no kvroute metric");
+        }
+        for family in [
+            "kvroute_actual_cached_tokens",
+            "kvroute_predicted_cached_tokens",
+            "kvroute_replica_caches",
+            "kvroute_replica_repairs",
+            "kvroute_alarm",
+            "kvroute_in_flight",
+        ] {
+            assert!(names.contains(family), "the dashboard shows {family}");
+        }
     }
 }

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::core::digest::{compare, Agreement, CacheReport};
+use crate::core::truth::Truth;
 
 /// What a replica publishes every interval.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -16,6 +17,10 @@ pub struct Digests {
     pub replica: String,
     /// Its caches.
     pub caches: Vec<CacheReport>,
+    /// Per worker, its finished hinted requests since it started: predicted against reported
+    /// cached tokens (a replica that does not send them yet sends none).
+    #[serde(default)]
+    pub served: Vec<(String, Truth)>,
 }
 
 pub use crate::core::digest::CacheKey;
@@ -24,6 +29,7 @@ pub use crate::core::digest::CacheKey;
 struct Peer {
     last_seen: Instant,
     caches: HashMap<CacheKey, CacheReport>,
+    served: Vec<(String, Truth)>,
     states: BTreeMap<CacheKey, Agreement>,
     /// Since when each divergent cache has been divergent.
     divergent_since: HashMap<CacheKey, Instant>,
@@ -31,6 +37,17 @@ struct Peer {
     /// since when. A message lost at the end of a burst shows as no gap until the next one
     /// arrives, which may be never: staying behind is a divergence of its own.
     behind_since: HashMap<CacheKey, (u64, Instant)>,
+}
+
+/// A replica's hinted requests in flight per worker (`kvroute.replicas.<group>.load`): sent
+/// when they change, at most every `load_interval_ms`, and every interval anyway; a worker not
+/// listed has none of its requests.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadShare {
+    /// Its id.
+    pub replica: String,
+    /// (worker address, requests in flight).
+    pub in_flight: Vec<(String, u32)>,
 }
 
 /// A request for a peer's snapshot of a cache (`kvroute.replicas.<group>.snapshot.<peer>`),
@@ -208,11 +225,13 @@ impl Replicas {
         let peer = self.peers.entry(theirs.replica.clone()).or_insert(Peer {
             last_seen: now,
             caches: HashMap::new(),
+            served: Vec::new(),
             states: BTreeMap::new(),
             divergent_since: HashMap::new(),
             behind_since: HashMap::new(),
         });
         peer.last_seen = now;
+        peer.served = theirs.served;
         peer.caches = theirs
             .caches
             .into_iter()
@@ -267,6 +286,15 @@ impl Replicas {
         }
         peer.states = states;
         changes
+    }
+
+    /// Every peer's per-worker totals, as last published: (peer, worker, totals).
+    pub fn served(&self) -> impl Iterator<Item = (&str, &str, &Truth)> {
+        self.peers.iter().flat_map(|(id, p)| {
+            p.served
+                .iter()
+                .map(move |(worker, t)| (id.as_str(), worker.as_str(), t))
+        })
     }
 
     /// Forget peers silent past the timeout; their ids.
@@ -325,6 +353,7 @@ impl Replicas {
                     "replica": id,
                     "last_seen_ms_ago": now.saturating_duration_since(p.last_seen).as_millis() as u64,
                     "caches": caches,
+                    "served": served_json(&p.served),
                 })
             })
             .collect();
@@ -335,6 +364,27 @@ impl Replicas {
             "caches": {"agree": s.agree, "divergent": s.divergent, "unknown": s.unknown},
         })
     }
+}
+
+/// Per worker: predicted and reported cached tokens, prompt tokens and the two hit rates.
+pub fn served_json(served: &[(String, Truth)]) -> Vec<serde_json::Value> {
+    served
+        .iter()
+        .map(|(worker, t)| {
+            serde_json::json!({
+                "worker": worker,
+                "requests": t.compared(),
+                "predicted_tokens": t.predicted_tokens,
+                "cached_tokens": t.cached_tokens,
+                "prompt_tokens": t.prompt_tokens,
+                "predicted_hit_rate": t.predicted_rate(),
+                "actual_hit_rate": t.actual_rate(),
+                "exact": t.exact,
+                "over": t.over,
+                "under": t.under,
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -362,6 +412,7 @@ mod tests {
         Digests {
             replica: replica.into(),
             caches,
+            served: Vec::new(),
         }
     }
 

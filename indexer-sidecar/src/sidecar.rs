@@ -13,7 +13,7 @@
 //!   ingest").
 //! - `plane` (`Mutex<EventPlane>`): per-source counters and discovery status; sources take it
 //!   per message, `/debug/sources` and the alarm check to read.
-//! - `explained` (`Mutex<VecDeque>`): the recent decisions for `/debug/explain`.
+//! - `explained` (`Mutex<ExplainLog>`): the recent decisions for `/debug/explain`.
 //! - `replicas` (`Mutex<Replicas>`): the peers' digests; the replica plane takes it per
 //!   message, `/debug/replicas` to read (our own reports are taken from the core first).
 //!
@@ -25,7 +25,7 @@
 //! atomics and take no lock of ours. A poisoned lock is used anyway: nothing panics while
 //! holding one, and the data stays consistent between core calls.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -41,18 +41,20 @@ use crate::core::event::VllmEventProblem;
 use crate::core::fleet::Role;
 use crate::core::fleet::WorkerId;
 use crate::core::policy::{Decision, Rule};
+use crate::core::truth::Prediction;
 use crate::core::{Core, Delivery, Forgot, Happened, Input, Rejected, Target, TicketClosed};
 use crate::event_plane::{Activity, Alarm, EventPlane};
+use crate::explain::ExplainLog;
 use crate::metrics::{
     AgreementLabel, AgreementValue, AlarmLabels, EventLabels, EventType, HintLabels, HintResult,
-    LostLabel, LostOutcome, Metrics, PublisherLabel, RejectLabels, RejectReason, RepairKind,
-    RepairLabel, RestoreLabel, RestoreOutcome, RoleLabels, RoleValue, SequenceKind, SequenceLabels,
-    SourceLabel, TicketHow, TicketLabel, Transport, WorkerLabel,
+    LostLabel, LostOutcome, Metrics, PredictionLabels, PredictionOutcome, PublisherLabel,
+    RejectLabels, RejectReason, RepairKind, RepairLabel, ReplicaWorkerLabels, RestoreLabel,
+    RestoreOutcome, RoleLabels, RoleValue, SequenceKind, SequenceLabels, ServedLabels, SourceLabel,
+    TicketHow, TicketLabel, Transport, UsageKind, WorkerLabel,
 };
 use crate::replicas::{Digests, Replicas};
-
-/// How many recent decisions `/debug/explain` keeps.
-const EXPLAINED: usize = 100;
+use crate::truth_watch::{Totals, TruthWatch};
+use kvroute_protocol::hint::Usage;
 
 /// Model bundles, serialized once at start.
 #[derive(Default)]
@@ -80,8 +82,9 @@ pub type Saved = (String, u32, crate::core::digest::Snapshot);
 pub struct Sidecar {
     core: Mutex<Core>,
     plane: Mutex<EventPlane>,
-    explained: Mutex<VecDeque<serde_json::Value>>,
+    explained: Mutex<ExplainLog>,
     replicas: Mutex<Replicas>,
+    truth: Mutex<TruthWatch>,
     /// Tests only (`[replicas] test_drop_events`): this fraction of KV-event messages is
     /// dropped before the core sees it; which ones depends on the replica's id, so two lossy
     /// replicas lose different messages.
@@ -141,11 +144,12 @@ impl Sidecar {
         let sidecar = Sidecar {
             core: Mutex::new(Core::new(config, random_key())),
             plane: Mutex::new(EventPlane::new(Instant::now())),
-            explained: Mutex::new(VecDeque::with_capacity(EXPLAINED)),
+            explained: Mutex::new(ExplainLog::new(config.explain_bytes)),
             replicas: Mutex::new(Replicas::new(
                 replica_id.clone().unwrap_or_default(),
                 three_intervals,
             )),
+            truth: Mutex::new(TruthWatch::default()),
             test_drop_events: replicas.map_or(0.0, |r| r.test_drop_events),
             test_drop_seed: replica_id
                 .as_ref()
@@ -275,14 +279,35 @@ impl Sidecar {
 
     /// Forget silent peers and set the replica gauges.
     pub fn replica_gauges(&self, now: Instant) {
+        let totals = self.served_totals();
         let (gone, s) = {
             let mut r = self.replicas();
             (r.expire(now), r.summary())
         };
+        let m = &self.metrics;
+        // Set afresh each time: a peer that is gone takes its series with it.
+        let families = [
+            &m.replica_predicted_cached_tokens,
+            &m.replica_actual_cached_tokens,
+            &m.replica_prompt_tokens,
+        ];
+        for f in families {
+            f.clear();
+        }
+        let clamp = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        for ((replica, worker), t) in totals {
+            let label = ReplicaWorkerLabels { replica, worker };
+            for (f, v) in
+                families
+                    .into_iter()
+                    .zip([t.predicted_tokens, t.cached_tokens, t.prompt_tokens])
+            {
+                f.get_or_create(&label).set(clamp(v));
+            }
+        }
         for peer in gone {
             tracing::warn!(%peer, "replica peer silent for three intervals: forgotten");
         }
-        let m = &self.metrics;
         m.replica_peers.set(s.peers as i64);
         for (state, n) in [
             (AgreementValue::Agree, s.agree),
@@ -593,6 +618,57 @@ impl Sidecar {
                     _ => {}
                 }
             }
+            Happened::Served {
+                ticket,
+                worker,
+                predicted_tokens,
+                usage,
+                prediction,
+            } => {
+                lock(&self.explained).served(*ticket, *predicted_tokens, *usage);
+                let kind = match usage {
+                    Usage::Cached { .. } => UsageKind::Cached,
+                    Usage::PromptOnly { .. } => UsageKind::PromptOnly,
+                    Usage::Missing => UsageKind::Missing,
+                    Usage::Malformed => UsageKind::Malformed,
+                    Usage::Unanswered => UsageKind::Unanswered,
+                };
+                m.served_requests
+                    .get_or_create(&ServedLabels {
+                        worker: worker.address.to_string(),
+                        usage: kind,
+                    })
+                    .inc();
+                if let (
+                    Usage::Cached {
+                        prompt_tokens,
+                        cached_tokens,
+                    },
+                    Some(prediction),
+                ) = (usage, prediction)
+                {
+                    let label = worker_label(worker);
+                    let prompt = u64::from(*prompt_tokens);
+                    m.predicted_cached_tokens
+                        .get_or_create(&label)
+                        .inc_by((*predicted_tokens).min(prompt));
+                    m.actual_cached_tokens
+                        .get_or_create(&label)
+                        .inc_by(u64::from(*cached_tokens));
+                    m.served_prompt_tokens.get_or_create(&label).inc_by(prompt);
+                    let outcome = match prediction {
+                        Prediction::Exact => PredictionOutcome::Exact,
+                        Prediction::Over => PredictionOutcome::Over,
+                        Prediction::Under => PredictionOutcome::Under,
+                    };
+                    m.predictions
+                        .get_or_create(&PredictionLabels {
+                            worker: label.worker,
+                            outcome,
+                        })
+                        .inc();
+                }
+            }
             Happened::Tickets { how, n } => {
                 let how = match how {
                     TicketClosed::Finished => TicketHow::Finished,
@@ -623,8 +699,14 @@ impl Sidecar {
         }
     }
 
-    /// Answer a hint request at `now` (`None`: unknown model).
-    pub fn hint(&self, req: &HintRequest, now: Instant) -> Option<HintResponse> {
+    /// Answer a hint request at `now` for the request Envoy calls `request_id` (`None`:
+    /// unknown model).
+    pub fn hint(
+        &self,
+        req: &HintRequest,
+        request_id: Option<&str>,
+        now: Instant,
+    ) -> Option<HintResponse> {
         let hint = self.core().hint(req, now);
         let Ok(hint) = hint else {
             self.metrics
@@ -663,12 +745,23 @@ impl Sidecar {
             .hints
             .get_or_create(&HintLabels { result })
             .inc();
-        self.explain(req, &resp, &hint.decision);
+        self.explain(req, request_id, &resp, &hint.decision);
         Some(resp)
     }
 
-    fn explain(&self, req: &HintRequest, resp: &HintResponse, decision: &Decision) {
+    fn explain(
+        &self,
+        req: &HintRequest,
+        request_id: Option<&str>,
+        resp: &HintResponse,
+        decision: &Decision,
+    ) {
+        let at_unix_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
         let entry = serde_json::json!({
+            "at_unix_ms": at_unix_ms,
+            "request_id": request_id,
             "model": req.model,
             "prompt_blocks": req.hashes.len(),
             "first_block": req.hashes.first().map(|h| format!("{:016x}", h.0)),
@@ -682,16 +775,14 @@ impl Sidecar {
                 "candidates": decision.candidates,
             },
         });
-        let mut recent = lock(&self.explained);
-        if recent.len() == EXPLAINED {
-            recent.pop_back();
-        }
-        recent.push_front(entry);
+        lock(&self.explained).push(resp.ticket, &entry);
     }
 
-    /// The recent decisions, newest first.
+    /// The recent decisions, newest first, with their outcomes.
     pub fn explained(&self) -> Vec<serde_json::Value> {
-        lock(&self.explained).iter().cloned().collect()
+        let tickets = lock(&self.explained).tickets();
+        let open = self.core().open_tickets(&tickets);
+        lock(&self.explained).list(|t| open.contains(&t))
     }
 
     /// The configured workers, whose engines are scraped: (id, address).
@@ -737,10 +828,33 @@ impl Sidecar {
             .silent_while_hinting(&self.alarms, last_hint, now)
     }
 
-    /// The alarms that are on at `now`.
+    /// Every replica's per-worker totals: ours from the core, the peers' as last published.
+    fn served_totals(&self) -> Totals {
+        let mine = self.core().served();
+        let r = self.replicas();
+        let me = r.me().to_owned();
+        let mut totals: Totals = mine
+            .into_iter()
+            .map(|(worker, t)| ((me.clone(), worker), t))
+            .collect();
+        for (peer, worker, t) in r.served() {
+            totals.insert((peer.to_owned(), worker.to_owned()), *t);
+        }
+        totals
+    }
+
+    /// The alarms that are on at `now`: the event plane's, and those on what the engines
+    /// reported (weighed over `[alarms] truth_window_s`).
     pub fn alarms_on(&self, now: Instant) -> Vec<Alarm> {
         let activity = self.activity();
-        self.plane().alarms(&self.alarms, &activity, now)
+        let mut on = self.plane().alarms(&self.alarms, &activity, now);
+        let totals = self.served_totals();
+        let me = self.replicas().me().to_owned();
+        let window = Duration::from_secs(self.alarms.truth_window_s);
+        let mut watch = lock(&self.truth);
+        watch.observe(now, totals, window);
+        on.extend(watch.alarms(&me, &self.alarms));
+        on
     }
 
     /// Check the alarms every few seconds, forever: a log line when one starts or stops, and
@@ -838,7 +952,7 @@ pub(crate) mod tests {
             hashes: vec![kvroute_protocol::PrefixHash(1)],
             finished: vec![],
         };
-        let resp = sidecar.hint(&req, Instant::now()).unwrap();
+        let resp = sidecar.hint(&req, Some("req-1"), Instant::now()).unwrap();
         assert!(resp.ticket.is_some(), "the filter gets its ticket");
         let shown = &sidecar.explained()[0]["decision"]["hint"];
         assert!(shown.get("ticket").is_none(), "{shown}");

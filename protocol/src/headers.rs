@@ -11,6 +11,9 @@ pub const KEY: &str = "x-kvroute-key";
 pub const INSTANCE: &str = "x-worker-instance-id";
 /// A Dynamo frontend prefills the request on this instance (pin mode, disaggregated).
 pub const PREFILL_INSTANCE: &str = "x-prefill-instance-id";
+/// Envoy's id of a request (set by its connection manager, shown in its access log): the filter
+/// sends it with the request's hint call, and `/debug/explain` shows it beside the decision.
+pub const REQUEST_ID: &str = "x-request-id";
 /// The other headers a Dynamo frontend routes by: no client may set them either.
 pub const DYNAMO_ROUTING: [&str; 7] = [
     "x-dynamo-worker-instance-id",

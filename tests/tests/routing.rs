@@ -240,6 +240,20 @@ async fn hung_sidecar_costs_at_most_the_hint_timeout() {
         timeouts >= 6 && fallbacks >= 6,
         "timeouts {timeouts}, errors {errors}, fallbacks {fallbacks}"
     );
+    // The sidecar answered the calls Envoy had given up on once it ran again: those decisions
+    // were never used, and say so once their tickets are reclaimed.
+    wait_for(
+        "the late decisions to show as not reported",
+        std::time::Duration::from_secs(10),
+        || async {
+            let explained = sidecar_json(&stack, "/debug/explain").await;
+            let entries = explained.as_array()?.clone();
+            (!entries.is_empty() && entries.iter().all(|e| e["outcome"] == "not_reported"))
+                .then_some(())
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}: {}", stack.log_tail("sidecar")));
 }
 
 /// A worker Envoy ejects (outlier detection after consecutive 5xx) is never hinted again,

@@ -5,11 +5,15 @@
 //! the turns of one conversation land on different replicas. Reported per scenario: aggregate
 //! and per-replica hit rate, agreement (the fraction of probe prompts on which every sidecar,
 //! asked directly, names the same first worker), messages lost and filled, snapshots taken,
-//! imbalance, TTFT.
+//! imbalance, TTFT, and each replica's predicted against actual hit rate (what its hints said
+//! the engines held, and what the engines reported). On the hot-prefix and system-prompt chats,
+//! 4 replicas run with and without sharing their requests in flight (`[replicas] share_load`):
+//! without it each weighs only its own quarter of the load.
 
 use std::time::Duration;
 
 use anyhow::{Context as _, Result};
+use kvroute_protocol::hint::{Finished, Usage};
 use serde_json::{json, Value};
 
 use crate::bench::{self, Scale};
@@ -27,6 +31,8 @@ pub struct Scenario {
     pub loss: f64,
     /// `[replicas] reconcile`.
     pub reconcile: bool,
+    /// `[replicas] share_load`.
+    pub share_load: bool,
 }
 
 /// The scenarios: the single lossless replica (the baseline), a single lossy one (nothing to
@@ -36,6 +42,7 @@ pub fn scenarios() -> Vec<Scenario> {
         replicas,
         loss,
         reconcile,
+        share_load: true,
     };
     vec![
         s(1, 0.0, true),
@@ -47,6 +54,17 @@ pub fn scenarios() -> Vec<Scenario> {
         s(4, 0.1, false),
         s(4, 0.1, true),
     ]
+}
+
+/// The load-sharing comparison: one replica (the baseline), then 4 without and with sharing.
+pub fn sharing_scenarios() -> Vec<Scenario> {
+    let s = |replicas, share_load| Scenario {
+        replicas,
+        loss: 0.0,
+        reconcile: true,
+        share_load,
+    };
+    vec![s(1, true), s(4, false), s(4, true)]
 }
 
 /// What the benchmark runs.
@@ -64,6 +82,8 @@ pub struct ReplicasBench {
     pub scenarios: Vec<Scenario>,
     /// The workloads run, by name.
     pub workloads: Vec<&'static str>,
+    /// The workloads run with [`sharing_scenarios`].
+    pub sharing: Vec<&'static str>,
 }
 
 impl ReplicasBench {
@@ -77,6 +97,7 @@ impl ReplicasBench {
             probes: 200,
             scenarios: scenarios(),
             workloads: vec!["conversation_trace", "multi_turn"],
+            sharing: vec!["hot_prefix", "system_prompt"],
         }
     }
 }
@@ -137,7 +158,10 @@ pub async fn agreement(
             let answer = ask_hint(http, base, &hint)
                 .await
                 .with_context(|| format!("asking {base} for a hint"))?;
-            finished[r].extend(answer.ticket);
+            finished[r].extend(answer.ticket.map(|ticket| Finished {
+                ticket,
+                usage: Usage::Unanswered,
+            }));
             first.push(answer.workers.first().cloned());
         }
         asked += 1;
@@ -163,7 +187,7 @@ async fn run_scenario(
     scenario: Scenario,
 ) -> Result<Value> {
     let name = format!(
-        "bench-replicas-{}-{}x-{}-{}",
+        "bench-replicas-{}-{}x-{}-{}-{}",
         workload.name,
         scenario.replicas,
         (scenario.loss * 100.0).round(),
@@ -171,6 +195,11 @@ async fn run_scenario(
             "repair"
         } else {
             "norepair"
+        },
+        if scenario.share_load {
+            "shared"
+        } else {
+            "alone"
         }
     );
     let mut opts = StackOptions::new(&name, Mode::Kvroute);
@@ -179,20 +208,26 @@ async fn run_scenario(
         count: scenario.replicas,
         interval_ms: bench.interval_ms,
         loss: scenario.loss,
+        lossy: None,
         reconcile: scenario.reconcile,
+        share_load: scenario.share_load,
+        // The simulator's requests last tens of milliseconds, real ones seconds: the shares are
+        // made as much fresher as the requests are shorter.
+        load_interval_ms: 10,
     });
     let mut stack = Stack::start(opts).await?;
     let routers: Vec<String> = stack.replicas.iter().map(|r| r.envoy_url.clone()).collect();
     let target = Target::Spread(routers);
     let label = format!(
-        "{}x loss {} {}",
+        "{}x loss {} {}{}",
         scenario.replicas,
         scenario.loss,
         if scenario.reconcile {
             "repair"
         } else {
             "no repair"
-        }
+        },
+        if scenario.share_load { "" } else { " unshared" }
     );
     let outcomes = bench::run_workload(
         &stack.http,
@@ -217,11 +252,15 @@ async fn run_scenario(
     )
     .await?;
     let mut sums = [0.0; 5];
+    let (mut predicted, mut actual) = (Vec::new(), Vec::new());
     for base in &sidecars {
         let text = crate::client::get_text(&stack.http, &format!("{base}/metrics"))
             .await
             .unwrap_or_default();
         let one = |name: &str| prometheus::sum_where(&text, |l| l.starts_with(name));
+        let prompt = one("kvroute_served_prompt_tokens_total").max(1.0);
+        predicted.push(one("kvroute_predicted_cached_tokens_total") / prompt);
+        actual.push(one("kvroute_actual_cached_tokens_total") / prompt);
         for (sum, series) in sums.iter_mut().zip([
             "kvroute_test_dropped_events_total",
             "kvroute_replica_lost_messages_total{outcome=\"filled\"}",
@@ -261,7 +300,10 @@ async fn run_scenario(
         "replicas": scenario.replicas,
         "loss": scenario.loss,
         "reconcile": scenario.reconcile,
+        "share_load": scenario.share_load,
         "agreement": agreement,
+        "predicted_per_replica": predicted,
+        "actual_per_replica": actual,
         "hit_rate_per_replica": per_replica,
         "events_dropped": sums[0],
         "messages_filled": sums[1],
@@ -282,12 +324,17 @@ async fn run_scenario(
 /// first scenario of its workload (the single lossless replica).
 pub async fn run(bench: &ReplicasBench, out: &std::path::Path) -> Result<String> {
     let mut rows = Vec::new();
-    for workload in bench::workloads(bench.scale)?
-        .into_iter()
-        .filter(|w| bench.workloads.contains(&w.name))
-    {
+    let sharing = sharing_scenarios();
+    for workload in bench::workloads(bench.scale)? {
+        let scenarios = if bench.workloads.contains(&workload.name) {
+            &bench.scenarios
+        } else if bench.sharing.contains(&workload.name) {
+            &sharing
+        } else {
+            continue;
+        };
         let mut baseline = None;
-        for &scenario in &bench.scenarios {
+        for &scenario in scenarios {
             let mut row = run_scenario(bench, &workload, scenario)
                 .await
                 .with_context(|| format!("{} / {scenario:?}", workload.name))?;
@@ -311,7 +358,7 @@ pub async fn run(bench: &ReplicasBench, out: &std::path::Path) -> Result<String>
 /// The markdown table of a `replicas.json` document.
 pub fn markdown(doc: &Value) -> String {
     let mut out = String::from(
-        "| workload | replicas | loss | repair | hit rate | vs 1 lossless | per replica | agreement | lost → filled / unfilled | snapshots | imbalance | TTFT p95 (ms) | hinted | errors |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| workload | replicas | loss | repair | shared load | hit rate | vs 1 lossless | per replica | predicted / actual per replica | agreement | lost → filled / unfilled | snapshots | imbalance | TTFT p95 (ms) | hinted | errors |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in doc.as_array().into_iter().flatten() {
         let f = |k: &str| r[k].as_f64().unwrap_or(0.0);
@@ -321,15 +368,27 @@ pub fn markdown(doc: &Value) -> String {
             .flatten()
             .map(|h| format!("{:.1}", h.as_f64().unwrap_or(0.0) * 100.0))
             .collect();
+        let rate = |k: &str, i: usize| r[k][i].as_f64().unwrap_or(0.0) * 100.0;
+        let truth: Vec<String> = (0..r["predicted_per_replica"].as_array().map_or(0, Vec::len))
+            .map(|i| {
+                format!(
+                    "{:.1}/{:.1}",
+                    rate("predicted_per_replica", i),
+                    rate("actual_per_replica", i)
+                )
+            })
+            .collect();
         out.push_str(&format!(
-            "| {} | {} | {:.0}% | {} | {:.1}% | {:.1}% | {} | {:.1}% | {:.0} → {:.0} / {:.0} | {:.0} | {:.2} | {:.1} | {:.1}% | {} |\n",
+            "| {} | {} | {:.0}% | {} | {} | {:.1}% | {:.1}% | {} | {} | {:.1}% | {:.0} → {:.0} / {:.0} | {:.0} | {:.2} | {:.1} | {:.1}% | {} |\n",
             r["workload"].as_str().unwrap_or(""),
             r["replicas"],
             f("loss") * 100.0,
             if r["reconcile"] == true { "on" } else { "off" },
+            if r["share_load"] == false { "off" } else { "on" },
             f("hit_rate") * 100.0,
             f("hit_rate_vs_single") * 100.0,
             per.join(" / "),
+            truth.join(" · "),
             f("agreement") * 100.0,
             f("events_dropped"),
             f("messages_filled"),

@@ -57,6 +57,52 @@ impl Outcome {
     }
 }
 
+/// Send one request without streaming (`stream: false`): the whole answer in one JSON body.
+pub async fn send_whole(http: &reqwest::Client, url: &str, body: &Value) -> Outcome {
+    let mut body = body.clone();
+    body["stream"] = Value::Bool(false);
+    let start = Instant::now();
+    let mut out = Outcome::default();
+    let resp = match http
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+    {
+        Ok(r) => r,
+        Err(e) => {
+            out.error = Some(e.to_string());
+            return out;
+        }
+    };
+    out.status = resp.status().as_u16();
+    out.engine = resp
+        .headers()
+        .get(ENGINE_HEADER)
+        .and_then(|v| v.to_str().ok()?.parse().ok());
+    let answer: Value = match resp.json().await {
+        Ok(v) => v,
+        Err(e) => {
+            out.error = Some(e.to_string());
+            return out;
+        }
+    };
+    out.ttft = start.elapsed();
+    match answer.get("usage").filter(|u| !u.is_null()) {
+        Some(usage) => {
+            out.prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0);
+            out.cached_tokens = usage
+                .pointer("/prompt_tokens_details/cached_tokens")
+                .and_then(Value::as_u64)
+                .unwrap_or(0);
+        }
+        None if out.status == 200 => out.error = Some("no usage in the answer".into()),
+        None => {}
+    }
+    out
+}
+
 /// Send one request streaming (`stream: true` with usage) and measure it.
 pub async fn send_streaming(http: &reqwest::Client, url: &str, body: &Value) -> Outcome {
     let mut body = body.clone();

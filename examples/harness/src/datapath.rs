@@ -144,11 +144,14 @@ pub async fn run(scale: Scale, out: &Path) -> Result<Value> {
     };
     // `filter_only`: the filter with hints off — parse, template, tokenize and hash inside
     // Envoy, no sidecar call: what preparing a request costs on the event loop.
-    let setups: [(&str, Mode, bool); 4] = [
-        ("plain", Mode::RoundRobin, false),
-        ("filter_only", Mode::RingHash, false),
-        ("kvroute", Mode::Kvroute, false),
-        ("kvroute_uds", Mode::Kvroute, true),
+    // `kvroute_no_usage`: the same without reading the responses' usage, so `kvroute −
+    // kvroute_no_usage` is what reading them costs.
+    let setups: [(&str, Mode, bool, bool); 5] = [
+        ("plain", Mode::RoundRobin, false, true),
+        ("filter_only", Mode::RingHash, false, true),
+        ("kvroute", Mode::Kvroute, false, true),
+        ("kvroute_no_usage", Mode::Kvroute, false, false),
+        ("kvroute_uds", Mode::Kvroute, true, true),
     ];
     let (n1, n16) = match scale {
         Scale::Smoke => (5, 16),
@@ -164,8 +167,10 @@ pub async fn run(scale: Scale, out: &Path) -> Result<Value> {
     for (name, _) in &bodies {
         cases.insert((*name).to_owned(), json!({}));
     }
-    for (setup, mode, uds) in setups {
+    for (setup, mode, uds, read_usage) in setups {
         let mut opts = StackOptions::new(&format!("datapath-{setup}"), mode);
+        opts.filter_extra
+            .insert("read_usage".into(), read_usage.into());
         opts.sim.instant = true;
         opts.sim.engines = 1;
         opts.sidecar_uds = uds;
@@ -192,6 +197,15 @@ pub async fn run(scale: Scale, out: &Path) -> Result<Value> {
         case["added_p50_us"] = json!(kv - plain);
         let prepare = case["filter_only"]["p50_us"].as_f64().unwrap_or(0.0);
         case["prepare_p50_us"] = json!(prepare - plain);
+        let unread = case["kvroute_no_usage"]["p50_us"].as_f64().unwrap_or(0.0);
+        case["usage_p50_us"] = json!(kv - unread);
+        let cpu = |setup: &str| {
+            case[setup]["envoy_cpu_us_per_request"]
+                .as_f64()
+                .unwrap_or(0.0)
+        };
+        let usage_cpu = cpu("kvroute") - cpu("kvroute_no_usage");
+        case["usage_cpu_us"] = json!(usage_cpu);
     }
     // Envoy runs one VM per worker thread plus one on the main thread.
     let vms = (StackOptions::new("", Mode::Kvroute).envoy_concurrency + 1) as f64;

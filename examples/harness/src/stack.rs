@@ -106,8 +106,14 @@ pub struct ReplicaOptions {
     /// `[replicas] test_drop_events` of every sidecar: each loses this fraction of the KV-event
     /// messages, different ones.
     pub loss: f64,
+    /// Only this replica loses messages (`None`: every one).
+    pub lossy: Option<usize>,
     /// `[replicas] reconcile`.
     pub reconcile: bool,
+    /// `[replicas] share_load`.
+    pub share_load: bool,
+    /// `[replicas] load_interval_ms`.
+    pub load_interval_ms: u64,
 }
 
 /// One sidecar + Envoy pair of a stack.
@@ -517,6 +523,30 @@ impl Stack {
         Ok(())
     }
 
+    /// Kill the sidecar of replica `i` (1…: not the stack's own) and start it again on its
+    /// configuration as `edit` changes it: a replica redeployed with another setting.
+    pub async fn restart_replica_sidecar(
+        &mut self,
+        i: usize,
+        edit: impl FnOnce(String) -> String,
+    ) -> Result<()> {
+        let url = self
+            .replicas
+            .get(i)
+            .filter(|_| i > 0)
+            .context("no such replica")?
+            .sidecar_url
+            .clone();
+        let dir = self.dir.join(format!("replica-{i}"));
+        let name = format!("sidecar-{i}");
+        self.kill(&name);
+        let path = dir.join("sidecar.toml");
+        std::fs::write(&path, edit(std::fs::read_to_string(&path)?))?;
+        let sidecar = start_sidecar(&dir, &name, &url, &self.http).await?;
+        self.processes.push(sidecar);
+        Ok(())
+    }
+
     /// Real vLLM: start engine `index` again on its ports (after [`Stack::kill`] or
     /// [`Stack::signal`] stopped it) and wait until it serves.
     pub async fn start_vllm_engine(&mut self, index: usize) -> Result<()> {
@@ -723,9 +753,14 @@ fn sidecar_text(
         "\n[envoy]\nadmin_url = \"http://127.0.0.1:{admin}\"\npoll_interval_ms = 100\n"
     ));
     if let Some(r) = &opts.replicas {
+        let loss = if r.lossy.is_none_or(|l| l == replica) {
+            r.loss
+        } else {
+            0.0
+        };
         text.push_str(&format!(
-            "\n[replicas]\ngroup = \"stack\"\nid = \"r{replica}\"\ninterval_ms = {}\nreconcile = {}\ntest_drop_events = {}\n",
-            r.interval_ms, r.reconcile, r.loss
+            "\n[replicas]\ngroup = \"stack\"\nid = \"r{replica}\"\ninterval_ms = {}\nreconcile = {}\nshare_load = {}\nload_interval_ms = {}\ntest_drop_events = {loss}\n",
+            r.interval_ms, r.reconcile, r.share_load, r.load_interval_ms
         ));
     }
     text.push('\n');

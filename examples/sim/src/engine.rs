@@ -225,11 +225,15 @@ impl Engine {
             _kv: kv,
             engine: self.clone(),
         };
+        // vLLM computes at least the prompt's last token, so a prompt of whole blocks found
+        // all cached uses one block less (`max_cache_hit_length = num_tokens - 1`).
+        let usable = prompt_tokens.saturating_sub(1) / self.block_size().max(1);
         let hit_blocks = self
             .cache
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .peek(&prefixes);
+            .peek(&prefixes)
+            .min(usable);
         let cached_tokens = hit_blocks * self.block_size();
         self.stats
             .prefix_queries
@@ -251,6 +255,12 @@ impl Engine {
         if let Some(events) = &self.events {
             let _ = events.send(vec![CacheChange::Restarted]);
         }
+    }
+
+    /// Forget every cached block without a word to subscribers: what a router sees when the
+    /// engine's removals are lost on the way (the test hook behind `stale_index`).
+    pub fn evict_silently(&self) {
+        self.cache.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
     fn store(&self, blocks: &[(u64, PrefixHash)], tokens: &[u32], req: &LlmRequest) {

@@ -1,4 +1,10 @@
 //! The OpenAI-compatible HTTP face of an engine, with vLLM's metric names.
+//!
+//! Test hooks in the request body, beside the OpenAI fields (no engine sends these shapes on
+//! purpose; tests need them to show that kvroute passes any response through unchanged):
+//! `"sim_usage": "omit"` answers without any usage, `"sim_usage": "malformed"` with
+//! `"prompt_tokens": "many"`, and `"sim_pad_bytes": n` adds an n-byte `sim_pad` string to every
+//! streamed chunk (a huge stream).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -16,16 +22,22 @@ use crate::engine::{Engine, Running};
 
 /// A router that answers every completion at once without reading the prompt: the "upstream
 /// that answers instantly" of the data-path benchmark, so only the proxy's cost is measured.
+/// The answer is shaped like an engine's: 128 tokens of text, then the usage with its details.
 pub fn instant_router(index: usize) -> Router {
+    let answer = Arc::new(
+        json!({"id": "instant", "object": "chat.completion", "model": "instant",
+        "choices": [{"index": 0, "finish_reason": "length",
+            "message": {"role": "assistant", "content": " token".repeat(128)}}],
+        "usage": {"prompt_tokens": 1000, "completion_tokens": 128, "total_tokens": 1128,
+            "prompt_tokens_details": {"cached_tokens": 0}}}),
+    );
     // The body is read before answering: replying mid-upload would make the proxy see resets.
-    let answer = |_body: Bytes| async {
-        Json(
-            json!({"id": "instant", "object": "chat.completion", "choices": [],
-            "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}}),
-        )
+    let answer = move |_body: Bytes| {
+        let answer = Arc::clone(&answer);
+        async move { Json((*answer).clone()) }
     };
     Router::new()
-        .route("/v1/chat/completions", post(answer))
+        .route("/v1/chat/completions", post(answer.clone()))
         .route("/v1/completions", post(answer))
         .route("/health", get(|| async { "" }))
         .layer(axum::extract::DefaultBodyLimit::max(64 << 20))
@@ -93,6 +105,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/admin/fail_next", post(set_fail_next))
         .route("/admin/drop_events", post(set_drop_events))
         .route("/admin/restart", post(restart))
+        .route("/admin/evict_silently", post(evict_silently))
         .route("/metrics", get(metrics))
         .route("/oracle", post(oracle))
         .route("/tokenize", post(tokenize))
@@ -170,6 +183,17 @@ async fn generate(engine: Arc<Engine>, body: Bytes, api: Api) -> Response {
         .pointer("/stream_options/include_usage")
         .and_then(Value::as_bool)
         .unwrap_or(false);
+    let shape = Shape {
+        usage: match extras.get("sim_usage").and_then(Value::as_str) {
+            Some("omit") => UsageShape::Omit,
+            Some("malformed") => UsageShape::Malformed,
+            _ => UsageShape::Normal,
+        },
+        pad: extras
+            .get("sim_pad_bytes")
+            .and_then(Value::as_u64)
+            .map_or(0, |n| n.min(1 << 20) as usize),
+    };
     let running = match engine.prefill(&req).await {
         Ok(None) => {
             let limit = engine.config.max_model_len;
@@ -189,6 +213,7 @@ async fn generate(engine: Arc<Engine>, body: Bytes, api: Api) -> Response {
             req.model,
             max_tokens,
             include_usage,
+            shape,
         );
         return (
             [(header::CONTENT_TYPE, "text/event-stream")],
@@ -208,15 +233,41 @@ async fn generate(engine: Arc<Engine>, body: Bytes, api: Api) -> Response {
         Api::Chat => "chat.completion",
         Api::Completions => "text_completion",
     };
-    let body = json!({
+    let mut body = json!({
         "id": format!("sim-{}", engine.config.index),
         "object": object,
         "model": req.model,
         "choices": [choice],
-        "usage": usage(&running, max_tokens),
     });
+    if let Some(u) = shape.usage(&running, max_tokens) {
+        body["usage"] = u;
+    }
     drop(running);
     Json(body).into_response()
+}
+
+/// The test hooks' answer shape.
+#[derive(Clone, Copy)]
+struct Shape {
+    usage: UsageShape,
+    pad: usize,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum UsageShape {
+    Normal,
+    Omit,
+    Malformed,
+}
+
+impl Shape {
+    fn usage(self, running: &Running, completion_tokens: u32) -> Option<Value> {
+        match self.usage {
+            UsageShape::Normal => Some(usage(running, completion_tokens)),
+            UsageShape::Omit => None,
+            UsageShape::Malformed => Some(json!({"prompt_tokens": "many"})),
+        }
+    }
 }
 
 fn usage(running: &Running, completion_tokens: u32) -> Value {
@@ -240,16 +291,21 @@ fn token_stream(
     model: String,
     max_tokens: u32,
     include_usage: bool,
+    shape: Shape,
 ) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> {
     let step = engine.decode_time(1);
     let object = match api {
         Api::Chat => "chat.completion.chunk",
         Api::Completions => "text_completion",
     };
+    let pad = "p".repeat(shape.pad);
     let chunk = move |choices: Value, usage: Option<Value>| {
         let mut v = json!({"id": "sim", "object": object, "model": model, "choices": choices});
         if let Some(u) = usage {
             v["usage"] = u;
+        }
+        if !pad.is_empty() {
+            v["sim_pad"] = Value::String(pad.clone());
         }
         Bytes::from(format!("data: {v}\n\n"))
     };
@@ -274,8 +330,8 @@ fn token_stream(
                 return Some((Ok(out), (sent + 1, Some(running))));
             }
             let mut tail = Vec::new();
-            if include_usage {
-                tail.extend_from_slice(&chunk(json!([]), Some(usage(&running, max_tokens))));
+            if let Some(u) = shape.usage(&running, max_tokens).filter(|_| include_usage) {
+                tail.extend_from_slice(&chunk(json!([]), Some(u)));
             }
             tail.extend_from_slice(b"data: [DONE]\n\n");
             drop(running);
@@ -331,6 +387,13 @@ async fn set_drop_events(State(engine): State<Arc<Engine>>, body: String) -> Sta
 /// starts over, as a restarted vLLM process would.
 async fn restart(State(engine): State<Arc<Engine>>) -> StatusCode {
     engine.restart();
+    StatusCode::OK
+}
+
+/// `POST /admin/evict_silently`: the cache is emptied and no event says so, as if every
+/// removal were lost on its way to the routers.
+async fn evict_silently(State(engine): State<Arc<Engine>>) -> StatusCode {
+    engine.evict_silently();
     StatusCode::OK
 }
 

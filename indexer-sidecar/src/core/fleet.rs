@@ -14,6 +14,7 @@ use crate::config::WorkerConfig;
 use crate::core::cursor::Cursor;
 use crate::core::digest::CacheLog;
 use crate::core::load::{Load, WorkerLoad};
+use crate::core::truth::Truth;
 use crate::core::DiscoveredInstance;
 
 /// Dense index of a worker in the [`Fleet`].
@@ -143,6 +144,8 @@ pub struct Worker {
     pub capacity: Option<u64>,
     /// Per data-parallel rank: its cache's recent past ([`CacheLog`]).
     pub logs: BTreeMap<u32, CacheLog>,
+    /// Its finished hinted requests: predicted against actual cached tokens.
+    pub truth: Truth,
 }
 
 impl Worker {
@@ -169,6 +172,7 @@ impl Worker {
             component: None,
             capacity: None,
             logs: BTreeMap::new(),
+            truth: Truth::default(),
         }
     }
 

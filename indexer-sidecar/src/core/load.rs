@@ -10,7 +10,7 @@
 //! ticket older than one scrape interval was at the engine when it was scraped, so if the engine
 //! reports fewer requests than such tickets, the oldest surplus ones have finished.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 /// One worker's load as the router sees it.
@@ -27,6 +27,9 @@ pub struct Load {
     /// Requests it had at the last scrape beyond those hinted by this sidecar (other routers,
     /// unhinted requests).
     pub unhinted: f64,
+    /// Requests the other replicas hinted to it that have not finished, as they last shared
+    /// them on the replica plane.
+    pub peers_in_flight: f64,
     /// Prompt blocks waiting for or in prefill, from Dynamo's `kv_metrics` (summed over data
     /// parallel ranks): work a new request queues behind, in the cost's own unit.
     pub queued_prefill_blocks: f64,
@@ -39,13 +42,19 @@ pub struct Load {
 }
 
 impl Load {
-    /// Requests it has: the hinted ones not finished (exact, current) plus the unhinted ones
-    /// as of the last scrape. Not the scraped total itself: requests finish within
-    /// milliseconds, so it is stale long before the next scrape.
+    /// Requests it has: the hinted ones not finished (exact, current) plus the others — the
+    /// ones the other replicas hinted (fresh, shared every few tens of ms) or the unhinted ones
+    /// as of the last scrape, whichever is more (the scrape counts the peers' requests too,
+    /// but late). Not the scraped total itself: requests finish within milliseconds, so it is
+    /// stale long before the next scrape.
     pub fn busy(&self) -> f64 {
-        self.hinted_in_flight + self.unhinted
+        self.hinted_in_flight + self.peers_in_flight.max(self.unhinted)
     }
 }
+
+/// Reclaimed tickets remembered per worker, so that a report arriving after its ticket was
+/// reclaimed (a response still streaming to a slow client) still says what was cached.
+const SETTLED: usize = 256;
 
 /// Tickets never reported nor reclaimed (no scrapes) are dropped after this long: the shipped
 /// route timeout, so no request still running is forgotten.
@@ -66,10 +75,39 @@ pub struct Reclaimed {
 pub struct WorkerLoad {
     envoy_active: f64,
     scraped: Option<Load>,
-    /// Open tickets: sequence number → when it was issued (sequence order is time order).
-    open: BTreeMap<u64, Instant>,
+    /// Open tickets: sequence number → when it was issued (sequence order is time order) and
+    /// the prompt tokens its hint predicted the worker holds.
+    open: BTreeMap<u64, (Instant, u64)>,
     /// Latest `kv_metrics` per data-parallel rank: (queued prefill blocks, KV blocks used).
     dynamo: BTreeMap<u32, (f64, f64)>,
+    /// The last [`SETTLED`] reclaimed or expired tickets: (sequence number, predicted tokens).
+    settled: VecDeque<(u64, u64)>,
+    /// Per peer replica: its requests in flight here, and when it said so.
+    peers: BTreeMap<String, (u32, Instant)>,
+}
+
+/// A reported ticket that was issued by this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Closed {
+    /// It was open: the request no longer loads the worker.
+    Open {
+        /// The prompt tokens its hint predicted cached.
+        predicted: u64,
+    },
+    /// A scrape or its lifetime had closed it already.
+    Late {
+        /// The prompt tokens its hint predicted cached.
+        predicted: u64,
+    },
+}
+
+impl Closed {
+    /// The prompt tokens its hint predicted cached.
+    pub fn predicted(self) -> u64 {
+        match self {
+            Closed::Open { predicted } | Closed::Late { predicted } => predicted,
+        }
+    }
 }
 
 impl WorkerLoad {
@@ -78,33 +116,77 @@ impl WorkerLoad {
         let mut load = self.scraped.unwrap_or_default();
         load.envoy_active = self.envoy_active;
         load.hinted_in_flight = self.open.len() as f64;
+        load.peers_in_flight = self.peers.values().map(|&(n, _)| f64::from(n)).sum();
         load.queued_prefill_blocks = self.dynamo.values().map(|r| r.0).sum();
         load.kv_used_blocks = self.dynamo.values().map(|r| r.1).sum();
         load
     }
 
-    /// Count hinted request `seq`, issued at `now`, until [`WorkerLoad::close`].
-    pub fn open(&mut self, seq: u64, now: Instant) {
-        self.open.insert(seq, now);
+    /// Count hinted request `seq`, issued at `now` with `predicted` cached prompt tokens,
+    /// until [`WorkerLoad::close`].
+    pub fn open(&mut self, seq: u64, now: Instant, predicted: u64) {
+        self.open.insert(seq, (now, predicted));
     }
 
-    /// Request `seq` finished: whether its ticket was open (not reported twice, not already
-    /// reclaimed, not issued by an earlier sidecar process).
-    pub fn close(&mut self, seq: u64) -> bool {
-        self.open.remove(&seq).is_some()
+    /// Request `seq` finished: how its ticket stood (`None`: reported twice, or not issued
+    /// by this process).
+    pub fn close(&mut self, seq: u64) -> Option<Closed> {
+        if let Some((_, predicted)) = self.open.remove(&seq) {
+            return Some(Closed::Open { predicted });
+        }
+        let at = self.settled.iter().position(|&(s, _)| s == seq)?;
+        let (_, predicted) = self.settled.remove(at)?;
+        Some(Closed::Late { predicted })
+    }
+
+    fn settle(&mut self, seq: u64, predicted: u64) {
+        if self.settled.len() == SETTLED {
+            self.settled.pop_front();
+        }
+        self.settled.push_back((seq, predicted));
     }
 
     /// Close the tickets older than their lifetime at `now`; how many.
     pub fn expire(&mut self, now: Instant) -> u64 {
         let mut expired = 0;
         while let Some(entry) = self.open.first_entry() {
-            if now.saturating_duration_since(*entry.get()) < TICKET_LIFETIME {
+            if now.saturating_duration_since(entry.get().0) < TICKET_LIFETIME {
                 break;
             }
-            entry.remove();
+            let (seq, (_, predicted)) = entry.remove_entry();
+            self.settle(seq, predicted);
             expired += 1;
         }
         expired
+    }
+
+    /// Peer replica `peer` has `in_flight` requests here as of `now` (0: none; forgotten).
+    /// Whether that changed what it had.
+    pub fn peer_in_flight(&mut self, peer: &str, in_flight: u32, now: Instant) -> bool {
+        if in_flight == 0 {
+            return self.peers.remove(peer).is_some_and(|(n, _)| n > 0);
+        }
+        let before = self.peers.insert(peer.to_owned(), (in_flight, now));
+        before.is_none_or(|(n, _)| n != in_flight)
+    }
+
+    /// Forget what peers said longer than `ttl` before `now` (a peer gone, or the plane down);
+    /// whether anything was forgotten.
+    pub fn expire_peers(&mut self, now: Instant, ttl: Duration) -> bool {
+        let before = self.peers.len();
+        self.peers
+            .retain(|_, (_, at)| now.saturating_duration_since(*at) < ttl);
+        self.peers.len() != before
+    }
+
+    /// Whether ticket `seq` is open.
+    pub fn is_open(&self, seq: u64) -> bool {
+        self.open.contains_key(&seq)
+    }
+
+    /// Requests hinted to it by this sidecar that have not finished.
+    pub fn own_in_flight(&self) -> usize {
+        self.open.len()
     }
 
     /// Record a Dynamo `kv_metrics` message of data-parallel rank `dp_rank`.
@@ -136,17 +218,26 @@ impl WorkerLoad {
             ..Reclaimed::default()
         };
         self.scraped = load;
-        let open = &mut self.open;
-        if let (Some(load), Some(slot)) = (load, self.scraped.as_mut()) {
-            let reported = (load.running + load.waiting).max(0.0);
-            let settled_before = now.checked_sub(settle).unwrap_or(now);
-            let settled = open.values().take_while(|&&t| t <= settled_before).count();
-            let surplus = settled.saturating_sub(reported as usize);
-            for _ in 0..surplus {
-                open.pop_first();
+        let Some(load) = load else {
+            return out;
+        };
+        let reported = (load.running + load.waiting).max(0.0);
+        let settled_before = now.checked_sub(settle).unwrap_or(now);
+        let settled = self
+            .open
+            .values()
+            .take_while(|&&(t, _)| t <= settled_before)
+            .count();
+        let surplus = settled.saturating_sub(reported as usize);
+        for _ in 0..surplus {
+            if let Some((seq, (_, predicted))) = self.open.pop_first() {
+                self.settle(seq, predicted);
             }
-            out.surplus = surplus as u64;
-            slot.unhinted = (reported - open.len() as f64).max(0.0);
+        }
+        out.surplus = surplus as u64;
+        let open = self.open.len() as f64;
+        if let Some(slot) = self.scraped.as_mut() {
+            slot.unhinted = (reported - open).max(0.0);
         }
         out
     }
@@ -177,6 +268,27 @@ pub fn parse_vllm_metrics(text: &str) -> Option<Load> {
     seen.then_some(load)
 }
 
+/// The engine's own prefix-cache counters, in tokens: (`vllm:prefix_cache_hits_total`,
+/// `vllm:prefix_cache_queries_total`), summed over label sets; `None` when it has neither.
+pub fn parse_vllm_prefix_cache(text: &str) -> Option<(f64, f64)> {
+    let (mut hits, mut queries, mut seen) = (0.0, 0.0, false);
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((series, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let Some(value) = value.trim().parse::<f64>().ok().filter(|v| v.is_finite()) else {
+            continue;
+        };
+        match series.split('{').next().unwrap_or(series) {
+            "vllm:prefix_cache_hits_total" => hits += value,
+            "vllm:prefix_cache_queries_total" => queries += value,
+            _ => continue,
+        }
+        seen = true;
+    }
+    seen.then_some((hits, queries))
+}
+
 /// Blocks one KV cache of a vLLM engine holds: `num_gpu_blocks` of `vllm:cache_config_info`
 /// (the smallest, when several engines — data-parallel ranks — share one endpoint).
 pub fn parse_vllm_capacity(text: &str) -> Option<u64> {
@@ -193,6 +305,16 @@ pub fn parse_vllm_capacity(text: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parses_vllm_prefix_cache_counters() {
+        let text = "# TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total{engine=\"0\"} 480.0\nvllm:prefix_cache_queries_total{engine=\"0\"} 1000.0\nvllm:prefix_cache_hits_total{engine=\"1\"} 20\nvllm:prefix_cache_hits_created{engine=\"0\"} 1.7e9\n";
+        assert_eq!(parse_vllm_prefix_cache(text), Some((500.0, 1000.0)));
+        assert_eq!(
+            parse_vllm_prefix_cache("vllm:num_requests_running 1\n"),
+            None
+        );
+    }
 
     #[test]
     fn parses_vllm_gauges() {
@@ -216,20 +338,57 @@ mod tests {
         assert_eq!(parse_vllm_capacity(""), None);
     }
 
+    /// The other replicas' requests count beside ours, fresher than a scrape; a scrape that
+    /// shows more (other routers too) counts instead; silent peers are forgotten.
+    #[test]
+    fn peers_requests_in_flight_count_as_load() {
+        let now = Instant::now();
+        let mut w = WorkerLoad::default();
+        w.open(1, now, 0);
+        assert!(w.peer_in_flight("b", 3, now));
+        assert!(!w.peer_in_flight("b", 3, now), "unchanged");
+        assert!(w.peer_in_flight("c", 2, now + Duration::from_millis(500)));
+        assert_eq!(w.get().peers_in_flight, 5.0);
+        assert_eq!(w.get().busy(), 6.0);
+        w.scraped(
+            Some(Load {
+                running: 9.0,
+                ..Load::default()
+            }),
+            now,
+            Duration::from_secs(1),
+        );
+        assert_eq!(
+            w.get().busy(),
+            1.0 + 8.0,
+            "the scrape saw more than the peers said"
+        );
+        w.scraped(Some(Load::default()), now, Duration::from_secs(1));
+        assert!(w.expire_peers(now + Duration::from_millis(1200), Duration::from_secs(1)));
+        assert_eq!(w.get().peers_in_flight, 2.0, "b forgotten, c kept");
+        assert!(w.peer_in_flight("c", 0, now));
+        assert_eq!(w.get().peers_in_flight, 0.0);
+        assert_eq!(w.own_in_flight(), 1);
+    }
+
     #[test]
     fn tickets_count_until_finished() {
         let now = Instant::now();
         let mut w = WorkerLoad::default();
-        w.open(1, now);
-        w.open(2, now);
+        w.open(1, now, 48);
+        w.open(2, now, 0);
         assert_eq!(w.get().hinted_in_flight, 2.0);
         assert_eq!(
             w.get().busy(),
             2.0,
             "hinted requests count before any scrape"
         );
-        assert!(w.close(1));
-        assert!(!w.close(1), "a second report of one ticket is ignored");
+        assert_eq!(
+            w.close(1),
+            Some(Closed::Open { predicted: 48 }),
+            "with what its hint predicted"
+        );
+        assert_eq!(w.close(1), None, "a second report of one ticket is ignored");
         assert_eq!(w.get().hinted_in_flight, 1.0);
         w.envoy_active(5.0);
         assert_eq!(w.get().envoy_active, 5.0);
@@ -253,9 +412,9 @@ mod tests {
         let later = start + Duration::from_millis(40);
         let mut w = WorkerLoad::default();
         for seq in 0..5 {
-            w.open(seq, start);
+            w.open(seq, start, 10 * seq);
         }
-        w.open(5, later);
+        w.open(5, later, 0);
         let scraped = Load {
             running: 2.0,
             waiting: 1.0,
@@ -271,16 +430,19 @@ mod tests {
             }
         );
         assert_eq!(w.get().hinted_in_flight, 4.0, "3 settled + 1 fresh");
+        // A reclaimed ticket's report still comes with its prediction, once.
+        assert_eq!(w.close(1), Some(Closed::Late { predicted: 10 }));
+        assert_eq!(w.close(1), None);
         assert_eq!(w.get().busy(), 4.0);
         w.scraped(None, later, settle);
         assert_eq!(w.get().busy(), 4.0, "a failed scrape keeps the tickets");
-        assert!(w.close(5));
+        assert!(w.close(5).is_some());
         assert_eq!(w.get().hinted_in_flight, 3.0);
         w.scraped(Some(Load::default()), later, settle);
         assert_eq!(w.get().hinted_in_flight, 0.0);
         assert_eq!(w.get().busy(), 0.0);
         // Requests the sidecar did not route count as of the scrape, on top of hinted ones.
-        w.open(6, later);
+        w.open(6, later, 0);
         w.scraped(
             Some(Load {
                 running: 4.0,
@@ -291,7 +453,7 @@ mod tests {
             settle,
         );
         assert_eq!(w.get().unhinted, 4.0);
-        w.open(7, later);
+        w.open(7, later, 0);
         assert_eq!(w.get().busy(), 6.0);
         let expired = w.scraped(None, later + TICKET_LIFETIME, settle);
         assert_eq!(expired.expired, 2, "old tickets expire");

@@ -11,6 +11,7 @@
 //! - [`index`]: [`index::RadixIndex`], prefix → caches holding it, one per model.
 //! - [`load`]: a worker's load (open tickets, scrapes, Dynamo `kv_metrics`, Envoy).
 //! - [`policy`]: the routing rule: matches and load → workers, best first.
+//! - [`truth`]: what the engines said they had cached, beside what the hints predicted.
 
 pub mod cursor;
 pub mod digest;
@@ -19,13 +20,14 @@ pub mod fleet;
 pub mod index;
 pub mod load;
 pub mod policy;
+pub mod truth;
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvroute_protocol::dynamo::{KvMetrics, RouterEvent};
-use kvroute_protocol::hint::{HintRequest, Ticket};
+use kvroute_protocol::hint::{Finished, HintRequest, Ticket, Usage};
 use kvroute_protocol::vllm::EventBatch;
 
 use crate::config::{Config, IndexConfig, RoutingConfig};
@@ -33,8 +35,9 @@ use cursor::Verdict;
 use event::{EventTag, KvEvent, VllmEventProblem};
 use fleet::{Fleet, Role, TicketKey, WorkerId};
 use index::{ApplyOutcome, RadixIndex};
-use load::{Load, Reclaimed};
+use load::{Closed, Load, Reclaimed};
 use policy::Decision;
+use truth::Prediction;
 
 /// How an event names its publisher.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -189,8 +192,8 @@ pub enum Input<'a> {
         /// Instances whose probes fail.
         unreachable: &'a BTreeSet<u64>,
     },
-    /// Hinted requests that finished.
-    Finished(&'a [Ticket]),
+    /// Hinted requests that finished, with what their responses said.
+    Finished(&'a [Finished]),
     /// A clean peer's snapshot of a cache (the worker's address and rank), to repair ours.
     Snapshot {
         /// The worker's address.
@@ -220,6 +223,14 @@ pub enum Input<'a> {
         rank: u32,
         /// The messages.
         messages: &'a [(u64, Vec<KvEvent>)],
+    },
+    /// A peer replica's requests in flight per worker (address, count): every worker it does
+    /// not list has none of its requests.
+    PeerLoad {
+        /// The peer's id.
+        peer: &'a str,
+        /// Its counts.
+        in_flight: &'a [(String, u32)],
     },
     /// Time passed: tickets past their lifetime expire, whether or not their worker is ever
     /// scraped (a lost finished-report must not load a worker forever).
@@ -455,6 +466,20 @@ pub enum Happened {
         /// Why not, when not.
         why: &'static str,
     },
+    /// A hinted request finished: what its hint predicted the worker held, and what the
+    /// engine's response said.
+    Served {
+        /// Its ticket.
+        ticket: Ticket,
+        /// The worker it was hinted to.
+        worker: Name,
+        /// Predicted cached prompt tokens (matched blocks × block size).
+        predicted_tokens: u64,
+        /// The response's usage.
+        usage: Usage,
+        /// How the prediction compared, when the usage says.
+        prediction: Option<Prediction>,
+    },
     /// Tickets were closed.
     Tickets {
         /// How.
@@ -523,6 +548,8 @@ pub struct Core {
     /// How long a lost message is waited for from peers ([`crate::config::ReplicasConfig`]);
     /// `None` without peers to repair from: a loss makes the cache unclean at once.
     fill_timeout: Option<Duration>,
+    /// How long a peer's shared in-flight counts are believed without news.
+    peer_load_ttl: Duration,
 }
 
 impl Core {
@@ -556,6 +583,10 @@ impl Core {
                 .as_ref()
                 .filter(|r| r.reconcile)
                 .map(|r| r.fill_timeout()),
+            peer_load_ttl: config
+                .replicas
+                .as_ref()
+                .map_or(Duration::ZERO, |r| r.peer_load_ttl()),
         }
     }
 
@@ -668,9 +699,14 @@ impl Core {
                 rank,
                 messages,
             } => self.fill(worker, rank, messages, &mut out),
+            Input::PeerLoad { peer, in_flight } => self.peer_load(peer, in_flight, now, &mut out),
             Input::Tick => {
                 self.expire(now, &mut out);
                 self.give_up(now, &mut out);
+                let ttl = self.peer_load_ttl;
+                for w in self.fleet.iter_mut() {
+                    w.load.expire_peers(now, ttl);
+                }
             }
         }
         out
@@ -868,6 +904,15 @@ impl Core {
             worker: name,
             blocks,
         });
+    }
+
+    /// Per worker that finished hinted requests: predicted against reported cached tokens.
+    pub fn served(&self) -> Vec<(String, truth::Truth)> {
+        self.fleet
+            .iter()
+            .filter(|w| w.truth.requests.iter().any(|&n| n > 0))
+            .map(|w| (w.address.to_string(), w.truth))
+            .collect()
     }
 
     /// Every cache's recent checkpoints, for the replica plane.
@@ -1296,17 +1341,88 @@ impl Core {
         }
     }
 
-    fn finished(&mut self, tickets: &[Ticket], out: &mut Vec<Happened>) {
+    fn peer_load(
+        &mut self,
+        peer: &str,
+        in_flight: &[(String, u32)],
+        now: Instant,
+        out: &mut Vec<Happened>,
+    ) {
+        let counts: HashMap<&str, u32> = in_flight.iter().map(|(w, n)| (w.as_str(), *n)).collect();
+        let ttl = self.peer_load_ttl;
+        let mut changed = Vec::new();
+        for w in self.fleet.iter_mut() {
+            let n = counts.get(&*w.address).copied().unwrap_or(0);
+            let expired = w.load.expire_peers(now, ttl);
+            if w.load.peer_in_flight(peer, n, now) || expired {
+                changed.push(w.id);
+            }
+        }
+        for id in changed {
+            if let Some(w) = self.fleet.get(id) {
+                out.push(Happened::Load {
+                    worker: self.name(id),
+                    load: w.current_load(),
+                    from_dynamo: false,
+                });
+            }
+        }
+    }
+
+    /// Which of `tickets` are still counted against their worker (their request runs).
+    pub fn open_tickets(&self, tickets: &[Ticket]) -> BTreeSet<Ticket> {
+        tickets
+            .iter()
+            .copied()
+            .filter(|&t| {
+                let (id, seq) = self.tickets.parts(t);
+                self.fleet.get(id).is_some_and(|w| w.load.is_open(seq))
+            })
+            .collect()
+    }
+
+    /// Requests this sidecar hinted that have not finished, per worker with any: what it
+    /// shares with its peers.
+    pub fn own_in_flight(&self) -> Vec<(String, u32)> {
+        self.fleet
+            .iter()
+            .filter(|w| w.load.own_in_flight() > 0)
+            .map(|w| {
+                let n = u32::try_from(w.load.own_in_flight()).unwrap_or(u32::MAX);
+                (w.address.to_string(), n)
+            })
+            .collect()
+    }
+
+    fn finished(&mut self, reports: &[Finished], out: &mut Vec<Happened>) {
         let (mut finished, mut unknown) = (0, 0);
         let mut changed = BTreeSet::new();
-        for &t in tickets {
-            let (id, seq) = self.tickets.parts(t);
-            if self.fleet.get_mut(id).is_some_and(|w| w.load.close(seq)) {
+        for report in reports {
+            let (id, seq) = self.tickets.parts(report.ticket);
+            let Some(w) = self.fleet.get_mut(id) else {
+                unknown += 1;
+                continue;
+            };
+            let Some(closed) = w.load.close(seq) else {
+                unknown += 1;
+                continue;
+            };
+            if let Closed::Open { .. } = closed {
                 finished += 1;
                 changed.insert(id);
             } else {
                 unknown += 1;
             }
+            let predicted_tokens = closed.predicted();
+            let block_size = self.block_sizes.get(&w.model).copied().unwrap_or(1);
+            let prediction = w.truth.add(predicted_tokens, report.usage, block_size);
+            out.push(Happened::Served {
+                ticket: report.ticket,
+                worker: self.name(id),
+                predicted_tokens,
+                usage: report.usage,
+                prediction,
+            });
         }
         for (how, n) in [
             (TicketClosed::Finished, finished),
@@ -1364,7 +1480,9 @@ impl Core {
             if let Some(w) = self.fleet.get_mut(first) {
                 ticket = self.tickets.ticket(first, seq);
                 if ticket.is_some() {
-                    w.load.open(seq, now);
+                    let block_size = self.block_sizes.get(&req.model).copied().unwrap_or(0);
+                    let predicted = u64::from(decision.matched_blocks) * u64::from(block_size);
+                    w.load.open(seq, now, predicted);
                 }
                 w.hints_since_event += 1;
             }

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_protocol::dynamo::RouterEvent;
 use kvroute_protocol::hash::token_prefix_hashes;
-use kvroute_protocol::hint::HintRequest;
+use kvroute_protocol::hint::{Finished, HintRequest, Ticket, Usage};
 use kvroute_protocol::vllm::{EngineBlockHash, EventBatch, VllmEvent};
 use kvroute_protocol::{HashSeed, PrefixHash};
 
@@ -332,8 +332,12 @@ fn tickets_follow_hints_and_reports() {
     );
     let ticket = hint.ticket.unwrap();
     assert_eq!(busy(&core), 1.0);
+    let report = Finished {
+        ticket,
+        usage: Usage::Missing,
+    };
     let done = HintRequest {
-        finished: vec![ticket, ticket],
+        finished: vec![report, report],
         ..req
     };
     let again = core.hint(&done, now).unwrap();
@@ -645,13 +649,79 @@ fn forged_tickets_close_nothing() {
     let now = Instant::now();
     let hint = core.hint(&one_block_request(), now).unwrap();
     let real = hint.ticket.unwrap();
-    let forged: Vec<Ticket> = (0..10_000u64)
+    let finished = |ticket| Finished {
+        ticket,
+        usage: Usage::Unanswered,
+    };
+    let forged: Vec<Finished> = (0..10_000u64)
         .flat_map(|seq| [Ticket(seq << 16), Ticket(real.0 ^ (seq + 1) << 16)])
+        .map(finished)
         .collect();
     core.ingest(Input::Finished(&forged), now);
     assert_eq!(busy(&core), 1.0);
-    core.ingest(Input::Finished(&[real]), now);
+    core.ingest(Input::Finished(&[finished(real)]), now);
     assert_eq!(busy(&core), 0.0);
+}
+
+/// A finished request's usage is set beside what its hint predicted, on the worker it went to.
+#[test]
+fn finished_requests_compare_predicted_and_cached_tokens() {
+    let mut core = vllm_core();
+    let now = Instant::now();
+    vllm(
+        &mut core,
+        0,
+        Delivery::LiveHoldingGaps,
+        &store(None, 100, 3),
+    );
+    let tokens: Vec<u32> = (0..16 * 4).collect();
+    let req = HintRequest {
+        model: "m".into(),
+        hashes: token_prefix_hashes(&tokens, 16, HashSeed::default()),
+        finished: Vec::new(),
+    };
+    let hint = core.hint(&req, now).unwrap();
+    assert_eq!(hint.decision.matched_blocks, 3);
+    let usage = Usage::Cached {
+        prompt_tokens: 70,
+        cached_tokens: 48,
+    };
+    let report = Finished {
+        ticket: hint.ticket.unwrap(),
+        usage,
+    };
+    let happened = core.ingest(Input::Finished(&[report]), now);
+    assert!(
+        happened.contains(&Happened::Served {
+            ticket: report.ticket,
+            worker: core.name(WorkerId(0)),
+            predicted_tokens: 48,
+            usage,
+            prediction: Some(Prediction::Exact),
+        }),
+        "{happened:?}"
+    );
+    let truth = core.fleet().get(WorkerId(0)).unwrap().truth;
+    assert_eq!(
+        (
+            truth.predicted_tokens,
+            truth.cached_tokens,
+            truth.prompt_tokens
+        ),
+        (48, 48, 70)
+    );
+    // The engine evicted them meanwhile: the index over-predicted.
+    let second = core.hint(&req, now).unwrap();
+    let evicted = Finished {
+        ticket: second.ticket.unwrap(),
+        usage: Usage::Cached {
+            prompt_tokens: 70,
+            cached_tokens: 0,
+        },
+    };
+    core.ingest(Input::Finished(&[evicted]), now);
+    let truth = core.fleet().get(WorkerId(0)).unwrap().truth;
+    assert_eq!((truth.exact, truth.over, truth.compared()), (1, 1, 2));
 }
 
 /// A replica that lost a message takes a clean peer's snapshot: the entries, then its own
@@ -857,4 +927,67 @@ fn a_cache_restored_from_disk_is_continued_or_replaced() {
         }
     )));
     assert_eq!(blocks(&restarted), 1);
+}
+
+/// What the other replicas have in flight counts as load: a prompt nothing matches avoids the
+/// worker they keep busy, until they say it is free again or fall silent.
+#[test]
+fn peer_replicas_load_steers_cold_prompts() {
+    let mut core = Core::new(
+        &config(
+            "[[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\n\
+             [[workers]]\naddress = \"127.0.0.1:9001\"\nmodel = \"m\"\n\
+             [replicas]\nnats_url = \"nats://127.0.0.1:1\"\ninterval_ms = 1000\n",
+        ),
+        7,
+    );
+    let now = Instant::now();
+    let first = |core: &mut Core, at| {
+        let hint = core.hint(&one_block_request(), at).unwrap();
+        let report = Finished {
+            ticket: hint.ticket.unwrap(),
+            usage: Usage::Missing,
+        };
+        core.ingest(Input::Finished(&[report]), at);
+        hint.decision.workers[0]
+    };
+    let home = first(&mut core, now);
+    let other = WorkerId(1 - home.0);
+    let busy_home = [(core.name(home).address.to_string(), 8)];
+    let happened = core.ingest(
+        Input::PeerLoad {
+            peer: "b",
+            in_flight: &busy_home,
+        },
+        now,
+    );
+    assert!(happened
+        .iter()
+        .any(|h| matches!(h, Happened::Load { load, .. } if load.peers_in_flight == 8.0)));
+    assert_eq!(
+        first(&mut core, now),
+        other,
+        "away from the peers' busy worker"
+    );
+    core.ingest(
+        Input::PeerLoad {
+            peer: "b",
+            in_flight: &[],
+        },
+        now,
+    );
+    assert_eq!(first(&mut core, now), home, "free again");
+    core.ingest(
+        Input::PeerLoad {
+            peer: "b",
+            in_flight: &busy_home,
+        },
+        now,
+    );
+    core.ingest(Input::Tick, now + Duration::from_millis(2500));
+    assert_eq!(
+        first(&mut core, now + Duration::from_millis(2500)),
+        home,
+        "a silent peer is forgotten"
+    );
 }

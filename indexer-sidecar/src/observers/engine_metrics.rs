@@ -1,9 +1,10 @@
-//! Scraping each engine's Prometheus `/metrics` for load (vLLM metric names).
+//! Scraping each engine's Prometheus `/metrics` for load (vLLM metric names), and its own
+//! prefix-cache counters to show beside what the hints predicted.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::core::load::{parse_vllm_capacity, parse_vllm_metrics};
+use crate::core::load::{parse_vllm_capacity, parse_vllm_metrics, parse_vllm_prefix_cache};
 use crate::core::Input;
 use crate::metrics::WorkerLabel;
 use crate::sidecar::Sidecar;
@@ -41,6 +42,14 @@ pub async fn run(state: Arc<Sidecar>) {
         for (id, address, text) in futures::future::join_all(scrapes).await {
             let load = text.as_deref().and_then(parse_vllm_metrics);
             let capacity = text.as_deref().and_then(parse_vllm_capacity);
+            if let Some((hits, queries)) = text.as_deref().and_then(parse_vllm_prefix_cache) {
+                let label = WorkerLabel::new(address);
+                let m = &state.metrics;
+                m.engine_prefix_cache_hits.get_or_create(&label).set(hits);
+                m.engine_prefix_cache_queries
+                    .get_or_create(&label)
+                    .set(queries);
+            }
             if load.is_none() {
                 state
                     .metrics

@@ -6,7 +6,10 @@
 //! KV-event messages lost on the way here (a gap in a stream) are asked of every peer at once
 //! on `kvroute.replicas.<group>.fill`; each peer that applied some of them sends its copies to
 //! the asker's `kvroute.replicas.<group>.filled.<asker>`. With every replica losing a few
-//! messages of its own, that keeps them all clean: no snapshot is needed.
+//! messages of its own, that keeps them all clean: no snapshot is needed. With `share_load`,
+//! each replica also shares its requests in flight per worker on
+//! `kvroute.replicas.<group>.load` (coalesced: at most every `load_interval_ms`, when they
+//! changed), so each weighs the load the whole set of replicas put on a worker.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -20,7 +23,9 @@ use crate::core::digest::Snapshot;
 use crate::core::event::EngineHash;
 use crate::core::Input;
 use crate::metrics::{Direction, DirectionLabel};
-use crate::replicas::{CacheKey, Digests, FillReply, FillRequest, SnapshotChunk, SnapshotRequest};
+use crate::replicas::{
+    CacheKey, Digests, FillReply, FillRequest, LoadShare, SnapshotChunk, SnapshotRequest,
+};
 use crate::sidecar::Sidecar;
 use kvroute_protocol::PrefixHash;
 
@@ -97,6 +102,19 @@ pub async fn run(
         .subscribe(filled_subject.clone())
         .await
         .context("replica plane: subscribing to fill replies")?;
+    let loads = format!("kvroute.replicas.{}.load", config.group);
+    // Without sharing, a subscription that never delivers: one loop either way.
+    let mut peer_loads = client
+        .subscribe(if config.share_load {
+            loads.clone()
+        } else {
+            format!("{loads}.off.{me}")
+        })
+        .await
+        .context("replica plane: subscribing to shared loads")?;
+    let mut load_tick = tokio::time::interval(Duration::from_millis(config.load_interval_ms));
+    load_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut shared: (Vec<(String, u32)>, Option<Instant>) = (Vec::new(), None);
     let mut fill_tick = tokio::time::interval(config.fill_interval());
     fill_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut taken: HashMap<CacheKey, (Instant, Arc<Snapshot>)> = HashMap::new();
@@ -107,8 +125,11 @@ pub async fn run(
         tokio::select! {
             _ = tick.tick() => {
                 // One look at the core per tick: the repairs below read the same reports.
-                let mine = state.core().reports();
-                let digests = Digests { replica: me.clone(), caches: fit(mine.clone()) };
+                let (mine, served) = {
+                    let core = state.core();
+                    (core.reports(), core.served())
+                };
+                let digests = Digests { replica: me.clone(), caches: fit(mine.clone()), served };
                 match serde_json::to_vec(&digests) {
                     Ok(body) => {
                         if let Err(e) = client.publish(subject.clone(), body.into()).await {
@@ -144,6 +165,38 @@ pub async fn run(
                         }
                         state.replicas().repaired(&cache);
                     });
+                }
+            }
+            _ = load_tick.tick(), if config.share_load => {
+                let now = Instant::now();
+                let mine = state.core().own_in_flight();
+                let heartbeat = Duration::from_millis(config.interval_ms);
+                let due = shared.0 != mine
+                    || shared.1.is_none_or(|t| now.saturating_duration_since(t) >= heartbeat);
+                if due {
+                    let share = LoadShare { replica: me.clone(), in_flight: mine.clone() };
+                    if let Ok(body) = serde_json::to_vec(&share) {
+                        if let Err(e) = client.publish(loads.clone(), body.into()).await {
+                            tracing::warn!(error = %e, "replica plane: cannot share load");
+                        }
+                    }
+                    shared = (mine, Some(now));
+                }
+            }
+            msg = peer_loads.next() => {
+                let Some(msg) = msg else {
+                    anyhow::bail!("replica plane: subscription to {loads} ended");
+                };
+                if msg.payload.len() > MAX_MESSAGE {
+                    continue;
+                }
+                match serde_json::from_slice::<LoadShare>(&msg.payload) {
+                    Ok(share) if share.replica != me => {
+                        let input = Input::PeerLoad { peer: &share.replica, in_flight: &share.in_flight };
+                        state.ingest(None, input, Instant::now());
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!(error = %e, "replica plane: undecodable load message ignored"),
                 }
             }
             _ = fill_tick.tick(), if config.reconcile => {
@@ -378,6 +431,7 @@ mod tests {
             let body = serde_json::to_vec(&Digests {
                 replica: "r".into(),
                 caches,
+                served: Vec::new(),
             })
             .unwrap();
             assert!(body.len() < 1 << 20, "{n} caches: {} bytes", body.len());

@@ -1,0 +1,282 @@
+//! What the engine said about a hinted request's prompt, read from its response as it passes:
+//! the last `"usage": {…}` object of a JSON body or of a server-sent event stream (an engine
+//! sends one in its final chunk when the client asked with `stream_options.include_usage`, or
+//! one per chunk with cumulative counts). The response is never buffered nor changed: the
+//! scanner sees each piece once and keeps at most one usage object ([`MAX_USAGE_BYTES`]).
+//!
+//! Only a key can match: inside a JSON string a quote is escaped, so `"usage"` followed by `:`
+//! never occurs in generated text.
+
+use kvroute_protocol::hint::Usage;
+use serde::Deserialize;
+
+/// A usage object longer than this is not one an engine writes: it counts as malformed.
+pub const MAX_USAGE_BYTES: usize = 1024;
+
+const KEY: &[u8] = b"\"usage\"";
+
+/// Reads one response, piece by piece.
+#[derive(Debug, Default)]
+pub struct UsageScanner {
+    state: State,
+    found: Option<Usage>,
+}
+
+#[derive(Debug)]
+enum State {
+    /// Looking for the key; this many of its bytes matched so far.
+    Key(usize),
+    /// After the key: whitespace, then a colon.
+    Colon,
+    /// After the colon: whitespace, then the object (anything else: not a usage object).
+    Value,
+    /// Inside the object, copied so far.
+    Object {
+        buf: Vec<u8>,
+        depth: u32,
+        in_string: bool,
+        escaped: bool,
+    },
+}
+
+impl Default for State {
+    fn default() -> Self {
+        State::Key(0)
+    }
+}
+
+#[derive(Deserialize)]
+struct RawUsage {
+    prompt_tokens: Option<u64>,
+    prompt_tokens_details: Option<RawDetails>,
+}
+
+#[derive(Deserialize)]
+struct RawDetails {
+    cached_tokens: Option<u64>,
+}
+
+impl UsageScanner {
+    /// Read the next piece of the response body.
+    pub fn feed(&mut self, piece: &[u8]) {
+        let mut i = 0;
+        while i < piece.len() {
+            let b = piece[i];
+            match &mut self.state {
+                State::Key(0) => {
+                    // Most of a response is text between keys: skip to the next quote.
+                    match piece[i..].iter().position(|&c| c == b'"') {
+                        Some(at) => {
+                            self.state = State::Key(1);
+                            i += at + 1;
+                        }
+                        None => return,
+                    }
+                    continue;
+                }
+                State::Key(matched) => {
+                    if b == KEY[*matched] {
+                        *matched += 1;
+                        if *matched == KEY.len() {
+                            self.state = State::Colon;
+                        }
+                    } else {
+                        *matched = usize::from(b == b'"');
+                    }
+                }
+                State::Colon => {
+                    if b == b':' {
+                        self.state = State::Value;
+                    } else if !b.is_ascii_whitespace() {
+                        // A string value "usage", not a key: read this byte afresh.
+                        self.state = State::Key(0);
+                        continue;
+                    }
+                }
+                State::Value => {
+                    if b == b'{' {
+                        self.state = State::Object {
+                            buf: vec![b],
+                            depth: 1,
+                            in_string: false,
+                            escaped: false,
+                        };
+                    } else if !b.is_ascii_whitespace() {
+                        // `"usage": null` (an engine's chunk before the last), or not an object.
+                        self.state = State::Key(0);
+                        continue;
+                    }
+                }
+                State::Object {
+                    buf,
+                    depth,
+                    in_string,
+                    escaped,
+                } => {
+                    if buf.len() >= MAX_USAGE_BYTES {
+                        self.found = Some(Usage::Malformed);
+                        self.state = State::Key(0);
+                        continue;
+                    }
+                    buf.push(b);
+                    if *in_string {
+                        if *escaped {
+                            *escaped = false;
+                        } else if b == b'\\' {
+                            *escaped = true;
+                        } else if b == b'"' {
+                            *in_string = false;
+                        }
+                    } else if b == b'"' {
+                        *in_string = true;
+                    } else if b == b'{' {
+                        *depth += 1;
+                    } else if b == b'}' {
+                        *depth -= 1;
+                        if *depth == 0 {
+                            self.found = Some(read_usage(buf));
+                            self.state = State::Key(0);
+                        }
+                    }
+                }
+            }
+            i += 1;
+        }
+    }
+
+    /// The usage of a response that `answered` (a success status, seen to its end) or not.
+    pub fn finish(self, answered: bool) -> Usage {
+        if !answered {
+            return Usage::Unanswered;
+        }
+        match (self.found, self.state) {
+            (_, State::Object { .. }) => Usage::Malformed,
+            (Some(usage), _) => usage,
+            (None, _) => Usage::Missing,
+        }
+    }
+}
+
+/// Whether a response with this `:status` is read at all: only a success carries a usage.
+pub fn worth_scanning(status: Option<&str>) -> bool {
+    status.is_some_and(|s| s.len() == 3 && s.starts_with('2'))
+}
+
+fn read_usage(object: &[u8]) -> Usage {
+    let Ok(raw) = serde_json::from_slice::<RawUsage>(object) else {
+        return Usage::Malformed;
+    };
+    let Some(prompt_tokens) = raw.prompt_tokens.and_then(|p| u32::try_from(p).ok()) else {
+        return Usage::Malformed;
+    };
+    match raw.prompt_tokens_details.and_then(|d| d.cached_tokens) {
+        None => Usage::PromptOnly { prompt_tokens },
+        Some(cached) if cached <= u64::from(prompt_tokens) => Usage::Cached {
+            prompt_tokens,
+            cached_tokens: cached as u32,
+        },
+        Some(_) => Usage::Malformed,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scan_in_pieces(body: &[u8], piece: usize) -> Usage {
+        let mut s = UsageScanner::default();
+        for chunk in body.chunks(piece.max(1)) {
+            s.feed(chunk);
+        }
+        s.finish(true)
+    }
+
+    fn cached(prompt_tokens: u32, cached_tokens: u32) -> Usage {
+        Usage::Cached {
+            prompt_tokens,
+            cached_tokens,
+        }
+    }
+
+    #[test]
+    fn reads_a_json_body_split_anywhere() {
+        let body = br#"{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"the \"usage\": {\"prompt_tokens\": 1} of it"}}],"usage" : {"prompt_tokens":130,"completion_tokens":4,"total_tokens":134,"prompt_tokens_details":{"cached_tokens":112}}}"#;
+        for piece in 1..body.len() + 1 {
+            assert_eq!(
+                scan_in_pieces(body, piece),
+                cached(130, 112),
+                "pieces of {piece}"
+            );
+        }
+    }
+
+    #[test]
+    fn reads_the_last_usage_of_a_stream() {
+        let stream = concat!(
+            "data: {\"choices\":[{\"delta\":{\"content\":\"usage\"}}],\"usage\":null}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"content\":\" x\"}}],\"usage\":{\"prompt_tokens\":40,\"prompt_tokens_details\":{\"cached_tokens\":0}}}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":40,\"completion_tokens\":2,\"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\n",
+            "data: [DONE]\n\n"
+        );
+        for piece in [1, 7, 64, 4096] {
+            assert_eq!(scan_in_pieces(stream.as_bytes(), piece), cached(40, 32));
+        }
+    }
+
+    #[test]
+    fn tells_what_is_missing() {
+        assert_eq!(
+            scan_in_pieces(b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n", 5),
+            Usage::Missing
+        );
+        assert_eq!(scan_in_pieces(b"", 1), Usage::Missing);
+        assert_eq!(
+            scan_in_pieces(
+                br#"{"usage":{"prompt_tokens":9,"prompt_tokens_details":null}}"#,
+                3
+            ),
+            Usage::PromptOnly { prompt_tokens: 9 }
+        );
+        assert_eq!(
+            scan_in_pieces(br#"{"usage":{"prompt_tokens":9}}"#, 3),
+            Usage::PromptOnly { prompt_tokens: 9 }
+        );
+        for malformed in [
+            &br#"{"usage":{"completion_tokens":9}}"#[..],
+            br#"{"usage":{"prompt_tokens":"many"}}"#,
+            br#"{"usage":{"prompt_tokens":4,"prompt_tokens_details":{"cached_tokens":8}}}"#,
+            br#"{"usage":{"prompt_tokens":99999999999}}"#,
+            br#"{"usage":{"prompt_tokens":4,"#,
+        ] {
+            assert_eq!(
+                scan_in_pieces(malformed, 2),
+                Usage::Malformed,
+                "{}",
+                String::from_utf8_lossy(malformed)
+            );
+        }
+        let mut long = br#"{"usage":{"x":""#.to_vec();
+        long.extend(std::iter::repeat_n(b'a', MAX_USAGE_BYTES));
+        long.extend_from_slice(br#"","prompt_tokens":1}}"#);
+        assert_eq!(scan_in_pieces(&long, 100), Usage::Malformed);
+        let mut s = UsageScanner::default();
+        s.feed(br#"{"usage":{"prompt_tokens":1}}"#);
+        assert_eq!(s.finish(false), Usage::Unanswered, "not seen to its end");
+    }
+
+    #[test]
+    fn a_value_named_usage_is_not_a_key() {
+        let body = br#"{"object":"usage","kind": "usage" , "usage":{"prompt_tokens":3,"prompt_tokens_details":{"cached_tokens":0}}}"#;
+        assert_eq!(scan_in_pieces(body, 4), cached(3, 0));
+        assert_eq!(scan_in_pieces(br#"{"a":"usage"}"#, 1), Usage::Missing);
+    }
+
+    #[test]
+    fn only_successes_are_read() {
+        assert!(worth_scanning(Some("200")));
+        assert!(worth_scanning(Some("206")));
+        for s in [None, Some("400"), Some("503"), Some("2"), Some("2000")] {
+            assert!(!worth_scanning(s), "{s:?}");
+        }
+    }
+}
