@@ -20,6 +20,8 @@ const KEY: &[u8] = b"\"usage\"";
 pub struct UsageScanner {
     state: State,
     found: Option<Usage>,
+    /// The last byte of the previous piece: a key's opening quote may end one piece.
+    last: u8,
 }
 
 #[derive(Debug)]
@@ -64,14 +66,17 @@ impl UsageScanner {
             let b = piece[i];
             match &mut self.state {
                 State::Key(0) => {
-                    // Most of a response is text between keys: skip to the next quote.
-                    match piece[i..].iter().position(|&c| c == b'"') {
-                        Some(at) => {
-                            self.state = State::Key(1);
-                            i += at + 1;
-                        }
-                        None => return,
+                    // Most of a response is text between keys: skip to the next `u` that
+                    // follows a quote (rarer than quotes: a stream's chunks have dozens).
+                    let Some(at) = piece[i..].iter().position(|&c| c == b'u') else {
+                        break;
+                    };
+                    let u = i + at;
+                    let before = if u == 0 { self.last } else { piece[u - 1] };
+                    if before == b'"' {
+                        self.state = State::Key(2);
                     }
+                    i = u + 1;
                     continue;
                 }
                 State::Key(matched) => {
@@ -141,6 +146,9 @@ impl UsageScanner {
                 }
             }
             i += 1;
+        }
+        if let Some(&b) = piece.last() {
+            self.last = b;
         }
     }
 

@@ -230,3 +230,21 @@ pub fn spawn_lossy_replica(
         format!("http://127.0.0.1:{port}"),
     )
 }
+
+/// Wait until the sidecar has `n` finished hinted requests with their usage reported (the
+/// filter reports them on its next hint or its tick) and return its metrics.
+pub async fn served_reports(stack: &Stack, n: f64) -> String {
+    wait_for(
+        "the filter to report the hinted requests with their usage",
+        Duration::from_secs(10),
+        || async {
+            let text = stack.sidecar_metrics().await.ok()?;
+            let served = kvroute_harness::prometheus::sum_where(&text, |l| {
+                l.starts_with("kvroute_served_requests_total{") && l.contains("usage=\"cached\"")
+            });
+            (served >= n).then_some(text)
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}: {}", stack.log_tail("sidecar")))
+}

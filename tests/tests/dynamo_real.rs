@@ -129,6 +129,28 @@ async fn pins_aggregated_dynamo_workers_found_in_real_discovery_records() {
         .await
         .unwrap_or(0);
     assert!(hinted >= 6, "hinted {hinted}");
+    // The frontend's answers carry the workers' cached tokens: the sidecar sets them beside
+    // its predictions, per pinned worker.
+    let text = served_reports(stack, hinted as f64).await;
+    let worker = pinned_label(stack, 1);
+    let of =
+        |family: &str| metric(&text, &format!("{family}{{worker=\"{worker}\"}}")).unwrap_or(0.0);
+    let exact = metric(
+        &text,
+        &format!("kvroute_predictions_total{{worker=\"{worker}\",outcome=\"exact\"}}"),
+    )
+    .unwrap_or(0.0);
+    println!(
+        "Dynamo: predicted {} actual {} of {} prompt tokens, {exact} exact of {hinted}",
+        of("kvroute_predicted_cached_tokens_total"),
+        of("kvroute_actual_cached_tokens_total"),
+        of("kvroute_served_prompt_tokens_total")
+    );
+    assert!(
+        of("kvroute_actual_cached_tokens_total") >= 6.0 * 16.0 * 8.0,
+        "{text}"
+    );
+    assert!(exact >= 6.0, "{text}");
 
     // A client cannot pin (aggregated: with x-worker-instance-id).
     client_pins_are_stripped(stack, &system, "x-worker-instance-id").await;

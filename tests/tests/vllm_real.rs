@@ -254,4 +254,25 @@ async fn a_sidecar_started_after_the_engines_knows_what_they_cached() {
         !metrics.contains("kvroute_orphan_stores_total{"),
         "children of warm-started blocks dropped: {metrics}"
     );
+    // vLLM (with --enable-prompt-tokens-details) says what it found cached: the predictions of
+    // an index warm-started from the replay buffers are right to the block.
+    let n = systems.len() as f64;
+    let text = served_reports(&stack, n).await;
+    let sum =
+        |prefix: &str| kvroute_harness::prometheus::sum_where(&text, |l| l.starts_with(prefix));
+    let outcome = |o: &str| {
+        kvroute_harness::prometheus::sum_where(&text, |l| {
+            l.starts_with("kvroute_predictions_total{") && l.contains(&format!("outcome=\"{o}\""))
+        })
+    };
+    println!(
+        "vLLM: predicted {} actual {} of {} prompt tokens; exact {} over {} under {}",
+        sum("kvroute_predicted_cached_tokens_total{"),
+        sum("kvroute_actual_cached_tokens_total{"),
+        sum("kvroute_served_prompt_tokens_total{"),
+        outcome("exact"),
+        outcome("over"),
+        outcome("under")
+    );
+    assert_eq!(outcome("exact"), n, "{text}");
 }

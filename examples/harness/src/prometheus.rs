@@ -16,7 +16,7 @@ pub fn sum_where(text: &str, keep: impl Fn(&str) -> bool) -> f64 {
     text.lines()
         .filter(|l| !l.starts_with('#') && keep(l))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+        .fold(0.0, |sum, v| sum + v)
 }
 
 /// The value of exactly this series (`name{labels}` as exported, or a bare name).
