@@ -248,3 +248,11 @@ pub async fn served_reports(stack: &Stack, n: f64) -> String {
     .await
     .unwrap_or_else(|e| panic!("{e}: {}", stack.log_tail("sidecar")))
 }
+
+/// `POST /admin/<action>` on the simulated engine at `address` (a test hook: `restart`,
+/// `evict_silently`, …); panics unless it succeeds.
+pub async fn engine_admin(stack: &Stack, address: &str, action: &str) {
+    let url = format!("http://{address}/admin/{action}");
+    let resp = stack.http.post(&url).send().await.unwrap();
+    assert!(resp.status().is_success(), "{url}: {}", resp.status());
+}

@@ -59,15 +59,7 @@ async fn dynamo_worker_restart_clears_its_entries() {
         assert!(o.ok());
     }
     wait_indexed(&stack, 3, 10.0).await;
-    let url = format!("http://{address}/admin/restart");
-    assert!(stack
-        .http
-        .post(url)
-        .send()
-        .await
-        .unwrap()
-        .status()
-        .is_success());
+    engine_admin(&stack, &address, "restart").await;
     let fresh = direct(&stack, 3, &chat(&text(1820, 40), "y")).await;
     let fresh_blocks = (fresh.prompt_tokens / 16) as f64;
     let series = format!("kvroute_index_blocks{{worker=\"{address}\"}}");

@@ -293,15 +293,7 @@ async fn a_stale_index_is_named_until_the_predictions_hold_again() {
     }
     assert!(wait_alarm_quiet(&stack, &sidecar).await);
     for e in &stack.engines {
-        let url = format!("http://{}/admin/evict_silently", e.address);
-        assert!(stack
-            .http
-            .post(url)
-            .send()
-            .await
-            .unwrap()
-            .status()
-            .is_success());
+        engine_admin(&stack, &e.address, "evict_silently").await;
     }
     let mut workers = std::collections::BTreeSet::new();
     for p in &prompts {

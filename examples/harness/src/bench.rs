@@ -254,6 +254,7 @@ async fn run_mode(mode: &str, workload: &Workload, bench: &RoutingBench) -> Resu
         // Against `cached_tokens`: what the index over-predicted (blocks evicted between the
         // hint and the prefill, or events not yet applied).
         result["hinted_match_tokens"] = json!(stack.hinted_match_tokens(block_size).await);
+        result["predictions"] = json!(stack.predictions().await);
     }
     Ok(result)
 }

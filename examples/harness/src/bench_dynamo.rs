@@ -210,6 +210,12 @@ async fn run_mode(
     killed?;
     // Let the last requests' events land before the fleet goes.
     tokio::time::sleep(Duration::from_millis(200)).await;
+    if let Some(p) = stack.predictions().await.filter(|_| !kill_sidecar) {
+        // The filter reports finished requests within a second.
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let p = stack.predictions().await.unwrap_or(p);
+        eprintln!("{mode}: the sidecar's predictions against the engines' cached tokens: {p}");
+    }
     let prefill_stored_blocks = counting.map(|(stored, task)| {
         task.abort();
         stored.load(Ordering::Relaxed)

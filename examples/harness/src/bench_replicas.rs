@@ -13,7 +13,7 @@
 use std::time::Duration;
 
 use anyhow::{Context as _, Result};
-use kvroute_protocol::hint::{Finished, Usage};
+use kvroute_protocol::hint::{encode_finished, Finished, Usage, FINISHED_PATH, HINT_CONTENT_TYPE};
 use serde_json::{json, Value};
 
 use crate::bench::{self, Scale};
@@ -137,33 +137,44 @@ pub fn prompt_hashes(body: &Value) -> Result<Vec<kvroute_protocol::PrefixHash>> 
 }
 
 /// The fraction of `bodies` for which every sidecar in `sidecars` names the same first worker,
-/// asked directly with the prompt's hashes. Each ticket is reported finished with the next
-/// question, so the sidecars' loads stay alike and only their indexes can differ.
+/// asked directly with the prompt's hashes. The sidecars are asked at once and their tickets
+/// reported finished right after, and the next prompt waits until replicas sharing their load
+/// have shared that it is gone: so the sidecars' loads stay alike and only their indexes can
+/// differ.
 pub async fn agreement(
     http: &reqwest::Client,
     sidecars: &[String],
     bodies: &[Value],
 ) -> Result<f64> {
-    let mut finished = vec![Vec::new(); sidecars.len()];
     let (mut same, mut asked) = (0usize, 0usize);
     for body in bodies {
-        let hashes = prompt_hashes(body)?;
+        let hint = kvroute_protocol::hint::HintRequest {
+            model: MODEL.into(),
+            hashes: prompt_hashes(body)?,
+            finished: Vec::new(),
+        };
+        let answers =
+            futures::future::join_all(sidecars.iter().map(|base| ask_hint(http, base, &hint)))
+                .await;
         let mut first = Vec::new();
-        for (r, base) in sidecars.iter().enumerate() {
-            let hint = kvroute_protocol::hint::HintRequest {
-                model: MODEL.into(),
-                hashes: hashes.clone(),
-                finished: std::mem::take(&mut finished[r]),
-            };
-            let answer = ask_hint(http, base, &hint)
-                .await
-                .with_context(|| format!("asking {base} for a hint"))?;
-            finished[r].extend(answer.ticket.map(|ticket| Finished {
-                ticket,
-                usage: Usage::Unanswered,
-            }));
+        for (base, answer) in sidecars.iter().zip(answers) {
+            let answer = answer.with_context(|| format!("asking {base} for a hint"))?;
+            if let Some(ticket) = answer.ticket {
+                let done = [Finished {
+                    ticket,
+                    usage: Usage::Unanswered,
+                }];
+                http.post(format!("{base}{FINISHED_PATH}"))
+                    .header("content-type", HINT_CONTENT_TYPE)
+                    .body(encode_finished(&done))
+                    .send()
+                    .await
+                    .with_context(|| format!("reporting to {base}"))?;
+            }
             first.push(answer.workers.first().cloned());
         }
+        // Two share intervals (the benchmark's 10 ms each) and a little.
+        tokio::time::sleep(Duration::from_millis(25)).await;
         asked += 1;
         same += usize::from(first[0].is_some() && first.iter().all(|f| *f == first[0]));
     }

@@ -57,26 +57,36 @@ impl Outcome {
     }
 }
 
+/// POST `body` as JSON; the response, or an outcome saying why there is none.
+async fn post_json(
+    http: &reqwest::Client,
+    url: &str,
+    body: &Value,
+) -> Result<reqwest::Response, Outcome> {
+    http.post(url)
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .map_err(|e| Outcome {
+            error: Some(e.to_string()),
+            ..Outcome::default()
+        })
+}
+
 /// Send one request without streaming (`stream: false`): the whole answer in one JSON body.
 pub async fn send_whole(http: &reqwest::Client, url: &str, body: &Value) -> Outcome {
     let mut body = body.clone();
     body["stream"] = Value::Bool(false);
     let start = Instant::now();
-    let mut out = Outcome::default();
-    let resp = match http
-        .post(url)
-        .header("content-type", "application/json")
-        .body(body.to_string())
-        .send()
-        .await
-    {
+    let resp = match post_json(http, url, &body).await {
         Ok(r) => r,
-        Err(e) => {
-            out.error = Some(e.to_string());
-            return out;
-        }
+        Err(out) => return out,
     };
-    out.status = resp.status().as_u16();
+    let mut out = Outcome {
+        status: resp.status().as_u16(),
+        ..Outcome::default()
+    };
     out.engine = resp
         .headers()
         .get(ENGINE_HEADER)
@@ -109,21 +119,14 @@ pub async fn send_streaming(http: &reqwest::Client, url: &str, body: &Value) -> 
     body["stream"] = Value::Bool(true);
     body["stream_options"] = serde_json::json!({"include_usage": true});
     let start = Instant::now();
-    let mut out = Outcome::default();
-    let resp = match http
-        .post(url)
-        .header("content-type", "application/json")
-        .body(body.to_string())
-        .send()
-        .await
-    {
+    let resp = match post_json(http, url, &body).await {
         Ok(r) => r,
-        Err(e) => {
-            out.error = Some(e.to_string());
-            return out;
-        }
+        Err(out) => return out,
     };
-    out.status = resp.status().as_u16();
+    let mut out = Outcome {
+        status: resp.status().as_u16(),
+        ..Outcome::default()
+    };
     if out.status != 200 {
         let text = resp.text().await.unwrap_or_default();
         out.error = Some(text.chars().take(200).collect());

@@ -614,6 +614,29 @@ impl Stack {
         Some(blocks as u64 * u64::from(block_size))
     }
 
+    /// What the sidecar's hints predicted against what the engines reported, over the hinted
+    /// requests whose usage gave cached tokens: predictions `exact` (within a block), `over`,
+    /// `under`, and the predicted, cached and prompt tokens. `None` without a sidecar.
+    pub async fn predictions(&self) -> Option<serde_json::Value> {
+        self.sidecar_url.as_ref()?;
+        let m = self.sidecar_metrics().await.ok()?;
+        let sum = |family: &str| crate::prometheus::sum(&m, family);
+        let outcome = |o: &str| {
+            crate::prometheus::sum_where(&m, |l| {
+                l.starts_with("kvroute_predictions_total{")
+                    && l.contains(&format!("outcome=\"{o}\""))
+            })
+        };
+        Some(serde_json::json!({
+            "exact": outcome("exact"),
+            "over": outcome("over"),
+            "under": outcome("under"),
+            "predicted_tokens": sum("kvroute_predicted_cached_tokens_total"),
+            "cached_tokens": sum("kvroute_actual_cached_tokens_total"),
+            "prompt_tokens": sum("kvroute_served_prompt_tokens_total"),
+        }))
+    }
+
     /// Envoy's process id (for CPU accounting).
     pub fn envoy_pid(&self) -> Option<u32> {
         self.processes

@@ -1358,7 +1358,12 @@ impl Core {
                 changed.push(w.id);
             }
         }
-        for id in changed {
+        self.loads_of(changed, out);
+    }
+
+    /// The load of each of `workers`, now.
+    fn loads_of(&self, workers: impl IntoIterator<Item = WorkerId>, out: &mut Vec<Happened>) {
+        for id in workers {
             if let Some(w) = self.fleet.get(id) {
                 out.push(Happened::Load {
                     worker: self.name(id),
@@ -1432,15 +1437,7 @@ impl Core {
                 out.push(Happened::Tickets { how, n });
             }
         }
-        for id in changed {
-            if let Some(w) = self.fleet.get(id) {
-                out.push(Happened::Load {
-                    worker: self.name(id),
-                    load: w.current_load(),
-                    from_dynamo: false,
-                });
-            }
-        }
+        self.loads_of(changed, out);
     }
 
     /// Decide a hint for `req` at `now`; its finished tickets are closed first.
