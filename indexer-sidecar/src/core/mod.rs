@@ -1420,7 +1420,12 @@ impl Core {
             }
             let predicted_tokens = closed.predicted();
             let block_size = self.block_sizes.get(&w.model).copied().unwrap_or(1);
-            let prediction = w.truth.add(predicted_tokens, report.usage, block_size);
+            let prediction = if w.role == Role::Prefill {
+                w.truth.count(report.usage);
+                None
+            } else {
+                w.truth.add(predicted_tokens, report.usage, block_size)
+            };
             out.push(Happened::Served {
                 ticket: report.ticket,
                 worker: self.name(id),

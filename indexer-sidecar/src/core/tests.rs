@@ -174,6 +174,32 @@ fn disaggregated_fleets_pin_the_prefill_worker() {
             "cold prompts go to a prefill worker: {cold:?}"
         );
     }
+    // The response's usage is the decode worker's cache, not the prefill worker's: counted,
+    // never set against the prediction (a stale_index that is not).
+    let report = Finished {
+        ticket: hint.ticket.unwrap(),
+        usage: Usage::Cached {
+            prompt_tokens: 70,
+            cached_tokens: 0,
+        },
+    };
+    let happened = core.ingest(Input::Finished(&[report]), now);
+    assert!(
+        happened.iter().any(|h| matches!(
+            h,
+            Happened::Served {
+                prediction: None,
+                ..
+            }
+        )),
+        "{happened:?}"
+    );
+    let w = core
+        .fleet()
+        .iter()
+        .find(|w| w.instance_id == Some(prefill))
+        .unwrap();
+    assert_eq!((w.truth.requests[4], w.truth.compared()), (1, 0));
 }
 
 /// A vLLM worker at `127.0.0.1:9000` and a store batch of `blocks` blocks chained after

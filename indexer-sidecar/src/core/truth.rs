@@ -6,6 +6,10 @@
 //! right shows actual ≈ predicted; a stale one (lost events, a wrong subject, a diverged
 //! replica) shows actual well below predicted long before anyone reads a bill.
 //!
+//! In a disaggregated fleet the hint names the prefill worker, but the response's usage is the
+//! decode worker's (it receives the prefilled blocks, and reports its own cache): those
+//! requests are counted, not compared.
+//!
 //! A prediction is *exact* when it is within one block of the engine's count: an engine that
 //! finds a whole prompt cached still computes its last token (vLLM), and so reports a block
 //! less for a prompt of whole blocks.
@@ -85,6 +89,12 @@ impl Truth {
             Prediction::Exact
         };
         Some(verdict)
+    }
+
+    /// Count a request whose usage does not describe the hinted worker's cache: a prefill
+    /// worker's request, whose response reports the decode worker's cached tokens.
+    pub fn count(&mut self, usage: Usage) {
+        self.requests[usize::from(usage.kind())] += 1;
     }
 
     /// Requests whose usage said cached tokens.
