@@ -50,12 +50,12 @@ impl ExplainLog {
         }
     }
 
-    /// A new decision (`ticket`: the worker's ticket, when one was named); the oldest go when
-    /// the budget is full.
-    pub fn push(&mut self, ticket: Option<Ticket>, decision: &Value) {
+    /// A new decision as JSON text (`ticket`: the worker's ticket, when one was named; the
+    /// caller serializes, outside the lock); the oldest go when the budget is full.
+    pub fn push(&mut self, ticket: Option<Ticket>, decision: String) {
         let entry = Entry {
             ticket,
-            decision: decision.to_string(),
+            decision,
             served: None,
         };
         self.bytes += entry.bytes();
@@ -143,10 +143,10 @@ mod tests {
     #[test]
     fn entries_follow_their_request_to_the_end() {
         let mut log = ExplainLog::new(1 << 20);
-        log.push(Some(Ticket(1)), &json!({"request_id": "a"}));
-        log.push(Some(Ticket(2)), &json!({"request_id": "b"}));
-        log.push(Some(Ticket(3)), &json!({"request_id": "c"}));
-        log.push(None, &json!({"request_id": "d"}));
+        log.push(Some(Ticket(1)), json!({"request_id": "a"}).to_string());
+        log.push(Some(Ticket(2)), json!({"request_id": "b"}).to_string());
+        log.push(Some(Ticket(3)), json!({"request_id": "c"}).to_string());
+        log.push(None, json!({"request_id": "d"}).to_string());
         let usage = Usage::Cached {
             prompt_tokens: 100,
             cached_tokens: 64,
@@ -169,7 +169,7 @@ mod tests {
         let decision = json!({"candidates": "x".repeat(1000)});
         let mut log = ExplainLog::new(10_000);
         for t in 0..100 {
-            log.push(Some(Ticket(t)), &decision);
+            log.push(Some(Ticket(t)), decision.to_string());
             assert!(log.bytes() <= 10_000);
         }
         assert!(log.len() >= 7 && log.len() < 10, "{}", log.len());

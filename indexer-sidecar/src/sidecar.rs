@@ -775,7 +775,8 @@ impl Sidecar {
                 "candidates": decision.candidates,
             },
         });
-        lock(&self.explained).push(resp.ticket, &entry);
+        let entry = entry.to_string();
+        lock(&self.explained).push(resp.ticket, entry);
     }
 
     /// The recent decisions, newest first, with their outcomes.

@@ -57,21 +57,43 @@ impl Outcome {
     }
 }
 
-/// POST `body` as JSON; the response, or an outcome saying why there is none.
+impl Outcome {
+    /// Take the prompt and cached tokens from an OpenAI `usage` object.
+    fn read_usage(&mut self, usage: &Value) {
+        self.prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0);
+        self.cached_tokens = usage
+            .pointer("/prompt_tokens_details/cached_tokens")
+            .and_then(Value::as_u64)
+            .unwrap_or(0);
+    }
+}
+
+/// POST `body` as JSON: the response with an outcome holding its status, or an outcome saying
+/// why there is none.
 async fn post_json(
     http: &reqwest::Client,
     url: &str,
     body: &Value,
-) -> Result<reqwest::Response, Outcome> {
-    http.post(url)
+) -> Result<(reqwest::Response, Outcome), Outcome> {
+    match http
+        .post(url)
         .header("content-type", "application/json")
         .body(body.to_string())
         .send()
         .await
-        .map_err(|e| Outcome {
+    {
+        Ok(resp) => {
+            let out = Outcome {
+                status: resp.status().as_u16(),
+                ..Outcome::default()
+            };
+            Ok((resp, out))
+        }
+        Err(e) => Err(Outcome {
             error: Some(e.to_string()),
             ..Outcome::default()
-        })
+        }),
+    }
 }
 
 /// Send one request without streaming (`stream: false`): the whole answer in one JSON body.
@@ -79,13 +101,9 @@ pub async fn send_whole(http: &reqwest::Client, url: &str, body: &Value) -> Outc
     let mut body = body.clone();
     body["stream"] = Value::Bool(false);
     let start = Instant::now();
-    let resp = match post_json(http, url, &body).await {
+    let (resp, mut out) = match post_json(http, url, &body).await {
         Ok(r) => r,
         Err(out) => return out,
-    };
-    let mut out = Outcome {
-        status: resp.status().as_u16(),
-        ..Outcome::default()
     };
     out.engine = resp
         .headers()
@@ -100,13 +118,7 @@ pub async fn send_whole(http: &reqwest::Client, url: &str, body: &Value) -> Outc
     };
     out.ttft = start.elapsed();
     match answer.get("usage").filter(|u| !u.is_null()) {
-        Some(usage) => {
-            out.prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0);
-            out.cached_tokens = usage
-                .pointer("/prompt_tokens_details/cached_tokens")
-                .and_then(Value::as_u64)
-                .unwrap_or(0);
-        }
+        Some(usage) => out.read_usage(usage),
         None if out.status == 200 => out.error = Some("no usage in the answer".into()),
         None => {}
     }
@@ -119,13 +131,9 @@ pub async fn send_streaming(http: &reqwest::Client, url: &str, body: &Value) -> 
     body["stream"] = Value::Bool(true);
     body["stream_options"] = serde_json::json!({"include_usage": true});
     let start = Instant::now();
-    let resp = match post_json(http, url, &body).await {
+    let (resp, mut out) = match post_json(http, url, &body).await {
         Ok(r) => r,
         Err(out) => return out,
-    };
-    let mut out = Outcome {
-        status: resp.status().as_u16(),
-        ..Outcome::default()
     };
     if out.status != 200 {
         let text = resp.text().await.unwrap_or_default();
@@ -171,11 +179,7 @@ pub async fn send_streaming(http: &reqwest::Client, url: &str, body: &Value) -> 
             }
         }
         if let Some(usage) = v.get("usage").filter(|u| !u.is_null()) {
-            out.prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0);
-            out.cached_tokens = usage
-                .pointer("/prompt_tokens_details/cached_tokens")
-                .and_then(Value::as_u64)
-                .unwrap_or(0);
+            out.read_usage(usage);
             out.slot_wait_us = usage["sim_slot_wait_us"].as_u64().unwrap_or(0);
         }
     }
