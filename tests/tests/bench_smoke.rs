@@ -159,6 +159,17 @@ async fn datapath_benchmark_smoke() {
         assert!(c["p50_us"].as_f64().unwrap() > 0.0, "{setup}");
         assert!(c["rps"].as_f64().unwrap() > 0.0, "{setup}");
     }
+    // The usage A/B: both response kinds ran, and only the reading stack reported usage.
+    let usage = &doc["usage_cost"];
+    let mut before = 0.0;
+    for kind in ["json", "stream_128_chunks"] {
+        let row = &usage[kind];
+        let on = row["reported_prompt_tokens_on"].as_f64().unwrap();
+        assert!(on > before, "{kind}: {row}");
+        assert_eq!(row["reported_prompt_tokens_off"], 0.0, "{kind}: {row}");
+        assert!(row["mean_on"].as_f64().unwrap() > 0.0, "{kind}: {row}");
+        before = on;
+    }
     assert!(out.join("datapath.json").exists());
 }
 

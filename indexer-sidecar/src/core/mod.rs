@@ -1469,6 +1469,7 @@ impl Core {
         let decision = policy::choose(
             req.hashes.len() as u32,
             home_key,
+            req.hashes.last().map_or(0, |h| h.0),
             &matches,
             workers,
             &self.routing,

@@ -2,13 +2,19 @@
 //!
 //! The rule (affinity as a preference): among healthy workers that are not saturated, the one
 //! with the lowest cost wins. Cost, in blocks of prefill: the prompt blocks the worker does not
-//! hold, plus the prompt blocks already queued for prefill there (when the engine reports them:
+//! hold — each weighted by `1 + eviction_weight × kv_usage`, since a block prefilled into a
+//! cache its running requests nearly fill evicts a cached block a later request would have hit
+//! (measured on real vLLM with tight caches: moving a conversation to a less busy engine costs
+//! more than its prefill) —, plus the prompt blocks already queued for prefill there (when the engine reports them:
 //! Dynamo's `kv_metrics`), plus `load_penalty_blocks` × its requests (those the sidecar hinted to
 //! it that have not finished, and those its engine reported beyond them at the last scrape; see
 //! [`crate::core::load`]). So a long match wins over a short queue, but a two-block match does not pin
 //! traffic to a busy worker while another idles, and a burst spreads out at once. A worker is
 //! saturated when its queue, its KV usage or its requests reach the configured thresholds;
-//! saturated workers are used only when every worker is. When no worker holds a useful match,
+//! saturated workers are used only when every worker is. Workers that tie on everything the
+//! rule weighs (a prefix every one holds, equal load) are ordered by a rendezvous score of the
+//! prompt, not by their ids: the lowest id would take every tie, and every replica the same
+//! one at once. When no worker holds a useful match,
 //! the prompt goes to its **home**: of the unsaturated workers, the one with the highest
 //! rendezvous score for the prompt's first `home_key_blocks` blocks (a saturated home hands
 //! over to the next in that order, not to a random one). Cold prompts that share a
@@ -43,6 +49,9 @@ pub struct Candidate {
     pub saturated: bool,
     /// Blocks to prefill + load penalty (lower is better).
     pub cost: f64,
+    /// Where it stands among workers that tie on everything else (higher first).
+    #[serde(skip)]
+    pub tie: u64,
 }
 
 /// Which part of the rule decided.
@@ -89,11 +98,13 @@ fn home_score(key: u64, address: &str) -> u64 {
 }
 
 /// Decide where a request of `prompt_blocks` blocks goes. `home_key` names the prompt's first
-/// blocks (its home when nothing matches); `matches` are (worker, matched blocks); `workers` are
-/// the usable workers (id, address, load).
+/// blocks (its home when nothing matches), `tie_key` the whole prompt (it orders workers that
+/// tie); `matches` are (worker, matched blocks); `workers` are the usable workers (id, address,
+/// load).
 pub fn choose<'a>(
     prompt_blocks: u32,
     home_key: Option<u64>,
+    tie_key: u64,
     matches: &[(WorkerId, u32)],
     workers: impl IntoIterator<Item = (WorkerId, &'a str, Load)>,
     routing: &RoutingConfig,
@@ -104,7 +115,8 @@ pub fn choose<'a>(
         .into_iter()
         .map(|(id, address, load)| {
             let n = matched(id);
-            let cost = f64::from(prompt_blocks.saturating_sub(n))
+            let evicts = 1.0 + routing.eviction_weight * load.kv_usage.clamp(0.0, 1.0);
+            let cost = f64::from(prompt_blocks.saturating_sub(n)) * evicts
                 + load.queued_prefill_blocks
                 + routing.load_penalty_blocks * load.busy();
             Candidate {
@@ -114,16 +126,19 @@ pub fn choose<'a>(
                 load,
                 saturated: saturated(&load, routing),
                 cost,
+                tie: home_score(tie_key, address),
             }
         })
         .collect();
-    // Unsaturated first, then the cheapest, then the fewest hinted requests, the longest match.
+    // Unsaturated first, then the cheapest, then the fewest hinted requests, the longest match,
+    // the prompt's rendezvous order.
     candidates.sort_by(|a, b| {
         a.saturated
             .cmp(&b.saturated)
             .then(a.cost.total_cmp(&b.cost))
             .then(a.load.hinted_in_flight.total_cmp(&b.load.hinted_in_flight))
             .then(b.matched_blocks.cmp(&a.matched_blocks))
+            .then(b.tie.cmp(&a.tie))
             .then(a.id.cmp(&b.id))
     });
     let longest = candidates
@@ -186,7 +201,7 @@ mod tests {
             .map(|(i, a)| (WorkerId(i as u32), a.as_str()))
             .filter(|(w, _)| healthy(*w))
             .map(|(w, a)| (w, a, load_of(w)));
-        super::choose(prompt_blocks, home_key, matches, workers, routing)
+        super::choose(prompt_blocks, home_key, 0, matches, workers, routing)
     }
 
     /// The hinted workers' addresses.
@@ -328,6 +343,67 @@ mod tests {
         );
         assert_eq!(d.rule, Rule::LongestMatch);
         assert_eq!(order(&d)[0], addr(0));
+    }
+
+    #[test]
+    fn ties_spread_by_prompt_the_same_on_every_replica() {
+        let reg = registry(4);
+        let routing = RoutingConfig::default();
+        let every = [
+            (WorkerId(0), 5),
+            (WorkerId(1), 5),
+            (WorkerId(2), 5),
+            (WorkerId(3), 5),
+        ];
+        let first = |tie_key: u64| {
+            let workers = reg
+                .iter()
+                .enumerate()
+                .map(|(i, a)| (WorkerId(i as u32), a.as_str(), Load::default()));
+            super::choose(10, None, tie_key, &every, workers, &routing).workers[0]
+        };
+        let mut chosen = [0; 4];
+        for key in 0..400u64 {
+            let w = first(key);
+            assert_eq!(first(key), w, "the same prompt, the same worker");
+            chosen[w.0 as usize] += 1;
+        }
+        // 100 each if even; the lowest id took all 400 before.
+        assert!(
+            chosen.iter().all(|&n| (60..=140).contains(&n)),
+            "{chosen:?}"
+        );
+    }
+
+    #[test]
+    fn a_nearly_full_cache_makes_uncached_blocks_dearer() {
+        let reg = registry(2);
+        let routing = RoutingConfig::default();
+        // Worker 0 holds 10 of 40 blocks and has 6 more requests than worker 1.
+        let load = |usage: f64| {
+            move |w: WorkerId| Load {
+                hinted_in_flight: if w.0 == 0 { 6.0 } else { 0.0 },
+                kv_usage: usage,
+                ..Load::default()
+            }
+        };
+        let m = [(WorkerId(0), 10)];
+        // With room in the caches, 12 blocks of queue outweigh 10 cached blocks…
+        let d = choose(40, None, &m, &reg, &routing, load(0.0), all);
+        assert_eq!(order(&d)[0], addr(1));
+        assert_eq!(d.rule, Rule::LeastLoaded);
+        // …but not when prefilling evicts: 10 × (1 + 0.9) cached blocks are worth more.
+        let d = choose(40, None, &m, &reg, &routing, load(0.9), all);
+        assert_eq!(order(&d)[0], addr(0));
+        assert_eq!(d.rule, Rule::LongestMatch);
+        assert!((d.candidates[0].cost - (30.0 * 1.9 + 12.0)).abs() < 1e-9);
+        // Weight 0 is the plain count.
+        let plain = RoutingConfig {
+            eviction_weight: 0.0,
+            ..RoutingConfig::default()
+        };
+        let d = choose(40, None, &m, &reg, &plain, load(0.9), all);
+        assert_eq!(order(&d)[0], addr(1));
     }
 
     #[test]
