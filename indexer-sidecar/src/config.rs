@@ -56,7 +56,6 @@
 //! max_kv_usage = 0.95               #   KV cache usage,
 //! max_in_flight = 16                #   requests (running + queued, or hinted and unfinished)
 //! load_penalty_blocks = 2           # one request on a worker costs as much as 2 uncached blocks
-//! eviction_weight = 1               # an uncached block costs 1 + this × the worker's KV usage
 //! scrape_interval_ms = 250          # engines' /metrics (vLLM names) are read this often
 //! home_key_blocks = 8               # cold prompts go to the home of their first 8 blocks
 //! ```
@@ -547,10 +546,6 @@ pub struct RoutingConfig {
     /// Cost of one request in flight on a worker, in blocks of prefill: how many cached blocks
     /// are worth waiting behind one more request.
     pub load_penalty_blocks: f64,
-    /// Extra cost of an uncached block per unit of the worker's KV usage (the fraction its
-    /// running requests hold): prefilled into a cache that is nearly all in use, a block
-    /// evicts a cached one that a later request would have hit.
-    pub eviction_weight: f64,
     /// How often engines' `/metrics` are scraped.
     pub scrape_interval_ms: u64,
     /// A prompt no worker holds goes to the home of its first this many blocks (the filter's
@@ -570,7 +565,6 @@ impl Default for RoutingConfig {
             max_kv_usage: 0.95,
             max_in_flight: 16.0,
             load_penalty_blocks: 2.0,
-            eviction_weight: 1.0,
             scrape_interval_ms: 250,
             home_key_blocks: 8,
             home_slack: 4.0,
@@ -737,7 +731,6 @@ impl Config {
         }
         for (name, v) in [
             ("load_penalty_blocks", r.load_penalty_blocks),
-            ("eviction_weight", r.eviction_weight),
             ("home_slack", r.home_slack),
             ("max_waiting", r.max_waiting),
             ("max_kv_usage", r.max_kv_usage),

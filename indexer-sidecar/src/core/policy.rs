@@ -2,10 +2,7 @@
 //!
 //! The rule (affinity as a preference): among healthy workers that are not saturated, the one
 //! with the lowest cost wins. Cost, in blocks of prefill: the prompt blocks the worker does not
-//! hold — each weighted by `1 + eviction_weight × kv_usage`, since a block prefilled into a
-//! cache its running requests nearly fill evicts a cached block a later request would have hit
-//! (measured on real vLLM with tight caches: moving a conversation to a less busy engine costs
-//! more than its prefill) —, plus the prompt blocks already queued for prefill there (when the engine reports them:
+//! hold, plus the prompt blocks already queued for prefill there (when the engine reports them:
 //! Dynamo's `kv_metrics`), plus `load_penalty_blocks` × its requests (those the sidecar hinted to
 //! it that have not finished, and those its engine reported beyond them at the last scrape; see
 //! [`crate::core::load`]). So a long match wins over a short queue, but a two-block match does not pin
@@ -115,8 +112,7 @@ pub fn choose<'a>(
         .into_iter()
         .map(|(id, address, load)| {
             let n = matched(id);
-            let evicts = 1.0 + routing.eviction_weight * load.kv_usage.clamp(0.0, 1.0);
-            let cost = f64::from(prompt_blocks.saturating_sub(n)) * evicts
+            let cost = f64::from(prompt_blocks.saturating_sub(n))
                 + load.queued_prefill_blocks
                 + routing.load_penalty_blocks * load.busy();
             Candidate {
@@ -373,37 +369,6 @@ mod tests {
             chosen.iter().all(|&n| (60..=140).contains(&n)),
             "{chosen:?}"
         );
-    }
-
-    #[test]
-    fn a_nearly_full_cache_makes_uncached_blocks_dearer() {
-        let reg = registry(2);
-        let routing = RoutingConfig::default();
-        // Worker 0 holds 10 of 40 blocks and has 6 more requests than worker 1.
-        let load = |usage: f64| {
-            move |w: WorkerId| Load {
-                hinted_in_flight: if w.0 == 0 { 6.0 } else { 0.0 },
-                kv_usage: usage,
-                ..Load::default()
-            }
-        };
-        let m = [(WorkerId(0), 10)];
-        // With room in the caches, 12 blocks of queue outweigh 10 cached blocks…
-        let d = choose(40, None, &m, &reg, &routing, load(0.0), all);
-        assert_eq!(order(&d)[0], addr(1));
-        assert_eq!(d.rule, Rule::LeastLoaded);
-        // …but not when prefilling evicts: 10 × (1 + 0.9) cached blocks are worth more.
-        let d = choose(40, None, &m, &reg, &routing, load(0.9), all);
-        assert_eq!(order(&d)[0], addr(0));
-        assert_eq!(d.rule, Rule::LongestMatch);
-        assert!((d.candidates[0].cost - (30.0 * 1.9 + 12.0)).abs() < 1e-9);
-        // Weight 0 is the plain count.
-        let plain = RoutingConfig {
-            eviction_weight: 0.0,
-            ..RoutingConfig::default()
-        };
-        let d = choose(40, None, &m, &reg, &plain, load(0.9), all);
-        assert_eq!(order(&d)[0], addr(1));
     }
 
     #[test]

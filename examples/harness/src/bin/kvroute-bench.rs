@@ -64,6 +64,12 @@ enum Command {
         /// Probe prompts asked of every sidecar after each run.
         #[arg(long, default_value_t = 200)]
         probes: usize,
+        /// Only these of the loss and repair workloads (comma-separated; `none` for none).
+        #[arg(long, value_delimiter = ',')]
+        workloads: Option<Vec<String>>,
+        /// Only these of the load-sharing workloads (comma-separated; `none` for none).
+        #[arg(long, value_delimiter = ',')]
+        sharing: Option<Vec<String>>,
     },
     /// kvroute (pin mode) vs Dynamo's KV router and round robin on real Dynamo mocker workers.
     Dynamo {
@@ -213,12 +219,25 @@ async fn main() -> Result<()> {
             engines,
             interval_ms,
             probes,
+            workloads,
+            sharing,
         } => {
+            let all = kvroute_harness::bench_replicas::ReplicasBench::new(scale);
+            let only = |names: &[&'static str], keep: Option<Vec<String>>| match keep {
+                Some(keep) => names
+                    .iter()
+                    .copied()
+                    .filter(|n| keep.iter().any(|k| k == n))
+                    .collect(),
+                None => names.to_vec(),
+            };
             let bench = kvroute_harness::bench_replicas::ReplicasBench {
                 engines,
                 interval_ms,
                 probes,
-                ..kvroute_harness::bench_replicas::ReplicasBench::new(scale)
+                workloads: only(&all.workloads, workloads),
+                sharing: only(&all.sharing, sharing),
+                ..all
             };
             println!(
                 "\n{}",
