@@ -23,7 +23,7 @@ use crate::flow::{self, Call, OnBody, OnHeaders, OnHint, Unreported};
 use crate::metrics::{Counter, FallbackReason};
 use crate::models::ModelRegistry;
 use crate::plan::{plan, warm_up, Next};
-use crate::usage::{worth_scanning, UsageScanner};
+use crate::usage::{is_stream, sampled, worth_scanning, UsageScanner};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -40,6 +40,8 @@ struct Shared {
     metrics: HashMap<Counter, u32>,
     /// Hinted requests that finished, not yet reported to the sidecar.
     finished: Unreported,
+    /// Hinted responses that streamed so far (one in `stream_usage_every` is read).
+    streams: u64,
 }
 
 impl Shared {
@@ -241,6 +243,7 @@ impl RootContext for Root {
             ticket: None,
             response: None,
             answered: false,
+            unread: false,
         }))
     }
 
@@ -278,6 +281,8 @@ struct Request {
     response: Option<UsageScanner>,
     /// Whether that response was seen to its end.
     answered: bool,
+    /// A hinted request's response the filter chose not to read.
+    unread: bool,
 }
 
 impl Request {
@@ -416,13 +421,32 @@ impl HttpContext for Request {
     }
 
     fn on_http_response_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
-        if self.ticket.is_some() && self.shared.borrow().config.read_usage {
-            let status = hostcalls::get_map_value(MapType::HttpResponseHeaders, ":status")
-                .ok()
-                .flatten();
-            if worth_scanning(status.as_deref()) {
-                self.response = Some(UsageScanner::default());
-                self.answered = end_of_stream;
+        if self.ticket.is_none() {
+            return Action::Continue;
+        }
+        let (read_usage, every) = {
+            let config = &self.shared.borrow().config;
+            (config.read_usage, config.stream_usage_every)
+        };
+        self.unread = !read_usage;
+        if read_usage {
+            let header = |name| {
+                hostcalls::get_map_value(MapType::HttpResponseHeaders, name)
+                    .ok()
+                    .flatten()
+            };
+            if worth_scanning(header(":status").as_deref()) {
+                let read = !is_stream(header("content-type").as_deref()) || {
+                    let mut shared = self.shared.borrow_mut();
+                    shared.streams += 1;
+                    sampled(shared.streams - 1, every)
+                };
+                if read {
+                    self.response = Some(UsageScanner::default());
+                    self.answered = end_of_stream;
+                } else {
+                    self.unread = true;
+                }
             }
         }
         Action::Continue
@@ -454,6 +478,7 @@ impl HttpContext for Request {
         if let Some(ticket) = self.ticket.take() {
             let usage = match self.response.take() {
                 Some(scanner) => scanner.finish(self.answered),
+                None if self.unread => Usage::Unread,
                 None => Usage::Unanswered,
             };
             self.shared

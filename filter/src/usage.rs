@@ -170,6 +170,21 @@ pub fn worth_scanning(status: Option<&str>) -> bool {
     status.is_some_and(|s| s.len() == 3 && s.starts_with('2'))
 }
 
+/// Whether a response with this `content-type` streams (server-sent events).
+pub fn is_stream(content_type: Option<&str>) -> bool {
+    content_type.is_some_and(|c| {
+        c.trim_start()
+            .get(..17)
+            .is_some_and(|t| t.eq_ignore_ascii_case("text/event-stream"))
+    })
+}
+
+/// Whether to read the usage of a hinted stream, the VM's `streams`-th (from 0): one in
+/// `every`, so that the per-chunk cost of reading is spread over that many streams.
+pub fn sampled(streams: u64, every: u32) -> bool {
+    streams.is_multiple_of(u64::from(every.max(1)))
+}
+
 fn read_usage(object: &[u8]) -> Usage {
     let Ok(raw) = serde_json::from_slice::<RawUsage>(object) else {
         return Usage::Malformed;
@@ -286,5 +301,18 @@ mod tests {
         for s in [None, Some("400"), Some("503"), Some("2"), Some("2000")] {
             assert!(!worth_scanning(s), "{s:?}");
         }
+    }
+
+    #[test]
+    fn one_stream_in_every_is_read() {
+        assert!(is_stream(Some("text/event-stream")));
+        assert!(is_stream(Some("Text/Event-Stream; charset=utf-8")));
+        for c in [None, Some("application/json"), Some("text/event"), Some("")] {
+            assert!(!is_stream(c), "{c:?}");
+        }
+        let read = (0..64).filter(|&n| sampled(n, 32)).count();
+        assert_eq!(read, 2);
+        assert!(sampled(0, 32), "the first stream is read");
+        assert!((0..5).all(|n| sampled(n, 1)));
     }
 }

@@ -308,6 +308,8 @@ label_values!(
         Malformed => "malformed",
         /// No successful response seen to its end.
         Unanswered => "unanswered",
+        /// Not read by the filter (`read_usage` off, or a stream outside its sample).
+        Unread => "unread",
     }
 );
 

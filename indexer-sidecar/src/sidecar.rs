@@ -632,6 +632,7 @@ impl Sidecar {
                     Usage::Missing => UsageKind::Missing,
                     Usage::Malformed => UsageKind::Malformed,
                     Usage::Unanswered => UsageKind::Unanswered,
+                    Usage::Unread => UsageKind::Unread,
                 };
                 m.served_requests
                     .get_or_create(&ServedLabels {

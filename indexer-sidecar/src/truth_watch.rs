@@ -45,9 +45,8 @@ impl TruthWatch {
         newest
             .iter()
             .map(|(key, t)| {
-                let count = |t: &Truth| t.requests.iter().sum::<u64>();
                 let since = match base.get(key) {
-                    Some(b) if count(b) <= count(t) => t.since(b),
+                    Some(b) if b.total() <= t.total() => t.since(b),
                     _ => *t,
                 };
                 (key.clone(), since)

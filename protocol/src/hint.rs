@@ -72,6 +72,9 @@ pub enum Usage {
         /// `usage.prompt_tokens`.
         prompt_tokens: u32,
     },
+    /// The filter did not read the response (`read_usage` off, or a stream outside the
+    /// filter's sample: `stream_usage_every`).
+    Unread,
     /// The engine said how many prompt tokens it found cached.
     Cached {
         /// `usage.prompt_tokens`.
@@ -83,12 +86,13 @@ pub enum Usage {
 
 impl Usage {
     /// Every kind, for defining metric label values up front.
-    pub const KINDS: [&'static str; 5] = [
+    pub const KINDS: [&'static str; 6] = [
         "unanswered",
         "missing",
         "malformed",
         "prompt_only",
         "cached",
+        "unread",
     ];
 
     /// The label value of its kind.
@@ -104,6 +108,7 @@ impl Usage {
             Usage::Malformed => 2,
             Usage::PromptOnly { .. } => 3,
             Usage::Cached { .. } => 4,
+            Usage::Unread => 5,
         }
     }
 
@@ -128,6 +133,7 @@ impl Usage {
                 prompt_tokens,
                 cached_tokens,
             },
+            5 => Usage::Unread,
             _ => return None,
         })
     }
@@ -404,10 +410,11 @@ mod tests {
                 prompt_tokens: u32::MAX,
                 cached_tokens: 48,
             },
+            Usage::Unread,
         ];
         let finished: Vec<Finished> = usages
             .iter()
-            .zip([7, u64::MAX, 0, 1, 2])
+            .zip([7, u64::MAX, 0, 1, 2, 3])
             .map(|(&usage, t)| Finished {
                 ticket: Ticket(t),
                 usage,
@@ -418,7 +425,7 @@ mod tests {
             ..sample()
         };
         let bytes = with_finished.encode();
-        assert_eq!(bytes.len(), 4 + 2 + 10 + 4 + 24 + 4 + 5 * 17);
+        assert_eq!(bytes.len(), 4 + 2 + 10 + 4 + 24 + 4 + 6 * 17);
         assert_eq!(HintRequest::decode(&bytes).unwrap(), with_finished);
         let report = encode_finished(&finished);
         assert_eq!(decode_finished(&report).unwrap(), finished);
@@ -428,10 +435,10 @@ mod tests {
         );
         assert_eq!(decode_finished(b"KVH2"), Err(HintDecodeError::BadMagic));
         let mut unknown_kind = encode_finished(&finished[..1]);
-        unknown_kind[8 + 8] = 5;
+        unknown_kind[8 + 8] = 6;
         assert_eq!(
             decode_finished(&unknown_kind),
-            Err(HintDecodeError::UsageKind(5))
+            Err(HintDecodeError::UsageKind(6))
         );
         for (i, u) in usages.iter().enumerate() {
             assert_eq!(u.label(), Usage::KINDS[i]);

@@ -159,16 +159,28 @@ async fn datapath_benchmark_smoke() {
         assert!(c["p50_us"].as_f64().unwrap() > 0.0, "{setup}");
         assert!(c["rps"].as_f64().unwrap() > 0.0, "{setup}");
     }
-    // The usage A/B: both response kinds ran, and only the reading stack reported usage.
+    // The usage A/B: both response kinds ran; the stack reading every response reported
+    // usage for each, the sampling one for every JSON answer and fewer streams, the one
+    // reading none for nothing.
     let usage = &doc["usage_cost"];
-    let mut before = 0.0;
-    for kind in ["json", "stream_128_chunks"] {
-        let row = &usage[kind];
-        let on = row["reported_prompt_tokens_on"].as_f64().unwrap();
-        assert!(on > before, "{kind}: {row}");
-        assert_eq!(row["reported_prompt_tokens_off"], 0.0, "{kind}: {row}");
-        assert!(row["mean_on"].as_f64().unwrap() > 0.0, "{kind}: {row}");
-        before = on;
+    let f = |row: &serde_json::Value, k: &str| row[k].as_f64().unwrap();
+    let (json, stream) = (&usage["json"], &usage["stream_128_chunks"]);
+    let every_json = f(json, "reported_prompt_tokens_every");
+    assert!(every_json > 0.0, "{json}");
+    let sampled_json = f(json, "reported_prompt_tokens_sampled");
+    assert!(
+        sampled_json >= 0.9 * every_json,
+        "every JSON answer is read: {json}"
+    );
+    let every_streams = f(stream, "reported_prompt_tokens_every") - every_json;
+    let sampled_streams = f(stream, "reported_prompt_tokens_sampled") - sampled_json;
+    assert!(
+        every_streams > sampled_streams && sampled_streams > 0.0,
+        "{stream}"
+    );
+    for row in [json, stream] {
+        assert_eq!(f(row, "reported_prompt_tokens_off"), 0.0, "{row}");
+        assert!(f(row, "mean_every") > 0.0, "{row}");
     }
     assert!(out.join("datapath.json").exists());
 }

@@ -135,18 +135,25 @@ fn bundle_load_ms(dir: &Path) -> Option<f64> {
 }
 
 /// What reading the responses' usage costs Envoy, resolved below the run-to-run noise of the
-/// table's separate stacks: two kvroute stacks alike but for `read_usage`, both up at once and
-/// loaded in turns (the order alternating), on simulated engines that answer a short prompt
-/// with 128 tokens — one JSON body, or 128 server-sent events a decode step apart plus the usage
-/// chunk, as a streaming client gets them. Envoy's CPU per request (user + system, 10 ms
-/// ticks) over `requests` requests 16 at a time is compared round by round.
+/// table's separate stacks: three kvroute stacks alike but for how they read — every response
+/// (`stream_usage_every` 1), the shipped default (one stream in 32), none (`read_usage` off) —,
+/// all up at once and loaded in turns (the order rotating), on simulated engines that answer a
+/// short prompt with 128 tokens: one JSON body, or 128 server-sent events a decode step apart
+/// plus the usage chunk, as a streaming client gets them. Envoy's CPU per request (user +
+/// system, 10 ms ticks) over `requests` requests 16 at a time is compared round by round.
 async fn usage_cost(rounds: usize, requests: usize) -> Result<Value> {
+    let default_every = 32;
     let mut stacks = Vec::new();
-    for read_usage in [true, false] {
-        let name = if read_usage { "usage-on" } else { "usage-off" };
-        let mut opts = StackOptions::new(&format!("datapath-{name}"), Mode::Kvroute);
+    for (name, read_usage, every) in [
+        ("every", true, 1),
+        ("sampled", true, default_every),
+        ("off", false, 1),
+    ] {
+        let mut opts = StackOptions::new(&format!("datapath-usage-{name}"), Mode::Kvroute);
         opts.filter_extra
             .insert("read_usage".into(), read_usage.into());
+        opts.filter_extra
+            .insert("stream_usage_every".into(), every.into());
         opts.sim.output_tokens = 128;
         opts.hint_timeout_ms = 1000;
         stacks.push(Stack::start(opts).await?);
@@ -159,21 +166,18 @@ async fn usage_cost(rounds: usize, requests: usize) -> Result<Value> {
             body["stream"] = json!(true);
             body["stream_options"] = json!({"include_usage": true});
         }
-        let (mut on, mut off) = (Vec::new(), Vec::new());
+        let mut cpu: [Vec<f64>; 3] = Default::default();
         for round in 0..rounds {
-            let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
-            for i in order {
+            for k in 0..3 {
+                let i = (round + k) % 3;
                 let r = load(&stacks[i], &body, 16, requests).await?;
                 anyhow::ensure!(r["errors"] == 0, "usage cost run failed: {r}");
-                let cpu = r["envoy_cpu_us_per_request"].as_f64().unwrap_or(0.0);
-                if i == 0 {
-                    on.push(cpu)
-                } else {
-                    off.push(cpu)
-                }
+                cpu[i].push(r["envoy_cpu_us_per_request"].as_f64().unwrap_or(0.0));
             }
         }
-        // What each sidecar was told, so a run shows the two stacks differ as they claim.
+        // What each sidecar was told, so a run shows the stacks differ as they claim (the
+        // filter reports finished requests within 200 ms).
+        tokio::time::sleep(Duration::from_secs(1)).await;
         let mut reported = Vec::new();
         for stack in &stacks {
             let m = stack.sidecar_metrics().await?;
@@ -182,16 +186,24 @@ async fn usage_cost(rounds: usize, requests: usize) -> Result<Value> {
                 "kvroute_served_prompt_tokens_total",
             ));
         }
-        let diffs: Vec<f64> = on.iter().zip(&off).map(|(a, b)| a - b).collect();
         let kind = if stream { "stream_128_chunks" } else { "json" };
         let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+        // Per round, against the stack that reads nothing.
+        let over_off =
+            |i: usize| -> Vec<f64> { cpu[i].iter().zip(&cpu[2]).map(|(a, b)| a - b).collect() };
+        let (every, sampled) = (over_off(0), over_off(1));
         let row = json!({
-            "envoy_cpu_us_on": on, "envoy_cpu_us_off": off,
-            "mean_on": mean(&on), "mean_off": mean(&off),
-            "difference_us_median": quantile(&diffs, 0.5),
-            "difference_us_mean": mean(&diffs),
+            "envoy_cpu_us_every": cpu[0], "envoy_cpu_us_sampled": cpu[1], "envoy_cpu_us_off": cpu[2],
+            "mean_every": mean(&cpu[0]), "mean_sampled": mean(&cpu[1]), "mean_off": mean(&cpu[2]),
+            "every_minus_off_us_median": quantile(&every, 0.5),
+            "every_minus_off_us_mean": mean(&every),
+            "sampled_minus_off_us_median": quantile(&sampled, 0.5),
+            "sampled_minus_off_us_mean": mean(&sampled),
+            "stream_usage_every_sampled": default_every,
             "requests_per_round": requests, "rounds": rounds,
-            "reported_prompt_tokens_on": reported[0], "reported_prompt_tokens_off": reported[1],
+            "reported_prompt_tokens_every": reported[0],
+            "reported_prompt_tokens_sampled": reported[1],
+            "reported_prompt_tokens_off": reported[2],
         });
         println!("usage cost, {kind}: {row}");
         out.insert(kind.to_owned(), row);

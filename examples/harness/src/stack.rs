@@ -859,6 +859,10 @@ pub fn render_envoy(
         },
         filter_config: {
             let mut config = opts.filter_extra.clone();
+            // Tests and benchmarks compare every hinted response with its prediction.
+            config
+                .entry("stream_usage_every")
+                .or_insert_with(|| 1.into());
             config.insert("hints".into(), (opts.mode == Mode::Kvroute).into());
             config.insert("hint_timeout_ms".into(), opts.hint_timeout_ms.into());
             serde_json::Value::Object(config)

@@ -910,7 +910,7 @@ impl Core {
     pub fn served(&self) -> Vec<(String, truth::Truth)> {
         self.fleet
             .iter()
-            .filter(|w| w.truth.requests.iter().any(|&n| n > 0))
+            .filter(|w| w.truth.total() > 0)
             .map(|w| (w.address.to_string(), w.truth))
             .collect()
     }

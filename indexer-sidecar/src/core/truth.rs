@@ -43,8 +43,12 @@ impl Prediction {
 /// Totals over finished hinted requests (of one worker, or of all a replica routed).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Truth {
-    /// Requests by usage kind, in [`Usage::KINDS`] order.
+    /// Requests by usage kind, in [`Usage::KINDS`] order, all but [`Usage::Unread`].
     pub requests: [u64; 5],
+    /// Requests whose response the filter did not read (apart, and defaulted, so that totals
+    /// of replicas that do not count them still read).
+    #[serde(default)]
+    pub unread: u64,
     /// Over the requests whose usage said cached tokens: what the hint predicted (at most the
     /// prompt), what the engine had, and the prompt.
     pub predicted_tokens: u64,
@@ -64,7 +68,7 @@ impl Truth {
     /// Add a request hinted with `predicted` tokens (its matched blocks × `block_size`) whose
     /// response said `usage`; how the prediction compared, when the usage says.
     pub fn add(&mut self, predicted: u64, usage: Usage, block_size: u32) -> Option<Prediction> {
-        self.requests[usize::from(usage.kind())] += 1;
+        self.count(usage);
         let Usage::Cached {
             prompt_tokens,
             cached_tokens,
@@ -94,7 +98,15 @@ impl Truth {
     /// Count a request whose usage does not describe the hinted worker's cache: a prefill
     /// worker's request, whose response reports the decode worker's cached tokens.
     pub fn count(&mut self, usage: Usage) {
-        self.requests[usize::from(usage.kind())] += 1;
+        match self.requests.get_mut(usize::from(usage.kind())) {
+            Some(n) if usage != Usage::Unread => *n += 1,
+            _ => self.unread += 1,
+        }
+    }
+
+    /// Requests counted, read or not.
+    pub fn total(&self) -> u64 {
+        self.requests.iter().sum::<u64>() + self.unread
     }
 
     /// Requests whose usage said cached tokens.
@@ -120,6 +132,7 @@ impl Truth {
         }
         Truth {
             requests,
+            unread: self.unread.saturating_sub(earlier.unread),
             predicted_tokens: self
                 .predicted_tokens
                 .saturating_sub(earlier.predicted_tokens),
@@ -136,6 +149,7 @@ impl Truth {
         for (i, r) in self.requests.iter_mut().enumerate() {
             *r += other.requests[i];
         }
+        self.unread += other.unread;
         self.predicted_tokens += other.predicted_tokens;
         self.cached_tokens += other.cached_tokens;
         self.prompt_tokens += other.prompt_tokens;
@@ -188,13 +202,24 @@ mod tests {
         let before = t;
         t.add(32, cached(40, 0), 16);
         t.add(0, Usage::Unanswered, 16);
+        t.add(48, Usage::Unread, 16);
         let window = t.since(&before);
         assert_eq!(window.requests, [1, 0, 0, 0, 1]);
+        assert_eq!((window.unread, window.total()), (1, 3));
         assert_eq!((window.predicted_tokens, window.cached_tokens), (32, 0));
         assert_eq!(window.over, 1);
         let mut sum = before;
         sum.merge(&window);
         assert_eq!(sum, t);
         assert_eq!(before.since(&t), Truth::default(), "never below zero");
+    }
+
+    #[test]
+    fn a_peer_that_does_not_count_unread_requests_still_reads() {
+        let mut t = Truth::default();
+        t.add(32, cached(40, 32), 16);
+        let mut json = serde_json::to_value(t).unwrap();
+        json.as_object_mut().unwrap().remove("unread");
+        assert_eq!(serde_json::from_value::<Truth>(json).unwrap(), t);
     }
 }
