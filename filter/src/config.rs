@@ -38,8 +38,8 @@ pub struct FilterConfig {
     /// to the sidecar beside its prediction); `false` reports finished requests only.
     pub read_usage: bool,
     /// Of the hinted responses that stream (server-sent events), read one in this many (1:
-    /// every one). Reading costs a host call per streamed chunk — about 3 µs of Envoy's CPU in
-    /// V8, 0.4 ms for a 128-token answer (docs/benchmarks.md) — where a JSON answer costs one
+    /// every one). Reading costs a host call per streamed chunk — 3–5 µs of Envoy's CPU in V8,
+    /// 0.4–0.6 ms for a 128-token answer (docs/benchmarks.md) — where a JSON answer costs one
     /// or two; the streams not read are reported as `unread`, so the sidecar's comparison of
     /// predicted and reported cached tokens is a sample of them.
     pub stream_usage_every: u32,

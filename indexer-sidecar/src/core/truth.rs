@@ -98,9 +98,9 @@ impl Truth {
     /// Count a request whose usage does not describe the hinted worker's cache: a prefill
     /// worker's request, whose response reports the decode worker's cached tokens.
     pub fn count(&mut self, usage: Usage) {
-        match self.requests.get_mut(usize::from(usage.kind())) {
-            Some(n) if usage != Usage::Unread => *n += 1,
-            _ => self.unread += 1,
+        match usage {
+            Usage::Unread => self.unread += 1,
+            read => self.requests[usize::from(read.kind())] += 1,
         }
     }
 
