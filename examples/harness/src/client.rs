@@ -55,9 +55,7 @@ impl Outcome {
     pub fn ok(&self) -> bool {
         self.status == 200 && self.error.is_none()
     }
-}
 
-impl Outcome {
     /// Take the prompt and cached tokens from an OpenAI `usage` object.
     fn read_usage(&mut self, usage: &Value) {
         self.prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0);

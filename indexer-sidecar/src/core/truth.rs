@@ -95,8 +95,9 @@ impl Truth {
         Some(verdict)
     }
 
-    /// Count a request whose usage does not describe the hinted worker's cache: a prefill
-    /// worker's request, whose response reports the decode worker's cached tokens.
+    /// Count a request by what its response said, without comparing it to the prediction
+    /// ([`Truth::add`] does both): alone, for a request whose usage does not describe the
+    /// hinted worker's cache — a prefill worker's, whose response reports the decode worker's.
     pub fn count(&mut self, usage: Usage) {
         match usage {
             Usage::Unread => self.unread += 1,
