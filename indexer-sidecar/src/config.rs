@@ -19,7 +19,8 @@
 //! [[zmq]]                           # vLLM KV events (one entry per engine endpoint)
 //! endpoint = "tcp://127.0.0.1:5557" # vLLM's kv-events `endpoint`
 //! replay_endpoint = "tcp://127.0.0.1:5558" # optional: fills sequence gaps
-//! worker = "127.0.0.1:8001"         # optional with llm-d `kv@<ip:port>@<model>` topics
+//! worker = "127.0.0.1:8001"         # optional with llm-d `kv@<ip:port>@<model>` topics; in pin
+//!                                   # mode a Dynamo instance's request-plane ip:port
 //! topic = "kv-events"               # optional prefix filter; bind = true if vLLM connects
 //!
 //! [[workers]]
@@ -448,7 +449,9 @@ pub struct ZmqConfig {
     /// vLLM's `replay_endpoint`, used to fill sequence gaps; without it a gap resyncs the worker.
     #[serde(default)]
     pub replay_endpoint: Option<String>,
-    /// The worker (its `[[workers]]` address) publishing here. Optional when topics follow
+    /// The worker publishing here: its `[[workers]]` address, or a Dynamo instance's
+    /// request-plane `ip:port` (its discovery record's): that worker then takes its KV events
+    /// from here only, not from the copies Dynamo relays to NATS. Optional when topics follow
     /// llm-d's `kv@<ip:port>@<model>`, which names the worker.
     #[serde(default)]
     pub worker: Option<String>,
@@ -702,9 +705,12 @@ impl Config {
         }
         for z in &self.zmq {
             if let Some(w) = &z.worker {
-                if !addresses.contains(w.as_str()) {
+                // With discovery, a worker may be a Dynamo instance's request-plane address.
+                let discovered =
+                    !self.dynamo_discovery.is_empty() && w.parse::<SocketAddr>().is_ok();
+                if !addresses.contains(w.as_str()) && !discovered {
                     bail!(
-                        "[[zmq]] {} names worker {w}, which is not configured",
+                        "[[zmq]] {} names worker {w}, which is not configured (nor, with [[dynamo_discovery]], an instance's ip:port)",
                         z.endpoint
                     );
                 }
@@ -849,6 +855,15 @@ dynamo_worker_id = 18446744073709551615
         assert_eq!(c.routing.max_hinted_workers, 3);
     }
 
+    /// In pin mode a `[[zmq]]` entry names a Dynamo instance by its request-plane address.
+    #[test]
+    fn zmq_may_name_a_discovered_instance() {
+        let zmq = "[[zmq]]\nendpoint = \"tcp://h:1\"\nworker = \"127.0.0.1:9\"\n";
+        let discovery = "[[dynamo_discovery]]\ndir = \"d\"\nmodel = \"tiny\"\n";
+        let c: Config = toml::from_str(&format!("{EXAMPLE}{zmq}{discovery}")).unwrap();
+        c.validate().unwrap();
+    }
+
     #[test]
     fn rejects_inconsistent_configs() {
         for (bad, why) in [
@@ -861,6 +876,10 @@ dynamo_worker_id = 18446744073709551615
                 "not configured",
             ),
             (EXAMPLE.replace("127.0.0.1:8001", "localhost"), "ip:port"),
+            (
+                format!("{EXAMPLE}[[zmq]]\nendpoint = \"tcp://h:1\"\nworker = \"127.0.0.1:9\"\n"),
+                "not configured",
+            ),
             (
                 EXAMPLE.replace("[nats]", "[nats]\nurll = 1"),
                 "unknown field",

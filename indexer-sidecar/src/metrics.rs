@@ -119,6 +119,8 @@ label_values!(
         WrongComponent => "wrong_component",
         /// A data-parallel rank past `[index] max_ranks_per_worker`.
         TooManyRanks => "too_many_ranks",
+        /// A Dynamo relay's copy of events read over ZMQ.
+        ReadOverZmq => "read_over_zmq",
     }
 );
 

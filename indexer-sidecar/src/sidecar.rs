@@ -482,6 +482,7 @@ impl Sidecar {
                 let reason = match why {
                     Rejected::WrongComponent { .. } => RejectReason::WrongComponent,
                     Rejected::TooManyRanks { .. } => RejectReason::TooManyRanks,
+                    Rejected::ReadOverZmq => RejectReason::ReadOverZmq,
                 };
                 let counter = m.rejected_messages.get_or_create(&RejectLabels {
                     worker: worker.address.to_string(),
@@ -494,6 +495,9 @@ impl Sidecar {
                         }
                         Rejected::TooManyRanks { rank, limit } => {
                             tracing::warn!(worker = %worker.address, rank, limit, "message of a data-parallel rank beyond [index] max_ranks_per_worker refused; kvroute_rejected_messages_total counts the rest")
+                        }
+                        Rejected::ReadOverZmq => {
+                            tracing::info!(worker = %worker.address, "this worker's engine is read over ZMQ ([[zmq]] names it): the copies of its events Dynamo relays to NATS are not applied; kvroute_rejected_messages_total{{reason=\"read_over_zmq\"}} counts them")
                         }
                     }
                 }

@@ -345,3 +345,43 @@ async fn a_replica_that_lost_real_dynamo_events_is_repaired_from_its_peer() {
         blocks(&ta)
     );
 }
+
+/// A sidecar restarted while Dynamo's workers hold prefixes asks the engines: each worker's
+/// engine publishes vLLM's ZMQ format with a replay socket (Dynamo's vLLM backend with
+/// `--kv-events-config`; here the mocker's `--zmq-kv-events-ports` and `--zmq-replay-ports`,
+/// which Dynamo's relay also copies to NATS), the sidecar reads each one with `[[zmq]] worker`
+/// set to the instance's request-plane address, and a new sidecar indexes what the engines
+/// hold before anything is stored again. The relay's NATS copies are refused, not applied
+/// twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_sidecar_warms_from_the_dynamo_workers_engines() {
+    let dynamo = DynamoOptions {
+        router_mode: "round-robin".into(),
+        zmq_events: true,
+        ..DynamoOptions::default()
+    };
+    let mut stack = Stack::start(dynamo_stack("dynamo-real-warm", dynamo, ""))
+        .await
+        .expect("stack starts");
+    let (id, system, warmed) = warm(&stack, 1, "x-worker-instance-id", 3300).await;
+    assert_eq!(workers_of(&warmed).0, id);
+    let blocks = (warmed.prompt_tokens / 16) as f64;
+    let relayed = format!(
+        "kvroute_rejected_messages_total{{worker=\"{}\",reason=\"read_over_zmq\"}}",
+        pinned_label(&stack, 1)
+    );
+    assert!(
+        sidecar_metric(&stack, &relayed).await >= Some(1.0),
+        "the relay's NATS copies are refused: {}",
+        stack.sidecar_metrics().await.unwrap_or_default()
+    );
+
+    let restarted = std::time::Instant::now();
+    stack.restart_sidecar().await.expect("sidecar restarts");
+    wait_pinned_indexed(&stack, 1, blocks).await;
+    let warm_after = restarted.elapsed();
+    let o = via_envoy(&stack, &dynamo_chat(&system, &text(3310, 10))).await;
+    assert_eq!(workers_of(&o).0, id, "the first turn after the restart");
+    assert!(o.cached_tokens >= 16 * 8, "it hit the cache: {o:?}");
+    eprintln!("restarted sidecar indexed {blocks} warmed blocks within {warm_after:?}");
+}

@@ -31,6 +31,9 @@ pub struct DynamoOptions {
     pub speedup_ratio: f64,
     /// The frontend's `--router-mode` (`kv`, `round-robin`, `direct`).
     pub router_mode: String,
+    /// Workers publish vLLM's ZMQ format with a replay socket too (`--zmq-kv-events-ports`,
+    /// `--zmq-replay-ports`; Dynamo relays the events to NATS), and the sidecar reads them there.
+    pub zmq_events: bool,
 }
 
 impl Default for DynamoOptions {
@@ -43,6 +46,7 @@ impl Default for DynamoOptions {
             capacity_blocks: 1024,
             speedup_ratio: 10.0,
             router_mode: "kv".into(),
+            zmq_events: false,
         }
     }
 }
@@ -75,11 +79,12 @@ fn dynamo_env(cmd: &mut Command, nats_url: &str, discovery: &Path) {
 }
 
 /// A mocker worker in `role` (`agg`, `prefill`, `decode`) whose request plane listens on
-/// `127.0.0.1:port`.
+/// `127.0.0.1:port`, publishing vLLM's ZMQ format on `zmq` (events, replay) ports if given.
 pub fn worker_command(
     opts: &DynamoOptions,
     role: &str,
     port: u16,
+    zmq: Option<(u16, u16)>,
     nats_url: &str,
     discovery: &Path,
 ) -> Result<Command> {
@@ -102,6 +107,10 @@ pub fn worker_command(
         ])
         .args(["--speedup-ratio", &opts.speedup_ratio.to_string()])
         .args(["--disaggregation-mode", role]);
+    if let Some((events, replay)) = zmq {
+        cmd.args(["--zmq-kv-events-ports", &events.to_string()])
+            .args(["--zmq-replay-ports", &replay.to_string()]);
+    }
     dynamo_env(&mut cmd, nats_url, discovery);
     cmd.env("DYN_TCP_RPC_PORT", port.to_string());
     Ok(cmd)
@@ -122,11 +131,18 @@ pub async fn start(
         .chain(std::iter::repeat_n("decode", opts.decode));
     // Worker i listens on ports[i]: its discovery record's address says which process it is.
     let mut ports = Vec::new();
+    let mut zmq_ports = Vec::new();
     for (i, role) in roles.enumerate() {
         let port = free_port()?;
-        let cmd = worker_command(opts, role, port, nats_url, discovery)?;
+        // Decode workers publish no KV events.
+        let zmq = match opts.zmq_events && role != "decode" {
+            true => Some((free_port()?, free_port()?)),
+            false => None,
+        };
+        let cmd = worker_command(opts, role, port, zmq, nats_url, discovery)?;
         processes.push(Process::spawn(&format!("dynamo-worker-{i}"), cmd, dir)?);
         ports.push(format!("127.0.0.1:{port}"));
+        zmq_ports.push(zmq);
     }
     let config = kvroute_sidecar::config::DiscoveryConfig::new(discovery, MODEL);
     let wanted = opts.aggregated + opts.prefill + opts.decode;
@@ -183,12 +199,13 @@ pub async fn start(
         if instance.role == Role::Decode {
             decode_ids.push(id);
         } else {
+            let endpoint = |port: u16| format!("tcp://127.0.0.1:{port}");
             engines.push(EngineInfo {
                 index: i,
                 address: address.clone(),
                 dynamo_worker_id: id,
-                zmq_endpoint: None,
-                replay_endpoint: None,
+                zmq_endpoint: zmq_ports[i].map(|(events, _)| endpoint(events)),
+                replay_endpoint: zmq_ports[i].map(|(_, replay)| endpoint(replay)),
             });
         }
     }

@@ -745,8 +745,14 @@ fn sidecar_config(
             ));
         }
         if let (Some(events), Some(replay)) = (&e.zmq_endpoint, &e.replay_endpoint) {
+            // Dynamo's mocker publishes on vLLM's default topic, the empty one.
+            let topic = if opts.dynamo.is_some() {
+                ""
+            } else {
+                "kv-events"
+            };
             out.push_str(&format!(
-                "\n[[zmq]]\nendpoint = \"{events}\"\nreplay_endpoint = \"{replay}\"\nworker = \"{}\"\ntopic = \"kv-events\"\n",
+                "\n[[zmq]]\nendpoint = \"{events}\"\nreplay_endpoint = \"{replay}\"\nworker = \"{}\"\ntopic = \"{topic}\"\n",
                 e.address
             ));
         }

@@ -176,6 +176,11 @@ impl Worker {
         }
     }
 
+    /// Where its engine serves: its address without a discovered instance's `/<id hex>`.
+    pub fn plane_address(&self) -> &str {
+        self.address.split('/').next().unwrap_or_default()
+    }
+
     /// Hinted by instance id to a Dynamo frontend, not by address to Envoy.
     pub fn pinned(&self) -> bool {
         self.origin == Origin::Discovered
@@ -198,6 +203,9 @@ pub struct Fleet {
     workers: Vec<Worker>,
     by_instance: HashMap<u64, WorkerId>,
     by_address: HashMap<Arc<str>, WorkerId>,
+    /// Discovered instances by their request-plane `ip:port`, the latest one there: what a
+    /// `[[zmq]]` entry's `worker` names for a Dynamo worker whose engine publishes over ZMQ.
+    by_plane_address: HashMap<String, WorkerId>,
 }
 
 impl Fleet {
@@ -247,6 +255,7 @@ impl Fleet {
             Origin::Discovered,
             instance.role,
         );
+        self.by_plane_address.insert(instance.address.clone(), id);
         let w = &mut self.workers[id.0 as usize];
         w.component = Some(instance.component.clone());
         w.capacity = instance.capacity;
@@ -280,9 +289,13 @@ impl Fleet {
             .and_then(|&id| self.get(id))
     }
 
-    /// The worker with this address (`ip:port`, as configured).
+    /// The worker with this address: as configured or discovered (`ip:port/<id hex>`), else
+    /// the latest discovered instance whose request plane is at `ip:port`.
     pub fn by_address(&self, address: &str) -> Option<&Worker> {
-        self.by_address.get(address).and_then(|&id| self.get(id))
+        self.by_address
+            .get(address)
+            .or_else(|| self.by_plane_address.get(address))
+            .and_then(|&id| self.get(id))
     }
 
     /// Every worker.
@@ -348,5 +361,16 @@ mod tests {
         assert!(!fleet.get(WorkerId(0)).unwrap().pinned());
         assert!(fleet.by_instance_id(8).is_none());
         assert_eq!(fleet.len(), 2);
+        // By its request plane too, where a restarted instance takes over.
+        assert_eq!(fleet.by_address("127.0.0.1:9000").unwrap().id, added);
+        let restarted = fleet.add_discovered(
+            &DiscoveredInstance {
+                instance_id: 10,
+                ..instance
+            },
+            "m",
+        );
+        assert_eq!(fleet.by_address("127.0.0.1:9000").unwrap().id, restarted);
+        assert_eq!(fleet.by_address("127.0.0.1:9000/9").unwrap().id, added);
     }
 }

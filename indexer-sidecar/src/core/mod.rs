@@ -22,7 +22,7 @@ pub mod load;
 pub mod policy;
 pub mod truth;
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -288,6 +288,10 @@ pub enum Rejected {
         /// `[index] max_ranks_per_worker`.
         limit: u32,
     },
+    /// A Dynamo event for a worker whose engine is read over ZMQ (a `[[zmq]]` entry names it):
+    /// Dynamo's relay copies those events to NATS under its own numbering, so applying both
+    /// would apply each event twice on two cursors.
+    ReadOverZmq,
 }
 
 /// How a ticket was closed.
@@ -550,6 +554,8 @@ pub struct Core {
     fill_timeout: Option<Duration>,
     /// How long a peer's shared in-flight counts are believed without news.
     peer_load_ttl: Duration,
+    /// The workers `[[zmq]]` entries name: their events come from ZMQ only.
+    read_over_zmq: HashSet<String>,
 }
 
 impl Core {
@@ -587,6 +593,7 @@ impl Core {
                 .replicas
                 .as_ref()
                 .map_or(Duration::ZERO, |r| r.peer_load_ttl()),
+            read_over_zmq: config.zmq.iter().filter_map(|z| z.worker.clone()).collect(),
         }
     }
 
@@ -729,6 +736,15 @@ impl Core {
         let name = self.name(id);
         let limit = self.limits.max_ranks_per_worker;
         let worker = self.fleet.get_mut(id)?;
+        if matches!(from, Publisher::Instance(_))
+            && self.read_over_zmq.contains(worker.plane_address())
+        {
+            out.push(Happened::Rejected {
+                worker: name,
+                why: Rejected::ReadOverZmq,
+            });
+            return None;
+        }
         match (&worker.component, component) {
             (Some(expected), Some(got)) if expected != got => {
                 out.push(Happened::Rejected {

@@ -1017,3 +1017,50 @@ fn peer_replicas_load_steers_cold_prompts() {
         "a silent peer is forgotten"
     );
 }
+
+/// A Dynamo worker whose engine is read over ZMQ (`[[zmq]] worker` = its request-plane
+/// address): the ZMQ batches index it, and the copies Dynamo relays to NATS are refused, so no
+/// event counts twice on two numberings.
+#[test]
+fn a_discovered_worker_read_over_zmq_takes_its_events_from_zmq_only() {
+    let zmq = "[[zmq]]\nendpoint = \"tcp://127.0.0.1:1\"\nworker = \"127.0.0.1:40051\"\n";
+    let mut core = Core::new(&config(zmq), 7);
+    let (_, evs, _) = pin_fixture();
+    let now = Instant::now();
+    let publisher = evs[0].worker_id;
+    discover(
+        &mut core,
+        &instances(&[(publisher, 40051, Role::Aggregated)]),
+        &[],
+        now,
+    );
+    let relayed = events(&mut core, &evs, now);
+    assert!(
+        relayed.iter().all(|h| matches!(
+            h,
+            Happened::Rejected {
+                why: Rejected::ReadOverZmq,
+                ..
+            }
+        )),
+        "{relayed:?}"
+    );
+    let batch = store(None, 1, 4);
+    let m = Message::vllm("127.0.0.1:40051", 0, Delivery::WarmStart, &batch);
+    let applied = core.ingest(Input::Message(m), now);
+    assert!(
+        !applied
+            .iter()
+            .any(|h| matches!(h, Happened::UnknownPublisher { .. })),
+        "{applied:?}"
+    );
+    let tokens: Vec<u32> = (0..64).collect();
+    let req = HintRequest {
+        model: "m".into(),
+        hashes: token_prefix_hashes(&tokens, 16, HashSeed::default()),
+        finished: Vec::new(),
+    };
+    let hint = core.hint(&req, now).unwrap();
+    assert_eq!(hint.target, Target::Instance(publisher));
+    assert_eq!(hint.decision.matched_blocks, 4);
+}

@@ -88,6 +88,7 @@ pub fn run(config: ZmqConfig, state: Arc<Sidecar>) {
         context: zmq::Context::new(),
         seen: BTreeSet::new(),
         handshaken: false,
+        warm_start_waits: false,
     };
     let mut delay = RETRY_DELAY;
     loop {
@@ -116,6 +117,9 @@ struct Subscriber<'a> {
     /// Whether the current connection completed its handshake: only such a connection closing
     /// means an engine went away (one reset mid-handshake is a failed attempt, not a restart).
     handshaken: bool,
+    /// The last warm start named a worker not known yet (a Dynamo instance whose discovery
+    /// record has not been read): it runs again once the worker is known.
+    warm_start_waits: bool,
 }
 
 impl Subscriber<'_> {
@@ -165,7 +169,8 @@ impl Subscriber<'_> {
                 socket.as_poll_item(zmq::POLLIN),
                 monitor.as_poll_item(zmq::POLLIN),
             ];
-            zmq::poll(&mut items, 1000)?;
+            // A warm start waiting for discovery is tried again soon.
+            zmq::poll(&mut items, if self.warm_start_waits { 100 } else { 1000 })?;
             let (messages, events) = (items[0].is_readable(), items[1].is_readable());
             if events {
                 while let Some(event) = receive(&monitor)? {
@@ -177,7 +182,18 @@ impl Subscriber<'_> {
                     self.live(parts);
                 }
             }
+            if self.warm_start_waits && self.worker_known() {
+                self.warm_start();
+            }
         }
+    }
+
+    /// Whether the configured worker is in the fleet (a discovered one may not be yet).
+    fn worker_known(&self) -> bool {
+        let Some(worker) = self.config.worker.as_deref() else {
+            return true;
+        };
+        self.state.core().fleet().by_address(worker).is_some()
     }
 
     /// Does this endpoint's connection belong to one engine? Then its changes are that engine's.
@@ -264,6 +280,11 @@ impl Subscriber<'_> {
     /// the engine stored before the subscriber connected (a sidecar started after its engines,
     /// or a reconnect), in order. Live copies of replayed messages are skipped afterwards.
     fn warm_start(&mut self) {
+        self.warm_start_waits = !self.worker_known();
+        if self.warm_start_waits {
+            tracing::info!(endpoint = %self.config.endpoint, worker = ?self.config.worker, "warm start waits until this worker is discovered");
+            return;
+        }
         let Some(replay_endpoint) = self.config.replay_endpoint.as_deref() else {
             tracing::info!(endpoint = %self.config.endpoint, "no replay_endpoint: no warm start; blocks the engine stored before now are unknown here, and their children are dropped as orphans until stored again");
             return;
