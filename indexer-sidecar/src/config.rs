@@ -59,6 +59,7 @@
 //! load_penalty_blocks = 2           # one request on a worker costs as much as 2 uncached blocks
 //! scrape_interval_ms = 250          # engines' /metrics (vLLM names) are read this often
 //! home_key_blocks = 8               # cold prompts go to the home of their first 8 blocks
+//! spread_slack = 4                  # a popular prefix spreads to a worker this many requests less busy
 //! ```
 
 use std::net::SocketAddr;
@@ -557,6 +558,10 @@ pub struct RoutingConfig {
     /// A cold prompt's home is passed over when it has this many requests more than the least
     /// loaded worker.
     pub home_slack: f64,
+    /// A popular prefix (other requests matched up to it lately, or several workers hold it)
+    /// goes to another worker, which then holds it too, when each holder has this many
+    /// requests more than that worker: it spreads instead of queueing where it first landed.
+    pub spread_slack: f64,
 }
 
 impl Default for RoutingConfig {
@@ -571,6 +576,7 @@ impl Default for RoutingConfig {
             scrape_interval_ms: 250,
             home_key_blocks: 8,
             home_slack: 4.0,
+            spread_slack: 4.0,
         }
     }
 }
@@ -738,6 +744,7 @@ impl Config {
         for (name, v) in [
             ("load_penalty_blocks", r.load_penalty_blocks),
             ("home_slack", r.home_slack),
+            ("spread_slack", r.spread_slack),
             ("max_waiting", r.max_waiting),
             ("max_kv_usage", r.max_kv_usage),
             ("max_in_flight", r.max_in_flight),

@@ -739,7 +739,7 @@ impl Sidecar {
         let result = match hint.decision.rule {
             _ if !resp.has_target() => HintResult::NoWorker,
             Rule::NoMatch => HintResult::NoMatch,
-            Rule::LongestMatch | Rule::LeastLoaded => {
+            Rule::LongestMatch | Rule::LeastLoaded | Rule::Spread => {
                 self.metrics
                     .hint_matched_blocks
                     .inc_by(u64::from(resp.matched_blocks));

@@ -84,6 +84,8 @@ pub struct ReplicasBench {
     pub workloads: Vec<&'static str>,
     /// The workloads run with [`sharing_scenarios`].
     pub sharing: Vec<&'static str>,
+    /// Extra configuration for every sidecar.
+    pub sidecar_toml: String,
 }
 
 impl ReplicasBench {
@@ -98,6 +100,7 @@ impl ReplicasBench {
             scenarios: scenarios(),
             workloads: vec!["conversation_trace", "multi_turn"],
             sharing: vec!["hot_prefix", "system_prompt"],
+            sidecar_toml: String::new(),
         }
     }
 }
@@ -215,6 +218,7 @@ async fn run_scenario(
     );
     let mut opts = StackOptions::new(&name, Mode::Kvroute);
     opts.sim = bench::fleet(bench.engines, workload.capacity_blocks);
+    opts.sidecar_toml = bench.sidecar_toml.clone();
     opts.replicas = Some(ReplicaOptions {
         count: scenario.replicas,
         interval_ms: bench.interval_ms,

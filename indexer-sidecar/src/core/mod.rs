@@ -11,6 +11,7 @@
 //! - [`index`]: [`index::RadixIndex`], prefix → caches holding it, one per model.
 //! - [`load`]: a worker's load (open tickets, scrapes, Dynamo `kv_metrics`, Envoy).
 //! - [`policy`]: the routing rule: matches and load → workers, best first.
+//! - [`shared_prefix`]: which matched prefixes other requests matched too (popular ones).
 //! - [`truth`]: what the engines said they had cached, beside what the hints predicted.
 
 pub mod cursor;
@@ -20,6 +21,7 @@ pub mod fleet;
 pub mod index;
 pub mod load;
 pub mod policy;
+pub mod shared_prefix;
 pub mod truth;
 
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -556,6 +558,8 @@ pub struct Core {
     peer_load_ttl: Duration,
     /// The workers `[[zmq]]` entries name: their events come from ZMQ only.
     read_over_zmq: HashSet<String>,
+    /// The prefixes recent hints matched up to.
+    shared_prefixes: shared_prefix::SharedPrefixes,
 }
 
 impl Core {
@@ -594,6 +598,7 @@ impl Core {
                 .as_ref()
                 .map_or(Duration::ZERO, |r| r.peer_load_ttl()),
             read_over_zmq: config.zmq.iter().filter_map(|z| z.worker.clone()).collect(),
+            shared_prefixes: shared_prefix::SharedPrefixes::default(),
         }
     }
 
@@ -736,15 +741,6 @@ impl Core {
         let name = self.name(id);
         let limit = self.limits.max_ranks_per_worker;
         let worker = self.fleet.get_mut(id)?;
-        if matches!(from, Publisher::Instance(_))
-            && self.read_over_zmq.contains(worker.plane_address())
-        {
-            out.push(Happened::Rejected {
-                worker: name,
-                why: Rejected::ReadOverZmq,
-            });
-            return None;
-        }
         match (&worker.component, component) {
             (Some(expected), Some(got)) if expected != got => {
                 out.push(Happened::Rejected {
@@ -800,6 +796,15 @@ impl Core {
         let Some(worker) = self.fleet.get_mut(id) else {
             return;
         };
+        // Only its KV events: its `kv_metrics` (load) come from NATS alone.
+        if matches!(m.body, Body::Dynamo(_)) && self.read_over_zmq.contains(worker.plane_address())
+        {
+            out.push(Happened::Rejected {
+                worker: self.name(id),
+                why: Rejected::ReadOverZmq,
+            });
+            return;
+        }
         let model = worker.model.clone();
         let cursor = worker.cursors.entry(m.stream).or_default();
         let verdict = match m.delivery {
@@ -1482,10 +1487,18 @@ impl Core {
             .iter()
             .filter(|w| w.usable() && w.model == req.model)
             .map(|w| (w.id, &*w.address, w.current_load()));
+        let longest = matches.iter().map(|&(_, n)| n as usize).max().unwrap_or(0);
+        let shared = match longest.checked_sub(1).and_then(|i| req.hashes.get(i)) {
+            Some(prefix) => self.shared_prefixes.matched(prefix.0, now),
+            None => false,
+        };
         let decision = policy::choose(
-            req.hashes.len() as u32,
-            home_key,
-            req.hashes.last().map_or(0, |h| h.0),
+            policy::Prompt {
+                blocks: req.hashes.len() as u32,
+                home_key,
+                tie_key: req.hashes.last().map_or(0, |h| h.0),
+                shared,
+            },
             &matches,
             workers,
             &self.routing,

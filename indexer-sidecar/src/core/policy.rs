@@ -62,6 +62,9 @@ pub enum Rule {
     /// No useful match anywhere: the prompt's home (or, without a key, the least loaded
     /// worker), which will prefill it all.
     NoMatch,
+    /// A prefix several workers hold, whose holders are all `spread_slack` requests busier
+    /// than another worker: that worker prefills it and becomes one more holder.
+    Spread,
 }
 
 /// A hint and the reasons for it.
@@ -94,18 +97,34 @@ fn home_score(key: u64, address: &str) -> u64 {
     xxh3_64_with_seed(address.as_bytes(), key)
 }
 
-/// Decide where a request of `prompt_blocks` blocks goes. `home_key` names the prompt's first
-/// blocks (its home when nothing matches), `tie_key` the whole prompt (it orders workers that
-/// tie); `matches` are (worker, matched blocks); `workers` are the usable workers (id, address,
-/// load).
+/// What the rule knows of the request's prompt.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Prompt {
+    /// Its length in blocks.
+    pub blocks: u32,
+    /// Its first blocks' prefix hash: its home when nothing matches.
+    pub home_key: Option<u64>,
+    /// The whole prompt's: it orders workers that tie.
+    pub tie_key: u64,
+    /// Whether its longest match ends where other recent requests' did too (a popular
+    /// prefix, [`crate::core::shared_prefix`]).
+    pub shared: bool,
+}
+
+/// Decide where `prompt` goes. `matches` are (worker, matched blocks); `workers` are the
+/// usable workers (id, address, load).
 pub fn choose<'a>(
-    prompt_blocks: u32,
-    home_key: Option<u64>,
-    tie_key: u64,
+    prompt: Prompt,
     matches: &[(WorkerId, u32)],
     workers: impl IntoIterator<Item = (WorkerId, &'a str, Load)>,
     routing: &RoutingConfig,
 ) -> Decision {
+    let Prompt {
+        blocks: prompt_blocks,
+        home_key,
+        tie_key,
+        shared,
+    } = prompt;
     let min = routing.min_matched_blocks.max(1);
     let matched = |w: WorkerId| matches.iter().find(|(m, _)| *m == w).map_or(0, |&(_, n)| n);
     let mut candidates: Vec<Candidate> = workers
@@ -147,6 +166,10 @@ pub fn choose<'a>(
         Some(first) if first.matched_blocks == longest => Rule::LongestMatch,
         _ => Rule::LeastLoaded,
     };
+    let rule = match rule {
+        Rule::LongestMatch if spread(&mut candidates, longest, shared, routing) => Rule::Spread,
+        rule => rule,
+    };
     if let (Rule::NoMatch, Some(key)) = (rule, home_key) {
         // Saturated workers sort last: when the first is saturated, all are. A home already
         // busier than the least loaded worker by `home_slack` requests hands over too: a burst
@@ -169,6 +192,47 @@ pub fn choose<'a>(
         matched_blocks: chosen.first().map_or(0, |c| c.matched_blocks),
         rule,
         candidates,
+    }
+}
+
+/// Put first a worker without the longest match when the match is a popular prefix — other
+/// recent requests matched up to it too (`shared`), or several workers hold it — and the
+/// cheapest holder (first) is `spread_slack` requests busier than that worker: the
+/// one-request rule never pays a long prefix's prefill to make another holder, so a hot prefix
+/// stays on the workers that happened to take it first and queues there while another worker
+/// idles (docs/benchmarks.md, "Replicas"). Whether the prefill is worth it is the next
+/// requests' question, which a popular prefix answers yes; one conversation's history, matched
+/// up to a new length each turn, is neither. Whether a move happened.
+fn spread(
+    candidates: &mut [Candidate],
+    longest: u32,
+    shared: bool,
+    routing: &RoutingConfig,
+) -> bool {
+    let holders = candidates
+        .iter()
+        .filter(|c| c.matched_blocks == longest)
+        .count();
+    let Some(first) = candidates.first().filter(|c| !c.saturated) else {
+        return false;
+    };
+    if holders < 2 && !shared {
+        return false;
+    }
+    let busiest_allowed = first.load.busy() - routing.spread_slack;
+    let target = candidates
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| !c.saturated && c.matched_blocks < longest)
+        .filter(|(_, c)| c.load.busy() <= busiest_allowed)
+        .min_by(|(_, a), (_, b)| a.load.busy().total_cmp(&b.load.busy()))
+        .map(|(i, _)| i);
+    match target {
+        Some(i) => {
+            candidates[..=i].rotate_right(1);
+            true
+        }
+        None => false,
     }
 }
 
@@ -197,7 +261,12 @@ mod tests {
             .map(|(i, a)| (WorkerId(i as u32), a.as_str()))
             .filter(|(w, _)| healthy(*w))
             .map(|(w, a)| (w, a, load_of(w)));
-        super::choose(prompt_blocks, home_key, 0, matches, workers, routing)
+        let prompt = Prompt {
+            blocks: prompt_blocks,
+            home_key,
+            ..Prompt::default()
+        };
+        super::choose(prompt, matches, workers, routing)
     }
 
     /// The hinted workers' addresses.
@@ -356,7 +425,12 @@ mod tests {
                 .iter()
                 .enumerate()
                 .map(|(i, a)| (WorkerId(i as u32), a.as_str(), Load::default()));
-            super::choose(10, None, tie_key, &every, workers, &routing).workers[0]
+            let prompt = Prompt {
+                blocks: 10,
+                tie_key,
+                ..Prompt::default()
+            };
+            super::choose(prompt, &every, workers, &routing).workers[0]
         };
         let mut chosen = [0; 4];
         for key in 0..400u64 {
@@ -524,5 +598,83 @@ mod tests {
         });
         assert!(d.workers.is_empty());
         assert_eq!(d.matched_blocks, 0);
+    }
+
+    /// A prefix three of four workers hold spreads to the fourth once each holder is
+    /// `spread_slack` requests busier; a prefix one worker holds spreads only if other requests
+    /// matched up to it too (not one conversation's history).
+    #[test]
+    fn a_popular_prefix_spreads_to_an_idle_worker() {
+        let reg = registry(4);
+        let routing = RoutingConfig::default();
+        assert_eq!(routing.spread_slack, 4.0);
+        let three = [(WorkerId(0), 20), (WorkerId(1), 20), (WorkerId(2), 20)];
+        let d = choose(
+            23,
+            None,
+            &three,
+            &reg,
+            &routing,
+            running(&[5.0, 5.0, 5.0, 1.0]),
+            all,
+        );
+        assert_eq!(d.rule, Rule::Spread);
+        assert_eq!(order(&d)[0], addr(3));
+        // Short of the slack, the cheapest holder keeps it.
+        let d = choose(
+            23,
+            None,
+            &three,
+            &reg,
+            &routing,
+            running(&[5.0, 5.0, 5.0, 2.0]),
+            all,
+        );
+        assert_eq!(d.rule, Rule::LongestMatch);
+        assert_ne!(order(&d)[0], addr(3));
+        // One holder: the match is one conversation's, worth its queue.
+        let one = [(WorkerId(0), 20)];
+        let d = choose(
+            23,
+            None,
+            &one,
+            &reg,
+            &routing,
+            running(&[5.0, 1.0, 1.0, 1.0]),
+            all,
+        );
+        assert_eq!(d.rule, Rule::LongestMatch);
+        assert_eq!(order(&d)[0], addr(0));
+        // One holder of a prefix other requests matched too (an app's system prompt).
+        let workers = reg.iter().enumerate().map(|(i, a)| {
+            (
+                WorkerId(i as u32),
+                a.as_str(),
+                running(&[5.0, 1.0, 1.0, 1.0])(WorkerId(i as u32)),
+            )
+        });
+        let shared = Prompt {
+            blocks: 23,
+            shared: true,
+            ..Prompt::default()
+        };
+        let d = super::choose(shared, &one, workers, &routing);
+        assert_eq!(d.rule, Rule::Spread);
+        assert_ne!(order(&d)[0], addr(0));
+        // Off when the slack is out of reach.
+        let off = RoutingConfig {
+            spread_slack: f64::INFINITY,
+            ..RoutingConfig::default()
+        };
+        let d = choose(
+            23,
+            None,
+            &three,
+            &reg,
+            &off,
+            running(&[5.0, 5.0, 5.0, 1.0]),
+            all,
+        );
+        assert_eq!(d.rule, Rule::LongestMatch);
     }
 }

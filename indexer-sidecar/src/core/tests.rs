@@ -1045,6 +1045,31 @@ fn a_discovered_worker_read_over_zmq_takes_its_events_from_zmq_only() {
         )),
         "{relayed:?}"
     );
+    // Its load still comes from NATS.
+    let metrics = kvroute_protocol::dynamo::KvMetrics {
+        worker_id: publisher,
+        dp_rank: 0,
+        active_decode_blocks: None,
+        active_prefill_tokens: Some(32),
+        kv_used_blocks: Some(4),
+    };
+    let load = core.ingest(
+        Input::DynamoLoad {
+            metrics: &metrics,
+            component: None,
+        },
+        now,
+    );
+    assert!(
+        load.iter().any(|h| matches!(
+            h,
+            Happened::Load {
+                from_dynamo: true,
+                ..
+            }
+        )),
+        "{load:?}"
+    );
     let batch = store(None, 1, 4);
     let m = Message::vllm("127.0.0.1:40051", 0, Delivery::WarmStart, &batch);
     let applied = core.ingest(Input::Message(m), now);

@@ -70,6 +70,9 @@ enum Command {
         /// Only these of the load-sharing workloads (comma-separated; `none` for none).
         #[arg(long, value_delimiter = ',')]
         sharing: Option<Vec<String>>,
+        /// Extra sidecar configuration, e.g. `"[routing]\nspread_slack = 1e9"`.
+        #[arg(long, default_value = "")]
+        sidecar_toml: String,
     },
     /// kvroute (pin mode) vs Dynamo's KV router and round robin on real Dynamo mocker workers.
     Dynamo {
@@ -221,6 +224,7 @@ async fn main() -> Result<()> {
             probes,
             workloads,
             sharing,
+            sidecar_toml,
         } => {
             let all = kvroute_harness::bench_replicas::ReplicasBench::new(scale);
             let only = |names: &[&'static str], keep: Option<Vec<String>>| match keep {
@@ -237,6 +241,7 @@ async fn main() -> Result<()> {
                 probes,
                 workloads: only(&all.workloads, workloads),
                 sharing: only(&all.sharing, sharing),
+                sidecar_toml: sidecar_toml.replace("\\n", "\n"),
                 ..all
             };
             println!(
