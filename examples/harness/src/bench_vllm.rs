@@ -49,20 +49,25 @@ pub async fn run(bench: &VllmBench, out: &Path) -> Result<String> {
             .sessions(MODEL)
         })
         .collect();
-    let mut reports = Vec::new();
-    for mode in [Mode::Kvroute, Mode::RingHash, Mode::RoundRobin] {
-        if !bench.modes.is_empty() && !bench.modes.iter().any(|m| m == mode.name()) {
-            continue;
-        }
-        let mut outcomes = Vec::new();
-        let mut per_engine = vec![0; bench.fleet.engines];
-        for sessions in &workloads {
+    let modes: Vec<Mode> = [Mode::Kvroute, Mode::RingHash, Mode::RoundRobin]
+        .into_iter()
+        .filter(|m| bench.modes.is_empty() || bench.modes.iter().any(|n| n == m.name()))
+        .collect();
+    // Per mode: its outcomes and the requests each engine served, over every run. The modes
+    // take turns on each workload, so a slow spell of this shared machine falls on all of them.
+    let mut pooled: Vec<(Vec<Outcome>, Vec<usize>)> =
+        vec![(Vec::new(), vec![0; bench.fleet.engines]); modes.len()];
+    for sessions in &workloads {
+        for (&mode, (outcomes, per_engine)) in modes.iter().zip(&mut pooled) {
             let (o, served) = run_mode(bench, sessions, mode).await?;
             outcomes.extend(o);
             for (total, n) in per_engine.iter_mut().zip(served) {
                 *total += n;
             }
         }
+    }
+    let mut reports = Vec::new();
+    for (mode, (outcomes, per_engine)) in modes.into_iter().zip(pooled) {
         let mut r = ModeReport::new(mode.name(), &outcomes, bench.fleet.engines);
         r.requests_per_engine = per_engine;
         eprintln!("{}", r.line());
