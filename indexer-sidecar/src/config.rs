@@ -558,7 +558,7 @@ pub struct RoutingConfig {
     /// A cold prompt's home is passed over when it has this many requests more than the least
     /// loaded worker.
     pub home_slack: f64,
-    /// A popular prefix (other requests matched up to it lately, or several workers hold it)
+    /// A popular prefix (requests lately branched off it in different ways, or several workers hold it)
     /// goes to another worker, which then holds it too, when each holder has this many
     /// requests more than that worker: it spreads instead of queueing where it first landed.
     pub spread_slack: f64,

@@ -11,7 +11,7 @@
 //! - [`index`]: [`index::RadixIndex`], prefix → caches holding it, one per model.
 //! - [`load`]: a worker's load (open tickets, scrapes, Dynamo `kv_metrics`, Envoy).
 //! - [`policy`]: the routing rule: matches and load → workers, best first.
-//! - [`shared_prefix`]: which matched prefixes other requests matched too (popular ones).
+//! - [`shared_prefix`]: which matched prefixes requests branch off in different ways (popular).
 //! - [`truth`]: what the engines said they had cached, beside what the hints predicted.
 
 pub mod cursor;
@@ -558,7 +558,7 @@ pub struct Core {
     peer_load_ttl: Duration,
     /// The workers `[[zmq]]` entries name: their events come from ZMQ only.
     read_over_zmq: HashSet<String>,
-    /// The prefixes recent hints matched up to.
+    /// The prefixes recent hints matched up to, and how their requests went on.
     shared_prefixes: shared_prefix::SharedPrefixes,
 }
 
@@ -1489,7 +1489,10 @@ impl Core {
             .map(|w| (w.id, &*w.address, w.current_load()));
         let longest = matches.iter().map(|&(_, n)| n as usize).max().unwrap_or(0);
         let shared = match longest.checked_sub(1).and_then(|i| req.hashes.get(i)) {
-            Some(prefix) => self.shared_prefixes.matched(prefix.0, now),
+            Some(prefix) => {
+                let next = req.hashes.get(longest).map(|h| h.0);
+                self.shared_prefixes.matched(prefix.0, next, now)
+            }
             None => false,
         };
         let decision = policy::choose(

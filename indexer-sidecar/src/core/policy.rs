@@ -106,8 +106,8 @@ pub struct Prompt {
     pub home_key: Option<u64>,
     /// The whole prompt's: it orders workers that tie.
     pub tie_key: u64,
-    /// Whether its longest match ends where other recent requests' did too (a popular
-    /// prefix, [`crate::core::shared_prefix`]).
+    /// Whether it branches off its longest match in a new way where other recent requests
+    /// branched off too (a popular prefix, [`crate::core::shared_prefix`]).
     pub shared: bool,
 }
 
@@ -195,14 +195,14 @@ pub fn choose<'a>(
     }
 }
 
-/// Put first a worker without the longest match when the match is a popular prefix — other
-/// recent requests matched up to it too (`shared`), or several workers hold it — and the
+/// Put first a worker without the longest match when the match is a popular prefix — recent
+/// requests branched off it in other ways (`shared`), or several workers hold it — and the
 /// cheapest holder (first) is `spread_slack` requests busier than that worker: the
 /// one-request rule never pays a long prefix's prefill to make another holder, so a hot prefix
 /// stays on the workers that happened to take it first and queues there while another worker
 /// idles (docs/benchmarks.md, "Replicas"). Whether the prefill is worth it is the next
-/// requests' question, which a popular prefix answers yes; one conversation's history, matched
-/// up to a new length each turn, is neither. Whether a move happened.
+/// requests' question, which a popular prefix answers yes; one conversation's history, which
+/// only its own turns continue, is neither. Whether a move happened.
 fn spread(
     candidates: &mut [Candidate],
     longest: u32,
@@ -602,7 +602,7 @@ mod tests {
 
     /// A prefix three of four workers hold spreads to the fourth once each holder is
     /// `spread_slack` requests busier; a prefix one worker holds spreads only if other requests
-    /// matched up to it too (not one conversation's history).
+    /// branched off it in other ways too (not one conversation's own turns).
     #[test]
     fn a_popular_prefix_spreads_to_an_idle_worker() {
         let reg = registry(4);
@@ -645,7 +645,7 @@ mod tests {
         );
         assert_eq!(d.rule, Rule::LongestMatch);
         assert_eq!(order(&d)[0], addr(0));
-        // One holder of a prefix other requests matched too (an app's system prompt).
+        // One holder of a prefix other requests branched off too (an app's system prompt).
         let workers = reg.iter().enumerate().map(|(i, a)| {
             (
                 WorkerId(i as u32),
