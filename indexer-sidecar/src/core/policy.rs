@@ -200,9 +200,9 @@ pub fn choose<'a>(
 /// cheapest holder (first) is `spread_slack` requests busier than that worker: the
 /// one-request rule never pays a long prefix's prefill to make another holder, so a hot prefix
 /// stays on the workers that happened to take it first and queues there while another worker
-/// idles (docs/benchmarks.md, "Spreading a popular prefix"). Whether the prefill is worth it is the next
-/// requests' question, which a popular prefix answers yes; one conversation's history, which
-/// only its own turns continue, is neither. Whether a move happened.
+/// idles (docs/benchmarks.md, "Spreading a popular prefix"). Whether the prefill is worth it
+/// is the next requests' question, which a popular prefix answers yes; one conversation's
+/// history, which only its own turns continue, is neither. Whether a move happened.
 fn spread(
     candidates: &mut [Candidate],
     longest: u32,
