@@ -606,59 +606,41 @@ mod tests {
     #[test]
     fn a_popular_prefix_spreads_to_an_idle_worker() {
         let reg = registry(4);
+        assert_eq!(RoutingConfig::default().spread_slack, 4.0);
+        // A 23-block prompt, whether it branches off its match where others did, the workers'
+        // requests, the routing knobs.
+        let decide = |matches: &[(WorkerId, u32)],
+                      shared: bool,
+                      requests: &'static [f64],
+                      routing: &RoutingConfig| {
+            let load = running(requests);
+            let workers = reg
+                .iter()
+                .enumerate()
+                .map(|(i, a)| (WorkerId(i as u32), a.as_str(), load(WorkerId(i as u32))));
+            let prompt = Prompt {
+                blocks: 23,
+                shared,
+                ..Prompt::default()
+            };
+            super::choose(prompt, matches, workers, routing)
+        };
         let routing = RoutingConfig::default();
-        assert_eq!(routing.spread_slack, 4.0);
         let three = [(WorkerId(0), 20), (WorkerId(1), 20), (WorkerId(2), 20)];
-        let d = choose(
-            23,
-            None,
-            &three,
-            &reg,
-            &routing,
-            running(&[5.0, 5.0, 5.0, 1.0]),
-            all,
-        );
+        let d = decide(&three, false, &[5.0, 5.0, 5.0, 1.0], &routing);
         assert_eq!(d.rule, Rule::Spread);
         assert_eq!(order(&d)[0], addr(3));
         // Short of the slack, the cheapest holder keeps it.
-        let d = choose(
-            23,
-            None,
-            &three,
-            &reg,
-            &routing,
-            running(&[5.0, 5.0, 5.0, 2.0]),
-            all,
-        );
+        let d = decide(&three, false, &[5.0, 5.0, 5.0, 2.0], &routing);
         assert_eq!(d.rule, Rule::LongestMatch);
         assert_ne!(order(&d)[0], addr(3));
         // One holder: the match is one conversation's, worth its queue.
         let one = [(WorkerId(0), 20)];
-        let d = choose(
-            23,
-            None,
-            &one,
-            &reg,
-            &routing,
-            running(&[5.0, 1.0, 1.0, 1.0]),
-            all,
-        );
+        let d = decide(&one, false, &[5.0, 1.0, 1.0, 1.0], &routing);
         assert_eq!(d.rule, Rule::LongestMatch);
         assert_eq!(order(&d)[0], addr(0));
         // One holder of a prefix other requests branched off too (an app's system prompt).
-        let workers = reg.iter().enumerate().map(|(i, a)| {
-            (
-                WorkerId(i as u32),
-                a.as_str(),
-                running(&[5.0, 1.0, 1.0, 1.0])(WorkerId(i as u32)),
-            )
-        });
-        let shared = Prompt {
-            blocks: 23,
-            shared: true,
-            ..Prompt::default()
-        };
-        let d = super::choose(shared, &one, workers, &routing);
+        let d = decide(&one, true, &[5.0, 1.0, 1.0, 1.0], &routing);
         assert_eq!(d.rule, Rule::Spread);
         assert_ne!(order(&d)[0], addr(0));
         // Off when the slack is out of reach.
@@ -666,15 +648,7 @@ mod tests {
             spread_slack: f64::INFINITY,
             ..RoutingConfig::default()
         };
-        let d = choose(
-            23,
-            None,
-            &three,
-            &reg,
-            &off,
-            running(&[5.0, 5.0, 5.0, 1.0]),
-            all,
-        );
+        let d = decide(&three, false, &[5.0, 5.0, 5.0, 1.0], &off);
         assert_eq!(d.rule, Rule::LongestMatch);
     }
 }
