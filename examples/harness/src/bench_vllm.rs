@@ -32,6 +32,9 @@ pub struct VllmBench {
     pub sidecar_toml: String,
     /// Only these modes (`kvroute`, `ring_hash`, `round_robin`; empty: all).
     pub modes: Vec<String>,
+    /// More kvroute modes, each (name, sidecar configuration added to `sidecar_toml`),
+    /// reported as `kvroute:name`: a rule change measured in turns with what it changes.
+    pub variants: Vec<(String, String)>,
     /// Runs per mode, each with its own workload seed and fresh engines; a mode's report pools
     /// them (one run of 64 requests moves by ±2 points from timing alone).
     pub repeat: usize,
@@ -49,17 +52,33 @@ pub async fn run(bench: &VllmBench, out: &Path) -> Result<String> {
             .sessions(MODEL)
         })
         .collect();
-    let modes: Vec<Mode> = [Mode::Kvroute, Mode::RingHash, Mode::RoundRobin]
+    let mut modes: Vec<Run> = [Mode::Kvroute, Mode::RingHash, Mode::RoundRobin]
         .into_iter()
         .filter(|m| bench.modes.is_empty() || bench.modes.iter().any(|n| n == m.name()))
+        .map(|mode| Run {
+            name: mode.name().to_owned(),
+            mode,
+            sidecar_toml: bench.sidecar_toml.clone(),
+        })
         .collect();
+    modes.extend(bench.variants.iter().map(|(name, toml)| Run {
+        name: format!("kvroute:{name}"),
+        mode: Mode::Kvroute,
+        sidecar_toml: format!("{}\n{toml}", bench.sidecar_toml),
+    }));
     // Per mode: its outcomes and the requests each engine served, over every run. The modes
     // take turns on each workload, so a slow spell of this shared machine falls on all of them.
     let mut pooled: Vec<(Vec<Outcome>, Vec<usize>)> =
         vec![(Vec::new(), vec![0; bench.fleet.engines]); modes.len()];
-    for sessions in &workloads {
-        for (&mode, (outcomes, per_engine)) in modes.iter().zip(&mut pooled) {
-            let (o, served) = run_mode(bench, sessions, mode).await?;
+    for (seed, sessions) in workloads.iter().enumerate() {
+        for (run, (outcomes, per_engine)) in modes.iter().zip(&mut pooled) {
+            let (o, served) = run_mode(bench, sessions, run).await?;
+            let single = ModeReport::new(&run.name, &o, bench.fleet.engines);
+            eprintln!(
+                "  run {seed} {}: hit rate {:.1}%",
+                run.name,
+                single.hit_rate * 100.0
+            );
             outcomes.extend(o);
             for (total, n) in per_engine.iter_mut().zip(served) {
                 *total += n;
@@ -67,8 +86,8 @@ pub async fn run(bench: &VllmBench, out: &Path) -> Result<String> {
         }
     }
     let mut reports = Vec::new();
-    for (mode, (outcomes, per_engine)) in modes.into_iter().zip(pooled) {
-        let mut r = ModeReport::new(mode.name(), &outcomes, bench.fleet.engines);
+    for (run, (outcomes, per_engine)) in modes.into_iter().zip(pooled) {
+        let mut r = ModeReport::new(&run.name, &outcomes, bench.fleet.engines);
         r.requests_per_engine = per_engine;
         eprintln!("{}", r.line());
         reports.push(r);
@@ -86,16 +105,24 @@ pub async fn run(bench: &VllmBench, out: &Path) -> Result<String> {
     report::write(out, "vllm", &title, &reports)
 }
 
+/// A mode as run: its report name and sidecar configuration.
+struct Run {
+    name: String,
+    mode: Mode,
+    sidecar_toml: String,
+}
+
 /// One run of one mode on fresh engines: the outcomes and the requests each engine served.
 async fn run_mode(
     bench: &VllmBench,
     sessions: &[Session],
-    mode: Mode,
+    run: &Run,
 ) -> Result<(Vec<Outcome>, Vec<usize>)> {
-    let mut opts = StackOptions::new(&format!("bench-vllm-{}", mode.name()), mode);
+    let dir = format!("bench-vllm-{}", run.name.replace(':', "-"));
+    let mut opts = StackOptions::new(&dir, run.mode);
     opts.vllm = Some(bench.fleet.clone());
     opts.hint_timeout_ms = 1000;
-    opts.sidecar_toml = bench.sidecar_toml.clone();
+    opts.sidecar_toml = run.sidecar_toml.clone();
     let stack = Stack::start(opts).await?;
     let outcomes = run_sessions(
         &stack.http,
@@ -107,6 +134,24 @@ async fn run_mode(
     )
     .await;
     tokio::time::sleep(Duration::from_millis(200)).await;
+    // Each request's session, turn and cache, to split a mode's hit rate by turn and app.
+    let requests: Vec<serde_json::Value> = outcomes
+        .iter()
+        .map(|o| {
+            serde_json::json!({
+                "session": o.session,
+                "turn": o.turn,
+                "status": o.status,
+                "prompt_tokens": o.prompt_tokens,
+                "cached_tokens": o.cached_tokens,
+                "ttft_ms": o.ttft.as_secs_f64() * 1000.0,
+            })
+        })
+        .collect();
+    std::fs::write(
+        stack.dir.join("requests.json"),
+        serde_json::to_vec(&requests)?,
+    )?;
     if stack.sidecar_url.is_some() {
         // How the sidecar decided, beside the result: hints by rule, blocks matched.
         let metrics = stack.sidecar_metrics().await.unwrap_or_default();

@@ -48,6 +48,10 @@ pub struct Outcome {
     pub dynamo_workers: Option<(u64, u64)>,
     /// [`Target::Spread`]: which of the routers it was sent to.
     pub router: Option<usize>,
+    /// [`run_sessions`]: the session it belongs to and its turn there.
+    pub session: usize,
+    /// See `session`.
+    pub turn: usize,
 }
 
 impl Outcome {
@@ -262,7 +266,7 @@ pub async fn run_sessions(
                 *n - 1
             };
             let session = &sessions[index];
-            for body in &session.bodies {
+            for (turn, body) in session.bodies.iter().enumerate() {
                 let mut router = None;
                 let url = match target {
                     Target::Router(base) => format!("{base}{}", session.path),
@@ -279,6 +283,8 @@ pub async fn run_sessions(
                 };
                 let mut o = send_streaming(http, &url, body).await;
                 o.router = router;
+                o.session = index;
+                o.turn = turn;
                 outcomes_ref
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())

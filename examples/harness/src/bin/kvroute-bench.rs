@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand};
 use kvroute_harness::bench::Scale;
 use kvroute_harness::client::CLIENT_START_GAP;
@@ -121,6 +121,10 @@ enum Command {
         /// Runs per mode (workload seeds 42, 43, …), pooled.
         #[arg(long, default_value_t = 3)]
         repeat: usize,
+        /// One more kvroute mode, `NAME=TOML` (added to `--sidecar-toml`), reported as
+        /// `kvroute:NAME`; repeat the flag for several.
+        #[arg(long = "variant")]
+        variants: Vec<String>,
     },
 }
 
@@ -199,7 +203,17 @@ async fn main() -> Result<()> {
             sidecar_toml,
             modes,
             repeat,
+            variants,
         } => {
+            let variants = variants
+                .iter()
+                .map(|v| {
+                    let (name, toml) = v
+                        .split_once('=')
+                        .with_context(|| format!("--variant {v:?} is not NAME=TOML"))?;
+                    Ok((name.to_owned(), toml.replace("\\n", "\n")))
+                })
+                .collect::<Result<Vec<_>>>()?;
             let bench = kvroute_harness::bench_vllm::VllmBench {
                 fleet: kvroute_harness::vllm::VllmOptions {
                     engines,
@@ -211,6 +225,7 @@ async fn main() -> Result<()> {
                 sidecar_toml: sidecar_toml.replace("\\n", "\n"),
                 modes: modes.unwrap_or_default(),
                 repeat,
+                variants,
             };
             println!(
                 "\n{}",
