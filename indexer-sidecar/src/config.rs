@@ -60,6 +60,7 @@
 //! scrape_interval_ms = 250          # engines' /metrics (vLLM names) are read this often
 //! home_key_blocks = 8               # cold prompts go to the home of their first 8 blocks
 //! spread_slack = 4                  # a popular prefix spreads to a worker this many requests less busy
+//! predict_survival = true           # weigh what a worker will still hold, not all the index matched
 //! ```
 
 use std::net::SocketAddr;
@@ -562,6 +563,10 @@ pub struct RoutingConfig {
     /// goes to another worker, which then holds it too, when each holder has this many
     /// requests more than that worker: it spreads instead of queueing where it first landed.
     pub spread_slack: f64,
+    /// Weigh what a worker will still hold when the request gets there: the prompt blocks its
+    /// running requests share, and of its other matched blocks the share its engine's reports
+    /// show surviving. Off: every block the index matched counts.
+    pub predict_survival: bool,
 }
 
 impl Default for RoutingConfig {
@@ -577,6 +582,7 @@ impl Default for RoutingConfig {
             home_key_blocks: 8,
             home_slack: 4.0,
             spread_slack: 4.0,
+            predict_survival: true,
         }
     }
 }

@@ -9,8 +9,14 @@
 //! a hint answered after the filter stopped waiting), so a scrape also reclaims tickets: a
 //! ticket older than one scrape interval was at the engine when it was scraped, so if the engine
 //! reports fewer requests than such tickets, the oldest surplus ones have finished.
+//!
+//! A ticket also keeps its prompt's leading block hashes: while the request runs, its engine
+//! holds those blocks whatever else it evicts, so a prompt sharing them will find them (and
+//! before the engine's events for them arrive). The other blocks the index says a worker holds
+//! are idle, evictable; the reports say how many of those predicted survived, which gives the
+//! worker's survival rate.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 /// One worker's load as the router sees it.
@@ -60,6 +66,18 @@ const SETTLED: usize = 256;
 /// route timeout, so no request still running is forgotten.
 pub const TICKET_LIFETIME: Duration = Duration::from_secs(600);
 
+/// Leading blocks of a hinted prompt kept with its ticket: what it holds in its worker's cache
+/// while it runs (4 KiB a ticket at most).
+const TICKET_BLOCKS: usize = 512;
+
+/// Distinct blocks of open tickets remembered per worker; beyond, new tickets keep none (their
+/// requests still count as load).
+const IN_FLIGHT_BLOCKS: usize = 1 << 16;
+
+/// Weight of the latest report in [`WorkerLoad::survival`]: about the last 5 reports, so it
+/// follows a cache that fills up within a minute.
+const SURVIVAL_WEIGHT: f64 = 0.2;
+
 /// Tickets a scrape closed without a report.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Reclaimed {
@@ -75,37 +93,53 @@ pub struct Reclaimed {
 pub struct WorkerLoad {
     envoy_active: f64,
     scraped: Option<Load>,
-    /// Open tickets: sequence number → when it was issued (sequence order is time order) and
-    /// the prompt tokens its hint predicted the worker holds.
-    open: BTreeMap<u64, (Instant, u64)>,
+    /// Open tickets by sequence number (sequence order is time order).
+    open: BTreeMap<u64, Ticket>,
+    /// The open tickets' prompt blocks, each with the number of tickets that have it: blocks a
+    /// running request keeps in the cache, so a request sharing them finds them there.
+    in_flight_blocks: HashMap<u64, u32>,
+    /// See [`WorkerLoad::survival`]; `None` until a report says.
+    survival: Option<f64>,
     /// Latest `kv_metrics` per data-parallel rank: (queued prefill blocks, KV blocks used).
     dynamo: BTreeMap<u32, (f64, f64)>,
-    /// The last [`SETTLED`] reclaimed or expired tickets: (sequence number, predicted tokens).
-    settled: VecDeque<(u64, u64)>,
+    /// The last [`SETTLED`] reclaimed or expired tickets: (sequence number, what it expected).
+    settled: VecDeque<(u64, Expected)>,
     /// Per peer replica: its requests in flight here, and when it said so.
     peers: BTreeMap<String, (u32, Instant)>,
+}
+
+/// One hinted request not finished yet.
+#[derive(Debug, Clone)]
+struct Ticket {
+    issued: Instant,
+    expected: Expected,
+    /// Its prompt's leading block hashes (at most [`TICKET_BLOCKS`]).
+    blocks: Box<[u64]>,
+}
+
+/// What a hint expected its worker to have of the prompt, in tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Expected {
+    /// The leading tokens the index said the worker holds.
+    pub predicted: u64,
+    /// Of those, the ones requests running there also had (see [`WorkerLoad::in_flight_match`]).
+    pub pinned: u64,
 }
 
 /// A reported ticket that was issued by this process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Closed {
     /// It was open: the request no longer loads the worker.
-    Open {
-        /// The prompt tokens its hint predicted cached.
-        predicted: u64,
-    },
+    Open(Expected),
     /// A scrape or its lifetime had closed it already.
-    Late {
-        /// The prompt tokens its hint predicted cached.
-        predicted: u64,
-    },
+    Late(Expected),
 }
 
 impl Closed {
-    /// The prompt tokens its hint predicted cached.
-    pub fn predicted(self) -> u64 {
+    /// What its hint expected.
+    pub fn expected(self) -> Expected {
         match self {
-            Closed::Open { predicted } | Closed::Late { predicted } => predicted,
+            Closed::Open(p) | Closed::Late(p) => p,
         }
     }
 }
@@ -122,39 +156,107 @@ impl WorkerLoad {
         load
     }
 
-    /// Count hinted request `seq`, issued at `now` with `predicted` cached prompt tokens,
+    /// Count hinted request `seq`, issued at `now` with `expected` and a prompt of `blocks`,
     /// until [`WorkerLoad::close`].
-    pub fn open(&mut self, seq: u64, now: Instant, predicted: u64) {
-        self.open.insert(seq, (now, predicted));
+    pub fn open(
+        &mut self,
+        seq: u64,
+        now: Instant,
+        expected: Expected,
+        blocks: impl IntoIterator<Item = u64>,
+    ) {
+        let blocks: Box<[u64]> = if self.in_flight_blocks.len() < IN_FLIGHT_BLOCKS {
+            blocks.into_iter().take(TICKET_BLOCKS).collect()
+        } else {
+            Box::default()
+        };
+        for &b in &blocks {
+            *self.in_flight_blocks.entry(b).or_default() += 1;
+        }
+        let ticket = Ticket {
+            issued: now,
+            expected,
+            blocks,
+        };
+        if let Some(old) = self.open.insert(seq, ticket) {
+            self.release(&old);
+        }
+    }
+
+    fn release(&mut self, ticket: &Ticket) {
+        for b in &ticket.blocks {
+            if let Some(n) = self.in_flight_blocks.get_mut(b) {
+                *n -= 1;
+                if *n == 0 {
+                    self.in_flight_blocks.remove(b);
+                }
+            }
+        }
+    }
+
+    /// How many of `blocks`' leading blocks a request hinted here and not finished also has:
+    /// the engine holds them while that request runs, whatever it evicts meanwhile. Prefix
+    /// hashes chain, so a block present means the prompt up to it is the same.
+    pub fn in_flight_match(&self, blocks: impl IntoIterator<Item = u64>) -> u32 {
+        let n = blocks
+            .into_iter()
+            .take_while(|b| self.in_flight_blocks.contains_key(b))
+            .count();
+        u32::try_from(n).unwrap_or(u32::MAX)
+    }
+
+    /// Of the cached blocks hints predicted here beyond those running requests shared, the
+    /// share its engine reported cached, over the last few reports (1 before any): how much of
+    /// an idle prefix survives until a request reaches it. Near 1 where the cache is large
+    /// against its traffic; low where queued requests find their prefixes evicted.
+    pub fn survival(&self) -> f64 {
+        self.survival.unwrap_or(1.0)
+    }
+
+    /// The engine reported `cached` tokens for a request hinted with `expected`.
+    pub fn observe(&mut self, expected: Expected, cached: u64) {
+        let Some(idle) = expected.predicted.checked_sub(expected.pinned) else {
+            return;
+        };
+        if idle == 0 {
+            return;
+        }
+        let survived = cached.saturating_sub(expected.pinned).min(idle) as f64 / idle as f64;
+        self.survival = Some(match self.survival {
+            None => survived,
+            Some(s) => s + SURVIVAL_WEIGHT * (survived - s),
+        });
     }
 
     /// Request `seq` finished: how its ticket stood (`None`: reported twice, or not issued
     /// by this process).
     pub fn close(&mut self, seq: u64) -> Option<Closed> {
-        if let Some((_, predicted)) = self.open.remove(&seq) {
-            return Some(Closed::Open { predicted });
+        if let Some(ticket) = self.open.remove(&seq) {
+            self.release(&ticket);
+            return Some(Closed::Open(ticket.expected));
         }
         let at = self.settled.iter().position(|&(s, _)| s == seq)?;
-        let (_, predicted) = self.settled.remove(at)?;
-        Some(Closed::Late { predicted })
+        let (_, expected) = self.settled.remove(at)?;
+        Some(Closed::Late(expected))
     }
 
-    fn settle(&mut self, seq: u64, predicted: u64) {
+    fn settle(&mut self, seq: u64, ticket: Ticket) {
+        self.release(&ticket);
         if self.settled.len() == SETTLED {
             self.settled.pop_front();
         }
-        self.settled.push_back((seq, predicted));
+        self.settled.push_back((seq, ticket.expected));
     }
 
     /// Close the tickets older than their lifetime at `now`; how many.
     pub fn expire(&mut self, now: Instant) -> u64 {
         let mut expired = 0;
         while let Some(entry) = self.open.first_entry() {
-            if now.saturating_duration_since(entry.get().0) < TICKET_LIFETIME {
+            if now.saturating_duration_since(entry.get().issued) < TICKET_LIFETIME {
                 break;
             }
-            let (seq, (_, predicted)) = entry.remove_entry();
-            self.settle(seq, predicted);
+            let (seq, ticket) = entry.remove_entry();
+            self.settle(seq, ticket);
             expired += 1;
         }
         expired
@@ -226,12 +328,12 @@ impl WorkerLoad {
         let settled = self
             .open
             .values()
-            .take_while(|&&(t, _)| t <= settled_before)
+            .take_while(|t| t.issued <= settled_before)
             .count();
         let surplus = settled.saturating_sub(reported as usize);
         for _ in 0..surplus {
-            if let Some((seq, (_, predicted))) = self.open.pop_first() {
-                self.settle(seq, predicted);
+            if let Some((seq, ticket)) = self.open.pop_first() {
+                self.settle(seq, ticket);
             }
         }
         out.surplus = surplus as u64;
@@ -306,6 +408,13 @@ pub fn parse_vllm_capacity(text: &str) -> Option<u64> {
 mod tests {
     use super::*;
 
+    fn predicted(tokens: u64) -> Expected {
+        Expected {
+            predicted: tokens,
+            pinned: 0,
+        }
+    }
+
     #[test]
     fn parses_vllm_prefix_cache_counters() {
         let text = "# TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total{engine=\"0\"} 480.0\nvllm:prefix_cache_queries_total{engine=\"0\"} 1000.0\nvllm:prefix_cache_hits_total{engine=\"1\"} 20\nvllm:prefix_cache_hits_created{engine=\"0\"} 1.7e9\n";
@@ -344,7 +453,7 @@ mod tests {
     fn peers_requests_in_flight_count_as_load() {
         let now = Instant::now();
         let mut w = WorkerLoad::default();
-        w.open(1, now, 0);
+        w.open(1, now, predicted(0), []);
         assert!(w.peer_in_flight("b", 3, now));
         assert!(!w.peer_in_flight("b", 3, now), "unchanged");
         assert!(w.peer_in_flight("c", 2, now + Duration::from_millis(500)));
@@ -371,12 +480,69 @@ mod tests {
         assert_eq!(w.own_in_flight(), 1);
     }
 
+    /// A running request's prompt blocks count as held until its ticket closes, however it
+    /// closes; a prompt shares them only as a prefix.
+    #[test]
+    fn running_requests_hold_their_prompt_blocks() {
+        let now = Instant::now();
+        let mut w = WorkerLoad::default();
+        w.open(1, now, predicted(0), [10, 11, 12]);
+        w.open(2, now, predicted(0), [10, 11, 20]);
+        assert_eq!(w.in_flight_match([10, 11, 12, 13]), 3);
+        assert_eq!(w.in_flight_match([10, 11, 20]), 3);
+        assert_eq!(
+            w.in_flight_match([30, 11]),
+            0,
+            "its first block is held by none"
+        );
+        assert!(w.close(1).is_some());
+        assert_eq!(
+            w.in_flight_match([10, 11, 12, 13]),
+            2,
+            "10, 11 still held by 2"
+        );
+        // A scrape showing no request reclaims ticket 2: nothing is held.
+        let later = now + Duration::from_secs(2);
+        w.scraped(Some(Load::default()), later, Duration::from_secs(1));
+        assert_eq!(w.in_flight_match([10]), 0);
+        assert!(w.in_flight_blocks.is_empty());
+        // Expired tickets let go too; a long prompt keeps its first blocks only.
+        w.open(3, now, predicted(0), 0..10_000);
+        assert_eq!(w.in_flight_match(0..10_000), TICKET_BLOCKS as u32);
+        w.expire(now + TICKET_LIFETIME);
+        assert_eq!(w.in_flight_match(0..10), 0);
+    }
+
+    /// Survival learns, from the engine's reports, the share of the idle matched blocks (those
+    /// no running request held) that were still cached.
+    #[test]
+    fn survival_is_learnt_from_the_reports() {
+        let mut w = WorkerLoad::default();
+        assert_eq!(w.survival(), 1.0, "trusted until a report says otherwise");
+        let hinted = |predicted, pinned| Expected { predicted, pinned };
+        // 100 of 500 idle tokens were found: 0.2.
+        w.observe(hinted(600, 100), 200);
+        assert!((w.survival() - 0.2).abs() < 1e-9);
+        // Reports that say nothing of idle blocks change nothing.
+        w.observe(hinted(100, 100), 0);
+        w.observe(hinted(0, 0), 0);
+        assert!((w.survival() - 0.2).abs() < 1e-9);
+        // Full survival from then on moves it up by steps.
+        for _ in 0..60 {
+            w.observe(hinted(320, 0), 320);
+        }
+        assert!(w.survival() > 0.95, "{}", w.survival());
+        // More found than predicted counts as all of it.
+        w.observe(hinted(320, 0), 1000);
+        assert!(w.survival() <= 1.0);
+    }
+
     #[test]
     fn tickets_count_until_finished() {
         let now = Instant::now();
         let mut w = WorkerLoad::default();
-        w.open(1, now, 48);
-        w.open(2, now, 0);
+        w.open(1, now, predicted(48), []);
+        w.open(2, now, predicted(0), []);
         assert_eq!(w.get().hinted_in_flight, 2.0);
         assert_eq!(
             w.get().busy(),
@@ -385,7 +551,7 @@ mod tests {
         );
         assert_eq!(
             w.close(1),
-            Some(Closed::Open { predicted: 48 }),
+            Some(Closed::Open(predicted(48))),
             "with what its hint predicted"
         );
         assert_eq!(w.close(1), None, "a second report of one ticket is ignored");
@@ -412,9 +578,9 @@ mod tests {
         let later = start + Duration::from_millis(40);
         let mut w = WorkerLoad::default();
         for seq in 0..5 {
-            w.open(seq, start, 10 * seq);
+            w.open(seq, start, predicted(10 * seq), []);
         }
-        w.open(5, later, 0);
+        w.open(5, later, predicted(0), []);
         let scraped = Load {
             running: 2.0,
             waiting: 1.0,
@@ -431,7 +597,7 @@ mod tests {
         );
         assert_eq!(w.get().hinted_in_flight, 4.0, "3 settled + 1 fresh");
         // A reclaimed ticket's report still comes with its prediction, once.
-        assert_eq!(w.close(1), Some(Closed::Late { predicted: 10 }));
+        assert_eq!(w.close(1), Some(Closed::Late(predicted(10))));
         assert_eq!(w.close(1), None);
         assert_eq!(w.get().busy(), 4.0);
         w.scraped(None, later, settle);
@@ -442,7 +608,7 @@ mod tests {
         assert_eq!(w.get().hinted_in_flight, 0.0);
         assert_eq!(w.get().busy(), 0.0);
         // Requests the sidecar did not route count as of the scrape, on top of hinted ones.
-        w.open(6, later, 0);
+        w.open(6, later, predicted(0), []);
         w.scraped(
             Some(Load {
                 running: 4.0,
@@ -453,7 +619,7 @@ mod tests {
             settle,
         );
         assert_eq!(w.get().unhinted, 4.0);
-        w.open(7, later, 0);
+        w.open(7, later, predicted(0), []);
         assert_eq!(w.get().busy(), 6.0);
         let expired = w.scraped(None, later + TICKET_LIFETIME, settle);
         assert_eq!(expired.expired, 2, "old tickets expire");

@@ -37,7 +37,7 @@ use cursor::Verdict;
 use event::{EventTag, KvEvent, VllmEventProblem};
 use fleet::{Fleet, Role, TicketKey, WorkerId};
 use index::{ApplyOutcome, RadixIndex};
-use load::{Closed, Load, Reclaimed};
+use load::{Closed, Expected, Load, Reclaimed};
 use policy::Decision;
 use truth::Prediction;
 
@@ -1433,18 +1433,22 @@ impl Core {
                 unknown += 1;
                 continue;
             };
-            if let Closed::Open { .. } = closed {
+            if let Closed::Open(_) = closed {
                 finished += 1;
                 changed.insert(id);
             } else {
                 unknown += 1;
             }
-            let predicted_tokens = closed.predicted();
+            let predicted_tokens = closed.expected().predicted;
             let block_size = self.block_sizes.get(&w.model).copied().unwrap_or(1);
+            // A prefill worker's report is its decode worker's cache: counted, nothing learnt.
             let prediction = if w.role == Role::Prefill {
                 w.truth.count(report.usage);
                 None
             } else {
+                if let Usage::Cached { cached_tokens, .. } = report.usage {
+                    w.load.observe(closed.expected(), u64::from(cached_tokens));
+                }
                 w.truth.add(predicted_tokens, report.usage, block_size)
             };
             out.push(Happened::Served {
@@ -1482,11 +1486,18 @@ impl Core {
         };
         // Only workers serving the request's model: the filter names the base model of an
         // adapter, and every worker of a base model serves its adapters.
+        let blocks = || req.hashes.iter().map(|h| h.0);
         let workers = self
             .fleet
             .iter()
             .filter(|w| w.usable() && w.model == req.model)
-            .map(|w| (w.id, &*w.address, w.current_load()));
+            .map(|w| policy::Worker {
+                id: w.id,
+                address: &w.address,
+                load: w.current_load(),
+                in_flight_blocks: w.load.in_flight_match(blocks()),
+                survival: w.load.survival(),
+            });
         let longest = matches.iter().map(|&(_, n)| n as usize).max().unwrap_or(0);
         let shared = match longest.checked_sub(1).and_then(|i| req.hashes.get(i)) {
             Some(prefix) => {
@@ -1515,9 +1526,17 @@ impl Core {
             if let Some(w) = self.fleet.get_mut(first) {
                 ticket = self.tickets.ticket(first, seq);
                 if ticket.is_some() {
-                    let block_size = self.block_sizes.get(&req.model).copied().unwrap_or(0);
-                    let predicted = u64::from(decision.matched_blocks) * u64::from(block_size);
-                    w.load.open(seq, now, predicted);
+                    let block_size =
+                        u64::from(self.block_sizes.get(&req.model).copied().unwrap_or(0));
+                    let in_flight = decision
+                        .candidates
+                        .first()
+                        .map_or(0, |c| c.in_flight_blocks);
+                    let expected = Expected {
+                        predicted: u64::from(decision.matched_blocks) * block_size,
+                        pinned: u64::from(in_flight.min(decision.matched_blocks)) * block_size,
+                    };
+                    w.load.open(seq, now, expected, blocks());
                 }
                 w.hints_since_event += 1;
             }

@@ -1,10 +1,13 @@
 //! Turning index matches and load into a hint: which workers, in which order, and why.
 //!
 //! The rule (affinity as a preference): among healthy workers that are not saturated, the one
-//! with the lowest cost wins. Cost, in blocks of prefill: the prompt blocks the worker does not
-//! hold, plus the prompt blocks already queued for prefill there (when the engine reports them:
-//! Dynamo's `kv_metrics`), plus `load_penalty_blocks` × its requests (those the sidecar hinted to
-//! it that have not finished, and those its engine reported beyond them at the last scrape; see
+//! with the lowest cost wins. Cost, in blocks of prefill: the prompt blocks the worker will not
+//! hold when the request gets there (blocks its running requests share count in full, the rest
+//! of the index's match by the share of idle prefixes that survive there: on a small cache a
+//! queued request finds its conversation evicted, not its app's system prompt), plus the
+//! prompt blocks already queued for prefill there (when the engine reports them: Dynamo's
+//! `kv_metrics`), plus `load_penalty_blocks` × its requests (those the sidecar hinted to it
+//! that have not finished, and those its engine reported beyond them at the last scrape; see
 //! [`crate::core::load`]). So a long match wins over a short queue, but a two-block match does not pin
 //! traffic to a busy worker while another idles, and a burst spreads out at once. A worker is
 //! saturated when its queue, its KV usage or its requests reach the configured thresholds;
@@ -37,8 +40,14 @@ pub struct Candidate {
     pub id: WorkerId,
     /// Its address.
     pub worker: String,
-    /// Leading blocks it holds.
+    /// Leading blocks it holds, as the index says.
     pub matched_blocks: u32,
+    /// Leading blocks requests hinted to it and still running have too (held while they run,
+    /// and possibly not in the index yet).
+    pub in_flight_blocks: u32,
+    /// The share of its other matched blocks expected to be still cached when the request gets
+    /// there ([`crate::core::load::WorkerLoad::survival`]).
+    pub survival: f64,
     /// Its load as the rule weighed it (shown field by field).
     #[serde(flatten)]
     pub load: Load,
@@ -97,6 +106,35 @@ fn home_score(key: u64, address: &str) -> u64 {
     xxh3_64_with_seed(address.as_bytes(), key)
 }
 
+impl Candidate {
+    /// Leading blocks it holds, by the index or by a running request.
+    fn held(&self) -> u32 {
+        self.matched_blocks.max(self.in_flight_blocks)
+    }
+
+    /// The prompt blocks it is expected to have cached when the request arrives: those running
+    /// requests hold, and of the rest of its match the share that survives there.
+    fn expected_blocks(&self) -> f64 {
+        let idle = self.matched_blocks.saturating_sub(self.in_flight_blocks);
+        f64::from(self.in_flight_blocks) + self.survival * f64::from(idle)
+    }
+}
+
+/// One usable worker as the rule weighs it.
+#[derive(Debug, Clone, Copy)]
+pub struct Worker<'a> {
+    /// Its id.
+    pub id: WorkerId,
+    /// Its address.
+    pub address: &'a str,
+    /// Its load.
+    pub load: Load,
+    /// The prompt's leading blocks that requests running there have too.
+    pub in_flight_blocks: u32,
+    /// The share of an idle cached prefix that survives there until a request reaches it.
+    pub survival: f64,
+}
+
 /// What the rule knows of the request's prompt.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Prompt {
@@ -111,12 +149,12 @@ pub struct Prompt {
     pub shared: bool,
 }
 
-/// Decide where `prompt` goes. `matches` are (worker, matched blocks); `workers` are the
-/// usable workers (id, address, load).
+/// Decide where `prompt` goes. `matches` are (worker, matched blocks) from the index;
+/// `workers` are the usable workers.
 pub fn choose<'a>(
     prompt: Prompt,
     matches: &[(WorkerId, u32)],
-    workers: impl IntoIterator<Item = (WorkerId, &'a str, Load)>,
+    workers: impl IntoIterator<Item = Worker<'a>>,
     routing: &RoutingConfig,
 ) -> Decision {
     let Prompt {
@@ -129,20 +167,30 @@ pub fn choose<'a>(
     let matched = |w: WorkerId| matches.iter().find(|(m, _)| *m == w).map_or(0, |&(_, n)| n);
     let mut candidates: Vec<Candidate> = workers
         .into_iter()
-        .map(|(id, address, load)| {
-            let n = matched(id);
-            let cost = f64::from(prompt_blocks.saturating_sub(n))
-                + load.queued_prefill_blocks
-                + routing.load_penalty_blocks * load.busy();
-            Candidate {
-                id,
-                worker: address.to_owned(),
-                matched_blocks: n,
-                load,
-                saturated: saturated(&load, routing),
-                cost,
-                tie: home_score(tie_key, address),
-            }
+        .map(|w| {
+            let mut c = Candidate {
+                id: w.id,
+                worker: w.address.to_owned(),
+                matched_blocks: matched(w.id),
+                in_flight_blocks: if routing.predict_survival {
+                    w.in_flight_blocks.min(prompt_blocks)
+                } else {
+                    0
+                },
+                survival: if routing.predict_survival {
+                    w.survival.clamp(0.0, 1.0)
+                } else {
+                    1.0
+                },
+                load: w.load,
+                saturated: saturated(&w.load, routing),
+                cost: 0.0,
+                tie: home_score(tie_key, w.address),
+            };
+            c.cost = (f64::from(prompt_blocks) - c.expected_blocks()).max(0.0)
+                + w.load.queued_prefill_blocks
+                + routing.load_penalty_blocks * w.load.busy();
+            c
         })
         .collect();
     // Unsaturated first, then the cheapest, then the fewest hinted requests, the longest match,
@@ -152,18 +200,14 @@ pub fn choose<'a>(
             .cmp(&b.saturated)
             .then(a.cost.total_cmp(&b.cost))
             .then(a.load.hinted_in_flight.total_cmp(&b.load.hinted_in_flight))
-            .then(b.matched_blocks.cmp(&a.matched_blocks))
+            .then(b.held().cmp(&a.held()))
             .then(b.tie.cmp(&a.tie))
             .then(a.id.cmp(&b.id))
     });
-    let longest = candidates
-        .iter()
-        .map(|c| c.matched_blocks)
-        .max()
-        .unwrap_or(0);
+    let longest = candidates.iter().map(Candidate::held).max().unwrap_or(0);
     let rule = match candidates.first() {
         _ if longest < min => Rule::NoMatch,
-        Some(first) if first.matched_blocks == longest => Rule::LongestMatch,
+        Some(first) if first.held() == longest => Rule::LongestMatch,
         _ => Rule::LeastLoaded,
     };
     let rule = match rule {
@@ -209,10 +253,7 @@ fn spread(
     shared: bool,
     routing: &RoutingConfig,
 ) -> bool {
-    let holders = candidates
-        .iter()
-        .filter(|c| c.matched_blocks == longest)
-        .count();
+    let holders = candidates.iter().filter(|c| c.held() == longest).count();
     let Some(first) = candidates.first().filter(|c| !c.saturated) else {
         return false;
     };
@@ -223,7 +264,7 @@ fn spread(
     let target = candidates
         .iter()
         .enumerate()
-        .filter(|(_, c)| !c.saturated && c.matched_blocks < longest)
+        .filter(|(_, c)| !c.saturated && c.held() < longest)
         .filter(|(_, c)| c.load.busy() <= busiest_allowed)
         .min_by(|(_, a), (_, b)| a.load.busy().total_cmp(&b.load.busy()))
         .map(|(i, _)| i);
@@ -260,13 +301,25 @@ mod tests {
             .enumerate()
             .map(|(i, a)| (WorkerId(i as u32), a.as_str()))
             .filter(|(w, _)| healthy(*w))
-            .map(|(w, a)| (w, a, load_of(w)));
+            .map(|(id, address)| worker(id.0 as usize, address, load_of(id)));
         let prompt = Prompt {
             blocks: prompt_blocks,
             home_key,
             ..Prompt::default()
         };
         super::choose(prompt, matches, workers, routing)
+    }
+
+    /// Worker `i` at `address` with `load`, no running request sharing the prompt, every idle
+    /// prefix surviving.
+    fn worker(i: usize, address: &str, load: Load) -> Worker<'_> {
+        Worker {
+            id: WorkerId(i as u32),
+            address,
+            load,
+            in_flight_blocks: 0,
+            survival: 1.0,
+        }
     }
 
     /// The hinted workers' addresses.
@@ -424,7 +477,7 @@ mod tests {
             let workers = reg
                 .iter()
                 .enumerate()
-                .map(|(i, a)| (WorkerId(i as u32), a.as_str(), Load::default()));
+                .map(|(i, a)| worker(i, a, Load::default()));
             let prompt = Prompt {
                 blocks: 10,
                 tie_key,
@@ -600,6 +653,71 @@ mod tests {
         assert_eq!(d.matched_blocks, 0);
     }
 
+    /// What a worker will still hold decides, not what the index last heard: blocks running
+    /// requests share count in full, an idle match by the share that survives there.
+    #[test]
+    fn an_evicted_match_weighs_less_than_a_running_prefix() {
+        let reg = registry(2);
+        let routing = RoutingConfig::default();
+        let decide = |in_flight: [u32; 2], survival: [f64; 2], requests: &'static [f64]| {
+            let load = running(requests);
+            let workers = reg.iter().enumerate().map(|(i, a)| Worker {
+                in_flight_blocks: in_flight[i],
+                survival: survival[i],
+                ..worker(i, a, load(WorkerId(i as u32)))
+            });
+            let prompt = Prompt {
+                blocks: 30,
+                ..Prompt::default()
+            };
+            // Worker 0's index holds 24 blocks of the conversation, worker 1 none.
+            super::choose(prompt, &[(WorkerId(0), 24)], workers, &routing)
+        };
+        // Trusted index: 24 cached blocks outweigh 3 more requests.
+        let d = decide([0, 0], [1.0, 1.0], &[4.0, 1.0]);
+        assert_eq!(
+            (d.rule, order(&d)[0].clone()),
+            (Rule::LongestMatch, addr(0))
+        );
+        // On a worker where idle prefixes are mostly evicted before a request reaches them, the
+        // same match is worth less than the queue.
+        let d = decide([0, 0], [0.2, 1.0], &[4.0, 1.0]);
+        assert_eq!((d.rule, order(&d)[0].clone()), (Rule::LeastLoaded, addr(1)));
+        // Unless a running request shares the match's first 16 blocks: those stay.
+        let d = decide([16, 0], [0.2, 1.0], &[4.0, 1.0]);
+        assert_eq!(order(&d)[0], addr(0));
+        assert_eq!(d.candidates[0].cost, 30.0 - (16.0 + 0.2 * 8.0) + 8.0);
+        // A prompt running requests hold where the index knows nothing yet (their events not
+        // in) is held there too.
+        let d = decide([0, 20], [1.0, 1.0], &[0.0, 1.0]);
+        assert_eq!(
+            (d.rule, order(&d)[0].clone()),
+            (Rule::LongestMatch, addr(0))
+        );
+        let d = decide([0, 28], [1.0, 1.0], &[0.0, 1.0]);
+        assert_eq!(
+            (d.rule, order(&d)[0].clone()),
+            (Rule::LongestMatch, addr(1))
+        );
+        // Off, the index alone counts.
+        let off = RoutingConfig {
+            predict_survival: false,
+            ..RoutingConfig::default()
+        };
+        let workers = reg.iter().enumerate().map(|(i, a)| Worker {
+            in_flight_blocks: 28 * i as u32,
+            survival: 0.2,
+            ..worker(i, a, Load::default())
+        });
+        let prompt = Prompt {
+            blocks: 30,
+            ..Prompt::default()
+        };
+        let d = super::choose(prompt, &[(WorkerId(0), 24)], workers, &off);
+        assert_eq!(order(&d)[0], addr(0));
+        assert_eq!(d.candidates[0].cost, 6.0);
+    }
+
     /// A prefix three of four workers hold spreads to the fourth once each holder is
     /// `spread_slack` requests busier; a prefix one worker holds spreads only if other requests
     /// branched off it in other ways too (not one conversation's own turns).
@@ -617,7 +735,7 @@ mod tests {
             let workers = reg
                 .iter()
                 .enumerate()
-                .map(|(i, a)| (WorkerId(i as u32), a.as_str(), load(WorkerId(i as u32))));
+                .map(|(i, a)| worker(i, a, load(WorkerId(i as u32))));
             let prompt = Prompt {
                 blocks: 23,
                 shared,

@@ -66,6 +66,42 @@ fn events(core: &mut Core, events: &[RouterEvent], now: Instant) -> Vec<Happened
         .collect()
 }
 
+/// A running request's prompt counts as held by its worker; the engine's reports teach the
+/// rule how much of an idle match is still there when a request arrives.
+#[test]
+fn reports_teach_how_much_of_an_idle_match_survives() {
+    let (mut core, evs, req) = pin_fixture();
+    let now = Instant::now();
+    let publisher = evs[0].worker_id;
+    let one = instances(&[(publisher, 40051, Role::Aggregated)]);
+    discover(&mut core, &one, &[], now);
+    events(&mut core, &evs, now);
+    let first = core.hint(&req, now).unwrap();
+    let held = |h: &Hint| {
+        let c = &h.decision.candidates[0];
+        (c.matched_blocks, c.in_flight_blocks, c.survival)
+    };
+    assert_eq!(held(&first), (4, 0, 1.0), "trusted before any report");
+    let second = core.hint(&req, now).unwrap();
+    assert_eq!(
+        held(&second),
+        (4, 4, 1.0),
+        "the first request holds all four"
+    );
+    // Both finish; the engine found none of the four blocks cached for the first, which had
+    // counted on idle blocks (the second counted on the first's, which says nothing of them).
+    let nothing = |h: &Hint| Finished {
+        ticket: h.ticket.unwrap(),
+        usage: Usage::Cached {
+            prompt_tokens: 70,
+            cached_tokens: 0,
+        },
+    };
+    core.ingest(Input::Finished(&[nothing(&first), nothing(&second)]), now);
+    let third = core.hint(&req, now).unwrap();
+    assert_eq!(held(&third), (4, 0, 0.0));
+}
+
 /// Instances found through discovery are hinted by instance id, not while their probe fails
 /// and not once their record is gone; the captured Dynamo prompt steers to the instance that
 /// stored it.
@@ -90,10 +126,14 @@ fn discovered_instances_are_pinned_until_their_record_goes() {
 
     // Its request plane refuses connections: not pinned until it answers again.
     discover(&mut core, &both, &[publisher], now);
-    assert_eq!(
-        core.hint(&req, now).unwrap().target,
-        Target::Instance(other)
-    );
+    let elsewhere = core.hint(&req, now).unwrap();
+    assert_eq!(elsewhere.target, Target::Instance(other));
+    // That request finished (while it ran, `other` held the prompt too).
+    let report = Finished {
+        ticket: elsewhere.ticket.unwrap(),
+        usage: Usage::Unanswered,
+    };
+    core.ingest(Input::Finished(&[report]), now);
     discover(&mut core, &both, &[], now);
     assert_eq!(
         core.hint(&req, now).unwrap().target,
