@@ -1497,8 +1497,20 @@ impl Core {
                 load: w.current_load(),
                 in_flight_blocks: w.load.in_flight_match(blocks()),
                 survival: w.load.survival(),
-            });
-        let longest = matches.iter().map(|&(_, n)| n as usize).max().unwrap_or(0);
+            })
+            .collect::<Vec<_>>();
+        // Where the prompt branches off what some worker holds, by the index or by a running
+        // request (a burst of one new prefix is popular before its first events arrive).
+        let in_flight = workers
+            .iter()
+            .filter(|_| self.routing.predict_survival)
+            .map(|w| w.in_flight_blocks as usize);
+        let longest = matches
+            .iter()
+            .map(|&(_, n)| n as usize)
+            .chain(in_flight)
+            .max()
+            .unwrap_or(0);
         let shared = match longest.checked_sub(1).and_then(|i| req.hashes.get(i)) {
             Some(prefix) => {
                 let next = req.hashes.get(longest).map(|h| h.0);
