@@ -215,9 +215,7 @@ impl WorkerLoad {
 
     /// The engine reported `cached` tokens for a request hinted with `expected`.
     pub fn observe(&mut self, expected: Expected, cached: u64) {
-        let Some(idle) = expected.predicted.checked_sub(expected.pinned) else {
-            return;
-        };
+        let idle = expected.predicted.saturating_sub(expected.pinned);
         if idle == 0 {
             return;
         }

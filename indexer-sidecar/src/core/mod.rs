@@ -1487,6 +1487,7 @@ impl Core {
         // Only workers serving the request's model: the filter names the base model of an
         // adapter, and every worker of a base model serves its adapters.
         let blocks = || req.hashes.iter().map(|h| h.0);
+        let predict = self.routing.predict_survival;
         let workers = self
             .fleet
             .iter()
@@ -1495,20 +1496,20 @@ impl Core {
                 id: w.id,
                 address: &w.address,
                 load: w.current_load(),
-                in_flight_blocks: w.load.in_flight_match(blocks()),
+                in_flight_blocks: if predict {
+                    w.load.in_flight_match(blocks())
+                } else {
+                    0
+                },
                 survival: w.load.survival(),
             })
             .collect::<Vec<_>>();
         // Where the prompt branches off what some worker holds, by the index or by a running
         // request (a burst of one new prefix is popular before its first events arrive).
-        let in_flight = workers
-            .iter()
-            .filter(|_| self.routing.predict_survival)
-            .map(|w| w.in_flight_blocks as usize);
         let longest = matches
             .iter()
             .map(|&(_, n)| n as usize)
-            .chain(in_flight)
+            .chain(workers.iter().map(|w| w.in_flight_blocks as usize))
             .max()
             .unwrap_or(0);
         let shared = match longest.checked_sub(1).and_then(|i| req.hashes.get(i)) {
