@@ -53,9 +53,9 @@
 //! [routing]
 //! min_matched_blocks = 1            # a shorter match is not worth a hint
 //! max_hinted_workers = 3            # length of the override_host list (retries go down it)
-//! max_waiting = 4                   # saturation thresholds: queued requests,
-//! max_kv_usage = 0.95               #   KV cache usage,
-//! max_in_flight = 16                #   requests (running + queued, or hinted and unfinished)
+//! max_waiting = 8                   # saturation thresholds: queued requests,
+//! max_in_flight = 16                #   requests (running + queued, or hinted and unfinished),
+//! # max_kv_usage = 0.95             #   KV cache usage (unset: not a threshold)
 //! load_penalty_blocks = 2           # one request on a worker costs as much as 2 uncached blocks
 //! scrape_interval_ms = 250          # engines' /metrics (vLLM names) are read this often
 //! home_key_blocks = 8               # cold prompts go to the home of their first 8 blocks
@@ -544,8 +544,12 @@ pub struct RoutingConfig {
     pub max_hinted_workers: usize,
     /// A worker with this many queued requests is saturated.
     pub max_waiting: f64,
-    /// A worker whose KV cache is this full (0..1) is saturated.
-    pub max_kv_usage: f64,
+    /// A worker whose KV cache is this full (0..1) is saturated; unset, KV usage alone never
+    /// saturates a worker. A busy engine with a small cache runs near 100% (its running
+    /// requests' blocks), and whether new requests wait is what `max_waiting` sees: on real
+    /// vLLM and Dynamo this threshold sent warm turns away at the load where their cache
+    /// mattered (docs/benchmarks.md).
+    pub max_kv_usage: Option<f64>,
     /// A worker with this many requests (see [`crate::core::load::Load::busy`]) is saturated.
     pub max_in_flight: f64,
     /// Cost of one request in flight on a worker, in blocks of prefill: how many cached blocks
@@ -574,8 +578,8 @@ impl Default for RoutingConfig {
         RoutingConfig {
             min_matched_blocks: 1,
             max_hinted_workers: 3,
-            max_waiting: 4.0,
-            max_kv_usage: 0.95,
+            max_waiting: 8.0,
+            max_kv_usage: None,
             max_in_flight: 16.0,
             load_penalty_blocks: 2.0,
             scrape_interval_ms: 250,
@@ -752,7 +756,7 @@ impl Config {
             ("home_slack", r.home_slack),
             ("spread_slack", r.spread_slack),
             ("max_waiting", r.max_waiting),
-            ("max_kv_usage", r.max_kv_usage),
+            ("max_kv_usage", r.max_kv_usage.unwrap_or(0.0)),
             ("max_in_flight", r.max_in_flight),
         ] {
             if !v.is_finite() || v < 0.0 {

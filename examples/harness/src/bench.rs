@@ -122,12 +122,15 @@ pub const CHAT_CAPACITY: usize = 1024;
 /// the replayed requests' distinct prefixes need (~60k), so placement decides what survives.
 pub const TRACE_CAPACITY: usize = 16384;
 
+/// Requests each engine of the benchmark fleet runs at once.
+pub const MAX_RUNNING: usize = 4;
+
 /// Engine settings of the benchmark fleet: limited caches, bounded concurrency.
 pub fn fleet(engines: usize, capacity_blocks: usize) -> SimOptions {
     SimOptions {
         engines,
         capacity_blocks,
-        max_running: 4,
+        max_running: MAX_RUNNING,
         event_delay_ms: REAL_EVENT_DELAY_MS.into(),
         ..SimOptions::default()
     }
@@ -207,6 +210,7 @@ async fn run_mode(mode: &str, workload: &Workload, bench: &RoutingBench) -> Resu
         bench.capacity_blocks.unwrap_or(workload.capacity_blocks),
     );
     opts.sim.event_delay_ms = bench.event_delay_ms.clone();
+    opts.sim.max_running = bench.max_running;
     opts.sidecar_toml = bench.sidecar_toml.clone();
     // Engines publish vLLM's ZMQ events for the routers that read them.
     let peer = PEERS.iter().find(|p| p.mode == mode);
@@ -323,6 +327,8 @@ pub struct RoutingBench {
     pub sidecar_toml: String,
     /// Cache capacity per engine, in blocks, for every workload (each has its own otherwise).
     pub capacity_blocks: Option<usize>,
+    /// Requests each engine runs at once.
+    pub max_running: usize,
 }
 
 impl RoutingBench {
@@ -337,6 +343,7 @@ impl RoutingBench {
             event_delay_ms: REAL_EVENT_DELAY_MS.into(),
             sidecar_toml: String::new(),
             capacity_blocks: None,
+            max_running: MAX_RUNNING,
         }
     }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use kvroute_prompt::{LlmRequest, Preprocessor, PromptError};
 use kvroute_protocol::hash::{local_block_hashes, prefix_hashes};
 use kvroute_protocol::{HashSeed, PrefixHash};
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::cache::PrefixCache;
@@ -76,19 +76,21 @@ pub struct Prefilled {
 pub struct Running {
     /// Prefill results.
     pub prefilled: Prefilled,
-    blocks: u64,
+    prefixes: Vec<PrefixHash>,
+    blocks: usize,
     _slot: OwnedSemaphorePermit,
-    _kv: OwnedSemaphorePermit,
     engine: Arc<Engine>,
 }
 
 impl Drop for Running {
     fn drop(&mut self) {
+        {
+            let mut cache = self.engine.cache.lock().unwrap_or_else(|e| e.into_inner());
+            cache.release(&self.prefixes, self.blocks);
+            self.engine.count_used(&cache);
+        }
+        self.engine.freed.notify_waiters();
         self.engine.stats.running.fetch_sub(1, Ordering::Relaxed);
-        self.engine
-            .stats
-            .active_blocks
-            .fetch_sub(self.blocks, Ordering::Relaxed);
         self.engine.stats.requests.fetch_add(1, Ordering::Relaxed);
     }
 }
@@ -105,10 +107,13 @@ pub struct Engine {
     preprocessor: Arc<Preprocessor>,
     cache: Mutex<PrefixCache>,
     slots: Arc<Semaphore>,
-    /// KV blocks for running requests: like vLLM, a request starts only when its blocks fit,
-    /// first come first served; while it waits, running requests may evict the prefix its
-    /// router counted on.
-    kv_blocks: Arc<Semaphore>,
+    /// The turn to be admitted: like vLLM's scheduler, the oldest waiting request starts only
+    /// when its new blocks fit beside the running requests', and none behind it starts first.
+    /// While it waits, requests admitted before it may evict the idle prefix its router
+    /// counted on.
+    admission: tokio::sync::Mutex<()>,
+    /// Wakes the request whose turn it is when a running request frees blocks.
+    freed: Notify,
     events: Option<mpsc::UnboundedSender<Vec<CacheChange>>>,
     hash_salt: u64,
 }
@@ -123,9 +128,8 @@ impl Engine {
         Engine {
             cache: Mutex::new(PrefixCache::new(config.capacity_blocks)),
             slots: Arc::new(Semaphore::new(config.max_running.max(1))),
-            kv_blocks: Arc::new(Semaphore::new(
-                config.capacity_blocks.clamp(1, Semaphore::MAX_PERMITS),
-            )),
+            admission: tokio::sync::Mutex::new(()),
+            freed: Notify::new(),
             stats: EngineStats::default(),
             // Engines name blocks with their own hash (vLLM: seeded sha256); a per-engine salt
             // keeps the index honest: it must map engine hashes, not assume they are ours.
@@ -180,8 +184,9 @@ impl Engine {
         xxh3_64_with_seed(&p.0.to_le_bytes(), self.hash_salt)
     }
 
-    /// Queue for a slot, then prefill: look up the cache, pay for the uncached tokens, store the
-    /// prompt's blocks (publishing the changes). `None`: the prompt exceeds `max_model_len`.
+    /// Queue for a slot and for room in the KV cache, then prefill: look up the cache, store
+    /// the prompt's blocks (publishing the changes), pay for the uncached tokens. `None`: the
+    /// prompt exceeds `max_model_len`.
     pub async fn prefill(
         self: &Arc<Self>,
         req: &LlmRequest,
@@ -192,6 +197,10 @@ impl Engine {
             return Ok(None);
         }
         let prefixes: Vec<PrefixHash> = blocks.iter().map(|b| b.1).collect();
+        let total = prompt_tokens.div_ceil(self.block_size().max(1));
+        // vLLM computes at least the prompt's last token, so a prompt of whole blocks found
+        // all cached uses one block less (`max_cache_hit_length = num_tokens - 1`).
+        let usable = prompt_tokens.saturating_sub(1) / self.block_size().max(1);
         self.stats.waiting.fetch_add(1, Ordering::Relaxed);
         let arrived = std::time::Instant::now();
         let slot = self
@@ -200,52 +209,42 @@ impl Engine {
             .acquire_owned()
             .await
             .expect("engine semaphore is never closed");
-        // A prompt larger than the whole cache runs alone on all of it.
-        let used = prompt_tokens
-            .div_ceil(self.block_size().max(1))
-            .clamp(1, self.config.capacity_blocks.max(1)) as u64;
-        let kv = self
-            .kv_blocks
-            .clone()
-            .acquire_many_owned(u32::try_from(used).unwrap_or(u32::MAX))
-            .await
-            .expect("engine semaphore is never closed");
+        let hit_blocks = {
+            let _turn = self.admission.lock().await;
+            loop {
+                let freed = self.freed.notified();
+                tokio::pin!(freed);
+                freed.as_mut().enable();
+                if let Some(hit) = self.admit(&blocks, &tokens, total, usable, req) {
+                    break hit;
+                }
+                freed.await;
+            }
+        };
         self.stats.waiting.fetch_sub(1, Ordering::Relaxed);
         self.stats.running.fetch_add(1, Ordering::Relaxed);
         let slot_wait = arrived.elapsed();
-        self.stats.active_blocks.fetch_add(used, Ordering::Relaxed);
-        let running = |cached_tokens| Running {
+        let running = Running {
             prefilled: Prefilled {
                 prompt_tokens,
-                cached_tokens,
+                cached_tokens: hit_blocks * self.block_size(),
                 slot_wait,
             },
-            blocks: used,
+            prefixes,
+            blocks: total,
             _slot: slot,
-            _kv: kv,
             engine: self.clone(),
         };
-        // vLLM computes at least the prompt's last token, so a prompt of whole blocks found
-        // all cached uses one block less (`max_cache_hit_length = num_tokens - 1`).
-        let usable = prompt_tokens.saturating_sub(1) / self.block_size().max(1);
-        let hit_blocks = self
-            .cache
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .peek(&prefixes)
-            .min(usable);
-        let cached_tokens = hit_blocks * self.block_size();
         self.stats
             .prefix_queries
             .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
         self.stats
             .prefix_hits
-            .fetch_add(cached_tokens as u64, Ordering::Relaxed);
-        let uncached = (prompt_tokens - cached_tokens) as u64;
+            .fetch_add(running.prefilled.cached_tokens as u64, Ordering::Relaxed);
+        let uncached = (prompt_tokens - running.prefilled.cached_tokens) as u64;
         let cost = self.config.base_latency_us + uncached * self.config.prefill_us_per_token;
         tokio::time::sleep(Duration::from_micros(cost)).await;
-        self.store(&blocks, &tokens, req);
-        Ok(Some(running(cached_tokens)))
+        Ok(Some(running))
     }
 
     /// Forget every cached block, as a restarted engine would (and say so to subscribers).
@@ -263,12 +262,23 @@ impl Engine {
         self.cache.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
-    fn store(&self, blocks: &[(u64, PrefixHash)], tokens: &[u32], req: &LlmRequest) {
+    /// Start a request in the cache if its blocks fit now, publishing what changed: the blocks
+    /// evicted for it and its new blocks (vLLM publishes both in the step that schedules it).
+    /// The leading blocks it found cached, or `None` when it must wait.
+    fn admit(
+        &self,
+        blocks: &[(u64, PrefixHash)],
+        tokens: &[u32],
+        total: usize,
+        max_hit: usize,
+        req: &LlmRequest,
+    ) -> Option<usize> {
         let prefixes: Vec<PrefixHash> = blocks.iter().map(|b| b.1).collect();
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-        let admitted = cache.admit(&prefixes);
+        let admitted = cache.admit(&prefixes, total, max_hit)?;
+        self.count_used(&cache);
         let Some(events) = &self.events else {
-            return;
+            return Some(admitted.hit_blocks);
         };
         let mut batch = Vec::new();
         if !admitted.evicted.is_empty() {
@@ -279,7 +289,7 @@ impl Engine {
                 .collect();
             batch.push(CacheChange::Removed(removed));
         }
-        let kept = blocks.len().min(cache.capacity());
+        let (kept, _) = cache.kept(&prefixes, total);
         if admitted.stored_from < kept {
             let parent = admitted
                 .stored_from
@@ -300,6 +310,14 @@ impl Engine {
         }
         // Sent under the cache lock so the publisher sees changes in cache order.
         let _ = events.send(batch);
+        Some(admitted.hit_blocks)
+    }
+
+    /// Record the blocks running requests use, for the KV usage metric.
+    fn count_used(&self, cache: &PrefixCache) {
+        self.stats
+            .active_blocks
+            .store(cache.used() as u64, Ordering::Relaxed);
     }
 
     /// Decode time for `tokens` output tokens.
@@ -357,6 +375,40 @@ mod tests {
         assert_eq!(e.stats.waiting.load(Ordering::Relaxed), 0);
         assert_eq!(e.stats.running.load(Ordering::Relaxed), 1);
         drop(second);
+        assert_eq!(e.stats.active_blocks.load(Ordering::Relaxed), 0);
+    }
+
+    /// Like vLLM, only blocks no running request holds are evicted: a prompt that finished is
+    /// lost to the next request that needs room, while one a running request shares is found
+    /// in full and takes no room beside it.
+    #[tokio::test]
+    async fn idle_prefixes_are_evicted_running_ones_are_not() {
+        let (a, b, c) = (request("apple"), request("river"), request("stone"));
+        let tokens = engine(1).tokens(&b).unwrap().len();
+        let c_blocks = engine(1).tokens(&c).unwrap().len().div_ceil(16);
+        assert!(
+            !tokens.is_multiple_of(16),
+            "the second copy of b adds its partial block"
+        );
+        // Room for b, the second copy's own partial block and c: c fits only by evicting a.
+        let e = engine(tokens.div_ceil(16) + 1 + c_blocks);
+        drop(e.prefill(&a).await.unwrap().unwrap());
+        let running = e.prefill(&b).await.unwrap().unwrap();
+        let same = tokio::time::timeout(Duration::from_millis(50), e.prefill(&b))
+            .await
+            .expect("a prompt a running request holds waited for room")
+            .unwrap()
+            .unwrap();
+        assert_eq!(same.prefilled.cached_tokens, (tokens - 1) / 16 * 16);
+        let other = tokio::time::timeout(Duration::from_millis(50), e.prefill(&c))
+            .await
+            .expect("waited though the idle prefix could make room")
+            .unwrap()
+            .unwrap();
+        assert_eq!(other.prefilled.cached_tokens, 0);
+        assert_eq!(e.cached_blocks(&a).unwrap().0, 0, "the idle prefix stayed");
+        assert_eq!(e.cached_blocks(&b).unwrap().0, tokens / 16);
+        drop((running, same, other));
         assert_eq!(e.stats.active_blocks.load(Ordering::Relaxed), 0);
     }
 }

@@ -97,7 +97,7 @@ pub struct Decision {
 /// last scraped queue of 4 for a dozen hints), while hinted requests are counted as they end.
 pub fn saturated(load: &Load, routing: &RoutingConfig) -> bool {
     load.waiting.min(load.busy()) >= routing.max_waiting
-        || load.kv_usage >= routing.max_kv_usage
+        || routing.max_kv_usage.is_some_and(|max| load.kv_usage >= max)
         || load.busy() >= routing.max_in_flight
 }
 
@@ -507,16 +507,37 @@ mod tests {
             unhinted,
             ..Load::default()
         };
+        let half = routing.max_waiting / 2.0;
         assert!(
-            saturated(&scraped(2.0, 2.0), &routing),
+            saturated(&scraped(half, half), &routing),
             "a queue it can hold"
         );
-        assert!(saturated(&scraped(6.0, 0.0), &routing));
+        assert!(saturated(
+            &scraped(routing.max_waiting + 2.0, 0.0),
+            &routing
+        ));
         assert!(
             !saturated(&scraped(1.0, 0.0), &routing),
-            "one request left: no queue of 4"
+            "one request left: no queue of max_waiting"
         );
         assert!(!saturated(&scraped(0.0, 0.0), &routing), "drained");
+    }
+
+    /// A full cache is how a busy engine with a small cache runs: only a configured threshold
+    /// makes KV usage alone a reason to pass a worker over.
+    #[test]
+    fn kv_usage_saturates_only_when_configured() {
+        let full = Load {
+            kv_usage: 1.0,
+            running: 3.0,
+            ..Load::default()
+        };
+        assert!(!saturated(&full, &RoutingConfig::default()));
+        let configured = RoutingConfig {
+            max_kv_usage: Some(0.95),
+            ..RoutingConfig::default()
+        };
+        assert!(saturated(&full, &configured));
     }
 
     #[test]

@@ -49,6 +49,9 @@ enum Command {
         /// Cache capacity per engine in blocks, for every workload (default: each workload's).
         #[arg(long)]
         capacity_blocks: Option<usize>,
+        /// Requests each engine runs at once (vLLM's `--max-num-seqs`; more wait).
+        #[arg(long, default_value_t = bench::MAX_RUNNING)]
+        max_running: usize,
     },
     /// Plain Envoy vs Envoy + kvroute on an instant upstream.
     Datapath,
@@ -144,6 +147,7 @@ async fn main() -> Result<()> {
             event_delay_ms,
             sidecar_toml,
             capacity_blocks,
+            max_running,
         } => {
             let gap = Duration::try_from_secs_f64(start_gap_ms / 1e3)
                 .map_err(|e| anyhow::anyhow!("--start-gap-ms {start_gap_ms}: {e}"))?;
@@ -157,6 +161,7 @@ async fn main() -> Result<()> {
                     event_delay_ms,
                     sidecar_toml: sidecar_toml.replace("\\n", "\n"),
                     capacity_blocks,
+                    max_running,
                 },
                 &out,
             )
