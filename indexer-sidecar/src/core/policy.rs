@@ -10,7 +10,7 @@
 //! that have not finished, and those its engine reported beyond them at the last scrape; see
 //! [`crate::core::load`]). So a long match wins over a short queue, but a two-block match does not pin
 //! traffic to a busy worker while another idles, and a burst spreads out at once. A worker is
-//! saturated when its queue, its KV usage or its requests reach the configured thresholds;
+//! saturated when its queue or its requests (or its KV usage, if configured) reach the thresholds;
 //! saturated workers are used only when every worker is. Workers that tie on everything the
 //! rule weighs (a prefix every one holds, equal load) are ordered by a rendezvous score of the
 //! prompt, not by their ids: the lowest id would take every tie, and every replica the same
