@@ -215,7 +215,7 @@ impl Engine {
                 let freed = self.freed.notified();
                 tokio::pin!(freed);
                 freed.as_mut().enable();
-                if let Some(hit) = self.admit(&blocks, &tokens, total, usable, req) {
+                if let Some(hit) = self.admit(&blocks, &prefixes, &tokens, total, usable, req) {
                     break hit;
                 }
                 freed.await;
@@ -268,14 +268,14 @@ impl Engine {
     fn admit(
         &self,
         blocks: &[(u64, PrefixHash)],
+        prefixes: &[PrefixHash],
         tokens: &[u32],
         total: usize,
         max_hit: usize,
         req: &LlmRequest,
     ) -> Option<usize> {
-        let prefixes: Vec<PrefixHash> = blocks.iter().map(|b| b.1).collect();
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-        let admitted = cache.admit(&prefixes, total, max_hit)?;
+        let admitted = cache.admit(prefixes, total, max_hit)?;
         self.count_used(&cache);
         let Some(events) = &self.events else {
             return Some(admitted.hit_blocks);
@@ -289,7 +289,7 @@ impl Engine {
                 .collect();
             batch.push(CacheChange::Removed(removed));
         }
-        let (kept, _) = cache.kept(&prefixes, total);
+        let (kept, _) = cache.kept(prefixes, total);
         if admitted.stored_from < kept {
             let parent = admitted
                 .stored_from
