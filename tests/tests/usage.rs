@@ -288,18 +288,26 @@ async fn a_stale_index_is_named_until_the_predictions_hold_again() {
     let prompts: Vec<Value> = (0..8)
         .map(|i| chat(&text(500 + i, 90), &text(600 + i, 10)))
         .collect();
+    let mut homes = Vec::new();
     for p in &prompts {
-        send_indexed(&stack, &stack.envoy_url, p, true).await;
+        homes.push(served_by(
+            &send_indexed(&stack, &stack.envoy_url, p, true).await,
+        ));
     }
     assert!(wait_alarm_quiet(&stack, &sidecar).await);
     for e in &stack.engines {
         engine_admin(&stack, &e.address, "evict_silently").await;
     }
+    // Each request waits for the one before to be reported: a ticket still open would count
+    // as load on its worker and could send the next prompt to a worker its index says lacks
+    // it, stored there and never refuted where the index still places it.
     let mut workers = std::collections::BTreeSet::new();
-    for p in &prompts {
+    for (p, &home) in prompts.iter().zip(&homes) {
         let o = via_envoy(&stack, p).await;
         assert!(o.ok() && o.cached_tokens == 0, "the engine forgot: {o:?}");
-        workers.insert(stack.engines[served_by(&o)].address.clone());
+        assert_eq!(served_by(&o), home, "still sent where the index places it");
+        workers.insert(stack.engines[home].address.clone());
+        all_reported(&stack).await;
     }
     let stale = wait_alarm(&stack, &sidecar, "stale_index", true).await;
     assert!(
@@ -312,7 +320,12 @@ async fn a_stale_index_is_named_until_the_predictions_hold_again() {
         loop {
             for p in &prompts {
                 let o = via_envoy(&stack, p).await;
-                assert!(o.ok() && o.cached_tokens > 0, "{o:?}");
+                if !(o.ok() && o.cached_tokens > 0) {
+                    let explained = sidecar_json(&stack, "/debug/explain").await;
+                    let newest = explained.as_array().and_then(|a| a.first()).cloned();
+                    panic!("{o:?}\nits decision: {newest:#?}");
+                }
+                all_reported(&stack).await;
             }
         }
     };
