@@ -256,3 +256,44 @@ pub async fn engine_admin(stack: &Stack, address: &str, action: &str) {
     let resp = stack.http.post(&url).send().await.unwrap();
     assert!(resp.status().is_success(), "{url}: {}", resp.status());
 }
+
+/// `users` conversations of `turns` turns each, all at once, through Envoy; every outcome.
+pub async fn concurrent_conversations(stack: &Stack, users: u64, turns: u64) -> Vec<Outcome> {
+    let conversations = (0..users).map(|u| async move {
+        let mut history = text(4000 + u, 120);
+        let mut outcomes = Vec::new();
+        for turn in 0..turns {
+            history.push(' ');
+            history.push_str(&text(4100 + u * 10 + turn, 20));
+            outcomes.push(via_envoy(stack, &chat(&text(4000, 40), &history)).await);
+        }
+        outcomes
+    });
+    futures::future::join_all(conversations).await.concat()
+}
+
+/// After `outcomes`, every request of which was hinted: the sidecar weighed no traffic it did
+/// not route (`unhinted` in every decision is 0) and closed no running request's ticket (all
+/// reported finished, none reclaimed by a scrape).
+pub async fn assert_load_was_the_hinted_requests(stack: &Stack, outcomes: &[Outcome]) {
+    assert!(outcomes.iter().all(Outcome::ok), "{outcomes:?}");
+    let n = outcomes.len() as f64;
+    let text = served_reports(stack, n).await;
+    let tickets = |how: &str| {
+        metric(&text, &format!("kvroute_tickets_total{{how=\"{how}\"}}")).unwrap_or(0.0)
+    };
+    assert_eq!(tickets("finished"), n, "{text}");
+    assert_eq!(
+        tickets("reclaimed"),
+        0.0,
+        "running requests' tickets closed"
+    );
+    let explained = sidecar_json(stack, "/debug/explain").await;
+    let decisions = explained.as_array().unwrap();
+    assert_eq!(decisions.len(), outcomes.len());
+    for d in decisions {
+        for c in d["decision"]["candidates"].as_array().unwrap() {
+            assert_eq!(c["unhinted"], 0.0, "traffic the sidecar did not route: {d}");
+        }
+    }
+}

@@ -6,6 +6,24 @@ use common::*;
 use kvroute_harness::process::wait_for;
 use kvroute_harness::{Fallback, Mode, Stack, StackOptions};
 
+/// Engines as slow at the edges as CPU vLLM was: a request reaches the scheduler 400 ms after
+/// it arrives, and `/metrics` answers 300 ms late with the numbers of when it was asked. Every
+/// request is hinted, so the load weighed must be the sidecar's own tickets: a request that
+/// finished while a scrape was on its way is not unrouted traffic, and one not yet counted by
+/// its engine is not finished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn late_engine_counts_are_not_taken_for_other_traffic() {
+    let mut opts = StackOptions::new("late-counts", Mode::Kvroute);
+    opts.sim.engines = 2;
+    opts.sim.frontend_delay_ms = 400;
+    opts.sim.metrics_delay_ms = 300;
+    // A hint that timed out would send a request unhinted: real unrouted traffic.
+    opts.hint_timeout_ms = 1000;
+    let stack = Stack::start(opts).await.expect("stack starts");
+    let outcomes = concurrent_conversations(&stack, 8, 4).await;
+    assert_load_was_the_hinted_requests(&stack, &outcomes).await;
+}
+
 /// A prefix warmed on engine K (sent directly to K) is routed to K through Envoy, although the
 /// ring hash picks another engine for that key; with the sidecar killed, the ring's engine
 /// serves every request of that prefix and nothing fails.
@@ -244,7 +262,7 @@ async fn hung_sidecar_costs_at_most_the_hint_timeout() {
     // were never used, and say so once their tickets are reclaimed.
     wait_for(
         "the late decisions to show as not reported",
-        std::time::Duration::from_secs(10),
+        std::time::Duration::from_secs(20),
         || async {
             let explained = sidecar_json(&stack, "/debug/explain").await;
             let entries = explained.as_array()?.clone();

@@ -276,3 +276,15 @@ async fn a_sidecar_started_after_the_engines_knows_what_they_cached() {
     );
     assert_eq!(outcome("exact"), n, "{text}");
 }
+
+/// Sixteen conversations at once through Envoy, every request hinted: the load the sidecar
+/// weighs is its own tickets, nothing else. A busy engine answers `/metrics` late and admits a
+/// request well after its hint; neither may show as traffic the sidecar did not route, nor close
+/// the ticket of a request still running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "real vLLM: make test-live"]
+async fn the_load_weighed_is_the_requests_the_engines_run() {
+    let stack = stack("vllm-real-load").await;
+    let outcomes = concurrent_conversations(&stack, 16, 3).await;
+    assert_load_was_the_hinted_requests(&stack, &outcomes).await;
+}

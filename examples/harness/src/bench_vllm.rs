@@ -155,8 +155,11 @@ async fn run_mode(
     if stack.sidecar_url.is_some() {
         // How the sidecar decided, beside the result: hints by rule, blocks matched.
         let metrics = stack.sidecar_metrics().await.unwrap_or_default();
+        std::fs::write(stack.dir.join("sidecar-metrics.txt"), &metrics)?;
         for line in metrics.lines().filter(|l| {
-            l.starts_with("kvroute_hints_total{") || l.starts_with("kvroute_hint_matched_blocks")
+            l.starts_with("kvroute_hints_total{")
+                || l.starts_with("kvroute_hint_matched_blocks")
+                || l.starts_with("kvroute_tickets_total{")
         }) {
             eprintln!("  {line}");
         }

@@ -74,6 +74,11 @@ pub struct SimOptions {
     /// How late engines publish their KV events, `P50,P95,MAX` ms (`kvroute-sim
     /// --event-delay-ms`); `0,0,0` at once.
     pub event_delay_ms: String,
+    /// How long a request takes to reach an engine's scheduler, ms (`kvroute-sim
+    /// --frontend-delay-ms`).
+    pub frontend_delay_ms: u64,
+    /// How late engines answer `/metrics`, ms (`kvroute-sim --metrics-delay-ms`).
+    pub metrics_delay_ms: u64,
 }
 
 impl Default for SimOptions {
@@ -91,6 +96,8 @@ impl Default for SimOptions {
             event_formats: vec!["dynamo".into()],
             dynamo_component: "backend".into(),
             event_delay_ms: "0,0,0".into(),
+            frontend_delay_ms: 0,
+            metrics_delay_ms: 0,
         }
     }
 }
@@ -703,6 +710,8 @@ fn start_sim(
         ("--event-format", s.event_formats.join(",")),
         ("--component", s.dynamo_component.clone()),
         ("--event-delay-ms", s.event_delay_ms.clone()),
+        ("--frontend-delay-ms", s.frontend_delay_ms.to_string()),
+        ("--metrics-delay-ms", s.metrics_delay_ms.to_string()),
     ] {
         sim.args([flag, &value]);
     }

@@ -34,6 +34,11 @@ pub struct EngineConfig {
     pub default_output_tokens: u32,
     /// Longest prompt accepted, in tokens (vLLM's `max_model_len`).
     pub max_model_len: usize,
+    /// How long a request takes to reach the scheduler, uncounted by any gauge until then:
+    /// vLLM's API server renders and tokenizes it first, hundreds of ms on a busy CPU machine.
+    pub frontend_delay: Duration,
+    /// How late `/metrics` answers, with the numbers of when it was asked: a busy API server.
+    pub metrics_delay: Duration,
 }
 
 /// Counters in vLLM's terms.
@@ -201,6 +206,9 @@ impl Engine {
         // vLLM computes at least the prompt's last token, so a prompt of whole blocks found
         // all cached uses one block less (`max_cache_hit_length = num_tokens - 1`).
         let usable = prompt_tokens.saturating_sub(1) / self.block_size().max(1);
+        if !self.config.frontend_delay.is_zero() {
+            tokio::time::sleep(self.config.frontend_delay).await;
+        }
         self.stats.waiting.fetch_add(1, Ordering::Relaxed);
         let arrived = std::time::Instant::now();
         let slot = self
@@ -343,6 +351,8 @@ mod tests {
             decode_us_per_token: 0,
             default_output_tokens: 1,
             max_model_len: 32768,
+            frontend_delay: Duration::ZERO,
+            metrics_delay: Duration::ZERO,
         };
         let preprocessor = Preprocessor::from_bundle(&bundle).unwrap();
         Arc::new(Engine::new(config, Arc::new(preprocessor), None))

@@ -72,6 +72,13 @@ struct Args {
     /// capped, in order); `0,0,0` publishes at once. Real vLLM under load: 1.6,52,666.
     #[arg(long, default_value = "0,0,0", value_parser = EventDelay::parse)]
     event_delay_ms: EventDelay,
+    /// How long a request takes to reach the scheduler (and the request gauges), in ms: vLLM's
+    /// API server on a busy CPU machine took longer than 250 ms.
+    #[arg(long, default_value_t = 0)]
+    frontend_delay_ms: u64,
+    /// How late `/metrics` answers, in ms, with the numbers of when it was asked.
+    #[arg(long, default_value_t = 0)]
+    metrics_delay_ms: u64,
     /// Topic of vLLM-format messages.
     #[arg(long, default_value = "kv-events")]
     zmq_topic: String,
@@ -133,6 +140,8 @@ async fn main() -> anyhow::Result<()> {
             decode_us_per_token: args.decode_us_per_token,
             default_output_tokens: args.output_tokens,
             max_model_len: args.max_model_len,
+            frontend_delay: std::time::Duration::from_millis(args.frontend_delay_ms),
+            metrics_delay: std::time::Duration::from_millis(args.metrics_delay_ms),
         };
         let format = args.event_format[index % args.event_format.len().max(1)].as_str();
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();

@@ -450,6 +450,9 @@ async fn metrics(State(engine): State<Arc<Engine>>) -> Response {
         "counter",
         s.requests.load(Ordering::Relaxed).to_string(),
     );
+    if !engine.config.metrics_delay.is_zero() {
+        tokio::time::sleep(engine.config.metrics_delay).await;
+    }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
 }
 

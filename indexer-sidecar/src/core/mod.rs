@@ -174,6 +174,8 @@ pub enum Input<'a> {
         load: Option<Load>,
         /// Blocks its KV cache holds, when it says (`vllm:cache_config_info`).
         capacity: Option<u64>,
+        /// When it was asked for: the engine's counts are from then or later.
+        asked: Instant,
     },
     /// A Dynamo worker's `kv_metrics`, from a subject of `component`.
     DynamoLoad {
@@ -544,7 +546,8 @@ pub struct Core {
     limits: IndexConfig,
     tickets: TicketKey,
     grace_period: Duration,
-    /// Engines are scraped this often: a ticket this old was at the engine when it was scraped.
+    /// A ticket this old was at the engine when it was scraped: the scrape interval, at least
+    /// [`load::REACHES_ENGINE_WITHIN`].
     settle: Duration,
     next_ticket: u64,
     /// When the last hint named a worker.
@@ -584,7 +587,8 @@ impl Core {
             grace_period: Duration::from_millis(
                 config.envoy.as_ref().map_or(30_000, |e| e.grace_period_ms),
             ),
-            settle: Duration::from_millis(config.routing.scrape_interval_ms.max(1)),
+            settle: Duration::from_millis(config.routing.scrape_interval_ms)
+                .max(load::REACHES_ENGINE_WITHIN),
             next_ticket: 1,
             last_hint: None,
             last_request: None,
@@ -654,13 +658,14 @@ impl Core {
                 worker,
                 load,
                 capacity,
+                asked,
             } => {
                 let settle = self.settle;
                 self.learn_capacity(worker, capacity, &mut out);
                 let Some(w) = self.fleet.get_mut(worker) else {
                     return out;
                 };
-                let reclaimed = w.load.scraped(load, now, settle);
+                let reclaimed = w.load.scraped(load, asked, settle);
                 Self::reclaimed(reclaimed, &mut out);
                 let load = w.current_load();
                 out.push(Happened::Load {
@@ -678,7 +683,7 @@ impl Core {
                 instances,
                 unreachable,
             } => self.discovery(model, instances, unreachable, now, &mut out),
-            Input::Finished(tickets) => self.finished(tickets, &mut out),
+            Input::Finished(tickets) => self.finished(tickets, now, &mut out),
             Input::Snapshot {
                 worker,
                 rank,
@@ -1420,7 +1425,7 @@ impl Core {
             .collect()
     }
 
-    fn finished(&mut self, reports: &[Finished], out: &mut Vec<Happened>) {
+    fn finished(&mut self, reports: &[Finished], now: Instant, out: &mut Vec<Happened>) {
         let (mut finished, mut unknown) = (0, 0);
         let mut changed = BTreeSet::new();
         for report in reports {
@@ -1429,7 +1434,7 @@ impl Core {
                 unknown += 1;
                 continue;
             };
-            let Some(closed) = w.load.close(seq) else {
+            let Some(closed) = w.load.close(seq, now) else {
                 unknown += 1;
                 continue;
             };
@@ -1474,7 +1479,7 @@ impl Core {
     pub fn hint(&mut self, req: &HintRequest, now: Instant) -> Result<Hint, UnknownModel> {
         let mut happened = Vec::new();
         if !req.finished.is_empty() {
-            self.finished(&req.finished, &mut happened);
+            self.finished(&req.finished, now, &mut happened);
         }
         let index = self.indexes.get(&req.model).ok_or(UnknownModel)?;
         self.last_request = Some(now);

@@ -428,6 +428,31 @@ fn tickets_follow_hints_and_reports() {
         .is_err());
 }
 
+/// A scrape that does not count a request yet, a second after its hint (a busy engine's API
+/// server still had it), leaves its ticket open; one after the engine surely had it reclaims it.
+#[test]
+fn tickets_are_reclaimed_only_once_their_requests_surely_reached_the_engine() {
+    let mut core = vllm_core();
+    let now = Instant::now();
+    core.hint(&one_block_request(), now).unwrap();
+    let scrape = |asked| Input::Scrape {
+        worker: WorkerId(0),
+        load: Some(Load::default()),
+        capacity: None,
+        asked,
+    };
+    let soon = now + Duration::from_secs(1);
+    core.ingest(scrape(soon), soon);
+    assert_eq!(busy(&core), 1.0, "not at the engine yet, still running");
+    let later = now + load::REACHES_ENGINE_WITHIN + Duration::from_millis(1);
+    let happened = core.ingest(scrape(later), later);
+    assert!(happened.contains(&Happened::Tickets {
+        how: TicketClosed::Reclaimed,
+        n: 1
+    }));
+    assert_eq!(busy(&core), 0.0);
+}
+
 /// Envoy's view: a worker it does not list is not hinted; one it lists as healthy is again.
 #[test]
 fn envoy_decides_who_is_usable() {
@@ -692,6 +717,7 @@ fn caches_hold_at_most_their_capacity() {
             worker: WorkerId(0),
             load: None,
             capacity: Some(3),
+            asked: Instant::now(),
         },
         Instant::now(),
     );

@@ -24,6 +24,7 @@ pub async fn run(state: Arc<Sidecar>) {
         tick.tick().await;
         // Pinned workers sit behind a Dynamo frontend: their load comes from `kv_metrics`.
         let workers = state.scraped_workers();
+        let asked = std::time::Instant::now();
         let scrapes = workers.iter().map(|(id, address)| {
             let http = &http;
             async move {
@@ -61,6 +62,7 @@ pub async fn run(state: Arc<Sidecar>) {
                 worker: id,
                 load,
                 capacity,
+                asked,
             };
             state.ingest(None, scrape, std::time::Instant::now());
         }
