@@ -23,7 +23,7 @@ use crate::flow::{self, Call, OnBody, OnHeaders, OnHint, Unreported};
 use crate::metrics::{Counter, FallbackReason};
 use crate::models::ModelRegistry;
 use crate::plan::{plan, warm_up, Next};
-use crate::usage::{is_stream, sampled, worth_scanning, UsageScanner};
+use crate::usage::{reading, Reading, UsageScanner};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -424,30 +424,29 @@ impl HttpContext for Request {
         if self.ticket.is_none() {
             return Action::Continue;
         }
-        let (read_usage, every) = {
-            let config = &self.shared.borrow().config;
-            (config.read_usage, config.stream_usage_every)
+        let header = |name| {
+            hostcalls::get_map_value(MapType::HttpResponseHeaders, name)
+                .ok()
+                .flatten()
         };
-        self.unread = !read_usage;
-        if read_usage {
-            let header = |name| {
-                hostcalls::get_map_value(MapType::HttpResponseHeaders, name)
-                    .ok()
-                    .flatten()
-            };
-            if worth_scanning(header(":status").as_deref()) {
-                let read = !is_stream(header("content-type").as_deref()) || {
-                    let mut shared = self.shared.borrow_mut();
-                    shared.streams += 1;
-                    sampled(shared.streams - 1, every)
-                };
-                if read {
-                    self.response = Some(UsageScanner::default());
-                    self.answered = end_of_stream;
-                } else {
-                    self.unread = true;
-                }
+        let decided = {
+            let mut shared = self.shared.borrow_mut();
+            let shared = &mut *shared;
+            reading(
+                shared.config.read_usage,
+                shared.config.stream_usage_every,
+                header(":status").as_deref(),
+                || header("content-type"),
+                &mut shared.streams,
+            )
+        };
+        match decided {
+            Reading::Read => {
+                self.response = Some(UsageScanner::default());
+                self.answered = end_of_stream;
             }
+            Reading::Unread => self.unread = true,
+            Reading::Failed => {}
         }
         Action::Continue
     }

@@ -165,13 +165,52 @@ impl UsageScanner {
     }
 }
 
+/// What the filter does with a hinted request's response, decided at its headers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reading {
+    /// Scan the body for its usage.
+    Read,
+    /// Left unread by choice (reading is off, or a stream outside the sample): `Usage::Unread`.
+    Unread,
+    /// Not a success, so no usage to read: `Usage::Unanswered`.
+    Failed,
+}
+
+/// How to read a hinted response with this `:status`. `content_type` is asked for only when
+/// the answer is a success, as it costs a host call; `streams` counts the VM's successful streams
+/// and this one is counted when it is one, so that one in `every` is read.
+pub fn reading(
+    read_usage: bool,
+    every: u32,
+    status: Option<&str>,
+    content_type: impl FnOnce() -> Option<String>,
+    streams: &mut u64,
+) -> Reading {
+    if !read_usage {
+        return Reading::Unread;
+    }
+    if !worth_scanning(status) {
+        return Reading::Failed;
+    }
+    if !is_stream(content_type().as_deref()) {
+        return Reading::Read;
+    }
+    let nth = *streams;
+    *streams += 1;
+    if sampled(nth, every) {
+        Reading::Read
+    } else {
+        Reading::Unread
+    }
+}
+
 /// Whether a response with this `:status` is read at all: only a success carries a usage.
-pub fn worth_scanning(status: Option<&str>) -> bool {
+fn worth_scanning(status: Option<&str>) -> bool {
     status.is_some_and(|s| s.len() == 3 && s.starts_with('2'))
 }
 
 /// Whether a response with this `content-type` streams (server-sent events).
-pub fn is_stream(content_type: Option<&str>) -> bool {
+fn is_stream(content_type: Option<&str>) -> bool {
     content_type.is_some_and(|c| {
         c.trim_start()
             .get(..17)
@@ -181,7 +220,7 @@ pub fn is_stream(content_type: Option<&str>) -> bool {
 
 /// Whether to read the usage of a hinted stream, the VM's `streams`-th (from 0): one in
 /// `every`, so that the per-chunk cost of reading is spread over that many streams.
-pub fn sampled(streams: u64, every: u32) -> bool {
+fn sampled(streams: u64, every: u32) -> bool {
     streams.is_multiple_of(u64::from(every.max(1)))
 }
 
@@ -314,5 +353,41 @@ mod tests {
         assert_eq!(read, 2);
         assert!(sampled(0, 32), "the first stream is read");
         assert!((0..5).all(|n| sampled(n, 1)));
+    }
+
+    #[test]
+    fn a_response_is_read_when_it_is_a_success_and_in_the_sample() {
+        let sse = || Some("text/event-stream".to_string());
+        let json = || Some("application/json".to_string());
+        let mut streams = 0;
+        let mut read = |on, status, content_type: &dyn Fn() -> Option<String>| {
+            reading(on, 2, Some(status), content_type, &mut streams)
+        };
+        assert_eq!(read(false, "200", &json), Reading::Unread);
+        assert_eq!(read(true, "503", &sse), Reading::Failed);
+        assert_eq!(read(true, "200", &json), Reading::Read);
+        assert_eq!(read(true, "200", &sse), Reading::Read);
+        assert_eq!(read(true, "200", &sse), Reading::Unread);
+        assert_eq!(
+            read(true, "200", &json),
+            Reading::Read,
+            "JSON is always read"
+        );
+        assert_eq!(read(true, "200", &sse), Reading::Read);
+        assert_eq!(streams, 3, "only successful streams are counted");
+        let mut untouched = 0;
+        let asked = std::cell::Cell::new(false);
+        let status = reading(
+            true,
+            1,
+            Some("404"),
+            || {
+                asked.set(true);
+                None
+            },
+            &mut untouched,
+        );
+        assert_eq!(status, Reading::Failed);
+        assert!(!asked.get(), "a failure's content type is not asked for");
     }
 }

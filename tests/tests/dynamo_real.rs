@@ -246,9 +246,9 @@ async fn a_sidecar_killed_mid_run_fails_no_request() {
     );
 }
 
-/// A SIGKILLed worker stops publishing `forward-pass-metrics` (about once a second); the sidecar
-/// stops pinning to it within its heartbeat timeout instead of until its discovery record goes
-/// (about 8 s later).
+/// A SIGKILLed worker refuses the sidecar's connects to its request plane; the sidecar stops
+/// pinning to it after two failed probes instead of when its discovery record goes (about 8 s
+/// later).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_worker_is_not_pinned_for_long() {
     let mut stack = Stack::start(dynamo_stack(

@@ -89,5 +89,10 @@ async fn main() -> Result<()> {
     )?;
     println!("\n{table}");
     println!("written to {}", out.join("report.md").display());
+    let failed: usize = reports.iter().map(|r| r.errors).sum();
+    anyhow::ensure!(
+        failed == 0,
+        "{failed} requests failed; the run directories under target/e2e/demo-* hold each process's log"
+    );
     Ok(())
 }
