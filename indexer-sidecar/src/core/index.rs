@@ -18,18 +18,15 @@
 //! lies, and the blocks stored longest ago go first — the engine evicted them long ago, or
 //! will next.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::HashMap;
 
 use kvroute_protocol::hash::chain;
 use kvroute_protocol::PrefixHash;
-use smallvec::SmallVec;
 
+use crate::core::block_map::BlockMap;
 use crate::core::event::{EngineHash, KvEvent, KvEventKind};
 use crate::core::fleet::WorkerId;
-
-/// Keys are already uniform hashes, but they come from prompts anyone can send: a fast hasher
-/// with a per-process random seed keeps lookups cheap without letting crafted prompts collide.
-type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+use crate::core::holders::{Holders, Slot};
 
 /// One KV cache: a data-parallel rank of a worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -39,9 +36,6 @@ pub struct CacheId {
     /// Its data-parallel rank.
     pub dp_rank: u32,
 }
-
-/// Dense 2-byte name of a cache inside one index: holder lists stay small and inline.
-type Slot = u16;
 
 /// What applying one event did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -63,11 +57,7 @@ pub struct ApplyOutcome {
 #[derive(Debug)]
 struct Cache {
     id: CacheId,
-    blocks: FastMap<EngineHash, PrefixHash>,
-    /// Engine hashes in the order they were stored, oldest first. Removals leave their entry
-    /// behind (found stale when it comes out, compacted when they are half of it); a hash stored
-    /// again after a removal appears twice and goes out at its older place.
-    order: VecDeque<EngineHash>,
+    blocks: BlockMap,
     /// Order-independent digest of `blocks` (a wrapping sum of [`entry_digest`]): two replicas
     /// that applied the same events hold the same digest.
     digest: u64,
@@ -87,36 +77,16 @@ impl Cache {
     fn new(id: CacheId) -> Self {
         Cache {
             id,
-            blocks: FastMap::default(),
-            order: VecDeque::new(),
+            blocks: BlockMap::default(),
             digest: 0,
         }
-    }
-
-    /// Drop stale entries of `order` once they outnumber the live ones: amortised O(1) per
-    /// removal, and `order` stays within twice the cache.
-    fn compact(&mut self) {
-        if self.order.len() <= 2 * self.blocks.len() + 64 {
-            return;
-        }
-        let mut kept: HashSet<EngineHash> = HashSet::with_capacity(self.blocks.len());
-        let mut order: VecDeque<EngineHash> = self
-            .order
-            .iter()
-            .rev()
-            .filter(|h| self.blocks.contains_key(h) && kept.insert(**h))
-            .copied()
-            .collect();
-        order.make_contiguous().reverse();
-        self.order = order;
     }
 }
 
 /// The index of one model.
 #[derive(Debug, Default)]
 pub struct RadixIndex {
-    /// Node → caches holding it, sorted.
-    holders: FastMap<PrefixHash, SmallVec<[Slot; 8]>>,
+    holders: Holders,
     caches: Vec<Cache>,
     slots: HashMap<CacheId, Slot>,
 }
@@ -126,7 +96,9 @@ impl RadixIndex {
         if let Some(&slot) = self.slots.get(&id) {
             return Some(slot);
         }
-        let slot = Slot::try_from(self.caches.len()).ok()?;
+        let slot = Slot::try_from(self.caches.len())
+            .ok()
+            .filter(|&s| s < Slot::MAX)?;
         self.caches.push(Cache::new(id));
         self.slots.insert(id, slot);
         Some(slot)
@@ -157,19 +129,18 @@ impl RadixIndex {
             KvEventKind::Stored { parent, blocks } => {
                 let Cache {
                     blocks: cache,
-                    order,
                     digest,
                     ..
                 } = &mut self.caches[slot as usize];
                 let mut prefix = match parent {
                     None => None,
-                    Some(p) => match cache.get(p) {
-                        Some(&prefix) => Some(prefix),
-                        None => {
+                    Some(p) => {
+                        let Some(prefix) = cache.get(*p) else {
                             out.orphan = true;
                             return out;
-                        }
-                    },
+                        };
+                        Some(prefix)
+                    }
                 };
                 for b in blocks {
                     let node = chain(prefix, b.local_hash);
@@ -178,21 +149,16 @@ impl RadixIndex {
                     match cache.insert(b.engine_hash, node) {
                         Some(old) if old == node => {}
                         Some(old) => {
-                            Self::unhold(&mut self.holders, old, slot);
+                            self.holders.unhold(old, slot);
                             *digest = digest
                                 .wrapping_sub(entry_digest(b.engine_hash, old))
                                 .wrapping_add(entry_digest(b.engine_hash, node));
-                            order.push_back(b.engine_hash);
                         }
                         None => {
                             *digest = digest.wrapping_add(entry_digest(b.engine_hash, node));
-                            order.push_back(b.engine_hash);
                         }
                     }
-                    let holders = self.holders.entry(node).or_default();
-                    if let Err(at) = holders.binary_search(&slot) {
-                        holders.insert(at, slot);
-                    }
+                    self.holders.hold(node, slot);
                     prefix = Some(node);
                     out.stored += 1;
                 }
@@ -201,16 +167,15 @@ impl RadixIndex {
             KvEventKind::Removed { blocks } => {
                 for h in blocks {
                     let cache = &mut self.caches[slot as usize];
-                    match cache.blocks.remove(h) {
+                    match cache.blocks.remove(*h) {
                         Some(node) => {
                             cache.digest = cache.digest.wrapping_sub(entry_digest(*h, node));
-                            self.drop_holder(node, slot);
+                            self.holders.unhold(node, slot);
                             out.removed += 1;
                         }
                         None => out.unknown_removals += 1,
                     }
                 }
-                self.caches[slot as usize].compact();
             }
             KvEventKind::Cleared => out.removed = self.clear_cache(slot),
         }
@@ -222,47 +187,24 @@ impl RadixIndex {
         let mut evicted = 0;
         let cache = &mut self.caches[slot as usize];
         while cache.blocks.len() > capacity {
-            let Some(h) = cache.order.pop_front() else {
+            let Some((h, node)) = cache.blocks.pop_oldest() else {
                 break;
             };
-            if let Some(node) = cache.blocks.remove(&h) {
-                cache.digest = cache.digest.wrapping_sub(entry_digest(h, node));
-                Self::unhold(&mut self.holders, node, slot);
-                evicted += 1;
-            }
+            cache.digest = cache.digest.wrapping_sub(entry_digest(h, node));
+            self.holders.unhold(node, slot);
+            evicted += 1;
         }
         evicted
     }
 
-    fn drop_holder(&mut self, node: PrefixHash, slot: Slot) {
-        Self::unhold(&mut self.holders, node, slot);
-    }
-
-    fn unhold(
-        holders: &mut FastMap<PrefixHash, SmallVec<[Slot; 8]>>,
-        node: PrefixHash,
-        slot: Slot,
-    ) {
-        if let Some(h) = holders.get_mut(&node) {
-            if let Ok(at) = h.binary_search(&slot) {
-                h.remove(at);
-            }
-            if h.is_empty() {
-                holders.remove(&node);
-            }
-        }
-    }
-
     fn clear_cache(&mut self, slot: Slot) -> usize {
         let cache = &mut self.caches[slot as usize];
-        cache.order.clear();
         cache.digest = 0;
         let blocks = std::mem::take(&mut cache.blocks);
-        let n = blocks.len();
-        for node in blocks.into_values() {
-            self.drop_holder(node, slot);
+        for (_, node) in blocks.iter() {
+            self.holders.unhold(node, slot);
         }
-        n
+        blocks.len()
     }
 
     /// Forget everything a worker holds (all its ranks); returns the blocks dropped.
@@ -290,7 +232,7 @@ impl RadixIndex {
         while found.len() < limit.max(1) && end > 0 {
             let has_new = |d: usize, found: &[(WorkerId, u32)]| {
                 self.holders
-                    .get(&hashes[d])
+                    .get(hashes[d])
                     .is_some_and(|h| h.iter().any(|s| is_new(s, found)))
             };
             if !has_new(0, &found) {
@@ -306,14 +248,15 @@ impl RadixIndex {
                     hi = mid;
                 }
             }
-            let mut tier: Vec<WorkerId> = self.holders[&hashes[lo]]
-                .iter()
-                .filter(|s| is_new(s, &found))
-                .map(|s| self.caches[*s as usize].id.worker)
-                .collect();
-            tier.sort_unstable();
-            tier.dedup();
-            found.extend(tier.into_iter().map(|w| (w, lo as u32 + 1)));
+            // The tier is written in place: a worker's second rank is no longer new once
+            // its first is in.
+            let tier = found.len();
+            for s in self.holders.get(hashes[lo]).unwrap_or_default() {
+                if is_new(s, &found) {
+                    found.push((self.caches[*s as usize].id.worker, lo as u32 + 1));
+                }
+            }
+            found[tier..].sort_unstable();
             end = lo + 1;
         }
         found
@@ -325,17 +268,7 @@ impl RadixIndex {
         let Some(&slot) = self.slots.get(&cache) else {
             return Vec::new();
         };
-        let c = &self.caches[slot as usize];
-        let mut seen: HashSet<EngineHash> = HashSet::with_capacity(c.blocks.len());
-        let mut out: Vec<(EngineHash, PrefixHash)> = c
-            .order
-            .iter()
-            .rev()
-            .filter(|h| seen.insert(**h))
-            .filter_map(|h| c.blocks.get(h).map(|&node| (*h, node)))
-            .collect();
-        out.reverse();
-        out
+        self.caches[slot as usize].blocks.iter().collect()
     }
 
     /// Replace a cache's entries with a snapshot (store order, oldest first), as a peer holds
@@ -353,17 +286,13 @@ impl RadixIndex {
                 Some(old) if old == node => continue,
                 Some(old) => {
                     c.digest = c.digest.wrapping_sub(entry_digest(engine, old));
-                    Self::unhold(&mut self.holders, old, slot);
+                    self.holders.unhold(old, slot);
                 }
                 None => {}
             }
             let c = &mut self.caches[slot as usize];
             c.digest = c.digest.wrapping_add(entry_digest(engine, node));
-            c.order.push_back(engine);
-            let holders = self.holders.entry(node).or_default();
-            if let Err(at) = holders.binary_search(&slot) {
-                holders.insert(at, slot);
-            }
+            self.holders.hold(node, slot);
         }
         Some(self.caches[slot as usize].blocks.len())
     }
@@ -609,25 +538,6 @@ mod tests {
         // Another worker's cache is bounded on its own.
         assert_eq!(idx.apply_within(W1, &stored(None, &c, 2), 1).evicted, 1);
         assert_eq!(idx.blocks_of(W0), 6);
-    }
-
-    /// Removals never let the store order grow past twice the cache.
-    #[test]
-    fn store_order_is_compacted() {
-        let mut idx = RadixIndex::default();
-        for round in 0..1000u32 {
-            let a = locals(round * 10, 1);
-            idx.apply(W0, &stored(None, &a, 0));
-            let removed = KvEvent {
-                dp_rank: 0,
-                kind: KvEventKind::Removed {
-                    blocks: vec![EngineHash(a[0].0)],
-                },
-            };
-            idx.apply(W0, &removed);
-        }
-        assert_eq!(idx.blocks_of(W0), 0);
-        assert!(idx.caches[0].order.len() <= 64 + 1);
     }
 
     /// The digest depends on what a cache holds, not on the order it was stored in nor on

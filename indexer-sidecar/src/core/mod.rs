@@ -5,19 +5,23 @@
 //! source passes one place, and the whole core is unit-tested without sleeping.
 //!
 //! - [`fleet`]: one row per worker: id, address, model, origin, role, usability, load, cursors.
+//! - [`block_map`]: one cache's blocks, engine hash → node, in the order they were stored.
 //! - [`cursor`]: what a message's sequence number says (next, gap, duplicate, restart).
 //! - [`digest`]: per cache, its blocks' digest after each message: what replicas compare.
 //! - [`event`]: [`event::KvEvent`], an engine's cache event whatever its wire format.
+//! - [`holders`]: node → the caches holding it, inline for all but crowded nodes.
 //! - [`index`]: [`index::RadixIndex`], prefix → caches holding it, one per model.
 //! - [`load`]: a worker's load (open tickets, scrapes, Dynamo `kv_metrics`, Envoy).
 //! - [`policy`]: the routing rule: matches and load → workers, best first.
 //! - [`shared_prefix`]: which matched prefixes requests branch off in different ways (popular).
 //! - [`truth`]: what the engines said they had cached, beside what the hints predicted.
 
+pub mod block_map;
 pub mod cursor;
 pub mod digest;
 pub mod event;
 pub mod fleet;
+pub mod holders;
 pub mod index;
 pub mod load;
 pub mod policy;
