@@ -215,6 +215,7 @@ async fn run_mode(
         tokio::time::sleep(Duration::from_millis(1200)).await;
         let p = stack.predictions().await.unwrap_or(p);
         eprintln!("{mode}: the sidecar's predictions against the engines' cached tokens: {p}");
+        stack.save_explain().await?;
     }
     let prefill_stored_blocks = counting.map(|(stored, task)| {
         task.abort();

@@ -4,8 +4,8 @@
 //! perhaps a replica or two); only popular prefixes, system prompts on every worker, are held
 //! by more. So a node keeps up to three holders inline in an 8-byte value (16 bytes a table
 //! entry with its key), and a crowded one keeps there where its list starts in a packed arena:
-//! the index's biggest table costs half what a growable list per node did (24 bytes each), and
-//! a query reads a crowded node's list with one memory access more than an inline one, as before.
+//! the index's biggest table costs half what a growable list per node would (24 bytes each),
+//! and a query reads a crowded node's list with one memory access more than an inline one.
 
 use std::collections::HashMap;
 
