@@ -563,6 +563,10 @@ pub struct RoutingConfig {
     /// A cold prompt's home is passed over when it has this many requests more than the least
     /// loaded worker.
     pub home_slack: f64,
+    /// A cold prompt's home is also passed over when its hinted requests' distinct prompt
+    /// blocks exceed the fewest of any worker's by this many: a second long prefix does not
+    /// land where another one is running. Unset: off.
+    pub home_slack_blocks: Option<f64>,
     /// A popular prefix (requests lately branched off it in different ways, or several workers hold it)
     /// goes to another worker, which then holds it too, when each holder has this many
     /// requests more than that worker: it spreads instead of queueing where it first landed.
@@ -585,6 +589,7 @@ impl Default for RoutingConfig {
             scrape_interval_ms: 250,
             home_key_blocks: 8,
             home_slack: 4.0,
+            home_slack_blocks: None,
             spread_slack: 4.0,
             predict_survival: true,
         }
@@ -757,6 +762,7 @@ impl Config {
             ("spread_slack", r.spread_slack),
             ("max_waiting", r.max_waiting),
             ("max_kv_usage", r.max_kv_usage.unwrap_or(0.0)),
+            ("home_slack_blocks", r.home_slack_blocks.unwrap_or(0.0)),
             ("max_in_flight", r.max_in_flight),
         ] {
             if !v.is_finite() || v < 0.0 {

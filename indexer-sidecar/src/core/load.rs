@@ -52,6 +52,9 @@ pub struct Load {
     pub kv_used_blocks: f64,
     /// Requests in flight to it from this Envoy (admin `rq_active`), when Envoy is polled.
     pub envoy_active: f64,
+    /// Distinct prompt blocks of the hinted requests not finished (the first blocks of each):
+    /// the prefixes hot there.
+    pub in_flight_blocks: f64,
 }
 
 impl Load {
@@ -175,6 +178,7 @@ impl WorkerLoad {
         load.peers_in_flight = self.peers.values().map(|&(n, _)| f64::from(n)).sum();
         load.queued_prefill_blocks = self.dynamo.values().map(|r| r.0).sum();
         load.kv_used_blocks = self.dynamo.values().map(|r| r.1).sum();
+        load.in_flight_blocks = self.in_flight_blocks.len() as f64;
         load
     }
 

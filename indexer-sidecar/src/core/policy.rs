@@ -223,8 +223,17 @@ pub fn choose<'a>(
             .iter()
             .map(|c| c.load.busy())
             .fold(f64::INFINITY, f64::min);
+        let least_blocks = candidates[..unsaturated]
+            .iter()
+            .map(|c| c.load.in_flight_blocks)
+            .fold(f64::INFINITY, f64::min);
         let home = (0..unsaturated)
             .filter(|&i| candidates[i].load.busy() <= least_busy + routing.home_slack)
+            .filter(|&i| {
+                routing
+                    .home_slack_blocks
+                    .is_none_or(|slack| candidates[i].load.in_flight_blocks <= least_blocks + slack)
+            })
             .max_by_key(|&i| home_score(key, &candidates[i].worker));
         if let Some(home) = home {
             candidates[..=home].rotate_right(1);
@@ -641,6 +650,33 @@ mod tests {
             all,
         );
         assert_eq!(order(&over)[0], order(&next)[0]);
+        // With `home_slack_blocks`, a home running more distinct prompt blocks than the
+        // fewest by more than that hands over too; unset, blocks in flight do not move a home.
+        let running_blocks = |extra: f64| {
+            move |w: WorkerId| Load {
+                in_flight_blocks: if w.0 == 1 { extra } else { 0.0 },
+                ..Load::default()
+            }
+        };
+        let by_blocks = RoutingConfig {
+            home_slack_blocks: Some(16.0),
+            ..RoutingConfig::default()
+        };
+        let first = |routing: &RoutingConfig, extra: f64| {
+            order(&choose(
+                10,
+                Some(key),
+                &[],
+                &reg,
+                routing,
+                running_blocks(extra),
+                all,
+            ))[0]
+                .clone()
+        };
+        assert_eq!(first(&by_blocks, 16.0), addr(1));
+        assert_eq!(first(&by_blocks, 17.0), order(&next)[0]);
+        assert_eq!(first(&routing, 99.0), addr(1));
     }
 
     #[test]
