@@ -21,7 +21,8 @@
 //! beginning (one app's system prompt, a conversation's next turn whose events are late) land
 //! together and share their prefill instead of being spread by load; every sidecar replica
 //! computes the same home; saturation, or being `home_slack` requests busier than the least
-//! loaded worker, is the escape hatch. Measured on real vLLM (multi-turn
+//! loaded worker (or, when set, running `home_slack_blocks` more prompt blocks), is the escape
+//! hatch. Measured on real vLLM (multi-turn
 //! chat, docs/benchmarks.md): least loaded for cold prompts lost to Envoy's ring hash alone.
 //! Envoy's ring hash on the fallback key still decides whenever the sidecar does not answer.
 
