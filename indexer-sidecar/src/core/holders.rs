@@ -104,22 +104,13 @@ impl Holders {
         self.free[class].push(block.start);
     }
 
-    /// Write `held` into a block with room for it (a new one if `old` is too small or too
-    /// big, `old` then given back); returns where it is.
-    fn store(&mut self, held: &[Slot], old: Option<Block>) -> Block {
+    /// Write `held` into a new block with room for it; returns where it is.
+    fn store(&mut self, held: &[Slot]) -> Block {
         let mut class = FIRST_CLASS;
         while (1usize << class) < held.len() + 1 {
             class += 1;
         }
-        let block = match old {
-            Some(b) if b.class == class => b,
-            _ => {
-                if let Some(b) = old {
-                    self.release(b);
-                }
-                self.alloc(class)
-            }
-        };
+        let block = self.alloc(class);
         self.arena[block.start] = held.len() as u16;
         self.arena[block.start + 1..block.start + 1 + held.len()].copy_from_slice(held);
         block
@@ -163,7 +154,7 @@ impl Holders {
                 held
             }
         };
-        let block = self.store(&held, None);
+        let block = self.store(&held);
         self.nodes.insert(node, Inline::crowded(block));
     }
 
