@@ -435,7 +435,7 @@ impl HttpContext for Request {
             reading(
                 shared.config.read_usage,
                 shared.config.stream_usage_every,
-                header(":status").as_deref(),
+                || header(":status"),
                 || header("content-type"),
                 &mut shared.streams,
             )

@@ -176,20 +176,21 @@ pub enum Reading {
     Failed,
 }
 
-/// How to read a hinted response with this `:status`. `content_type` is asked for only when
-/// the answer is a success, as it costs a host call; `streams` counts the VM's successful streams
-/// and this one is counted when it is one, so that one in `every` is read.
+/// How to read a hinted response. Its `:status` is asked for only when reading is on and its
+/// `content_type` only when the answer is a success, as each costs a host call; `streams`
+/// counts the VM's successful streams and this one is counted when it is one, so that one in
+/// `every` is read.
 pub fn reading(
     read_usage: bool,
     every: u32,
-    status: Option<&str>,
+    status: impl FnOnce() -> Option<String>,
     content_type: impl FnOnce() -> Option<String>,
     streams: &mut u64,
 ) -> Reading {
     if !read_usage {
         return Reading::Unread;
     }
-    if !worth_scanning(status) {
+    if !worth_scanning(status().as_deref()) {
         return Reading::Failed;
     }
     if !is_stream(content_type().as_deref()) {
@@ -360,8 +361,14 @@ mod tests {
         let sse = || Some("text/event-stream".to_string());
         let json = || Some("application/json".to_string());
         let mut streams = 0;
-        let mut read = |on, status, content_type: &dyn Fn() -> Option<String>| {
-            reading(on, 2, Some(status), content_type, &mut streams)
+        let mut read = |on, status: &str, content_type: &dyn Fn() -> Option<String>| {
+            reading(
+                on,
+                2,
+                || Some(status.to_string()),
+                content_type,
+                &mut streams,
+            )
         };
         assert_eq!(read(false, "200", &json), Reading::Unread);
         assert_eq!(read(true, "503", &sse), Reading::Failed);
@@ -380,7 +387,7 @@ mod tests {
         let status = reading(
             true,
             1,
-            Some("404"),
+            || Some("404".to_string()),
             || {
                 asked.set(true);
                 None
@@ -389,5 +396,17 @@ mod tests {
         );
         assert_eq!(status, Reading::Failed);
         assert!(!asked.get(), "a failure's content type is not asked for");
+        let off = reading(
+            false,
+            1,
+            || {
+                asked.set(true);
+                None
+            },
+            || None,
+            &mut untouched,
+        );
+        assert_eq!(off, Reading::Unread);
+        assert!(!asked.get(), "with reading off, no header is asked for");
     }
 }
