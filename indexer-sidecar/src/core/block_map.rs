@@ -17,6 +17,15 @@ use kvroute_protocol::PrefixHash;
 
 use crate::core::event::EngineHash;
 
+/// The entry with store number `number` of a queue whose first entry is numbered `first`.
+fn entry_at(
+    entries: &VecDeque<(EngineHash, PrefixHash)>,
+    first: u32,
+    number: u32,
+) -> &(EngineHash, PrefixHash) {
+    &entries[number.wrapping_sub(first) as usize]
+}
+
 /// One cache's (engine hash, node) entries in store order, oldest first.
 #[derive(Debug, Default)]
 pub struct BlockMap {
@@ -46,7 +55,7 @@ impl BlockMap {
     }
 
     fn at(&self, number: u32) -> &(EngineHash, PrefixHash) {
-        &self.entries[number.wrapping_sub(self.first) as usize]
+        entry_at(&self.entries, self.first, number)
     }
 
     fn number_of(&self, engine: EngineHash) -> Option<u32> {
@@ -74,7 +83,7 @@ impl BlockMap {
         }
         let number = self.first.wrapping_add(self.entries.len() as u32);
         let (entries, first, hasher) = (&self.entries, self.first, &self.hasher);
-        let at = |n: u32| &entries[n.wrapping_sub(first) as usize];
+        let at = |n: u32| entry_at(entries, first, n);
         let old = match self.live.entry(
             hasher.hash_one(engine.0),
             |&n| at(n).0 == engine,
@@ -103,7 +112,7 @@ impl BlockMap {
     /// Remove an engine hash; returns the node it named.
     pub fn remove(&mut self, engine: EngineHash) -> Option<PrefixHash> {
         let (entries, first) = (&self.entries, self.first);
-        let at = |n: u32| &entries[n.wrapping_sub(first) as usize];
+        let at = |n: u32| entry_at(entries, first, n);
         let found = self
             .live
             .find_entry(self.hasher.hash_one(engine.0), |&n| at(n).0 == engine)
@@ -154,7 +163,7 @@ impl BlockMap {
         for (number, e) in (0u32..).zip(&kept) {
             let hasher = &self.hasher;
             table.insert_unique(self.hash(e.0), number, |&m| {
-                hasher.hash_one(kept[m as usize].0 .0)
+                hasher.hash_one(entry_at(&kept, 0, m).0 .0)
             });
         }
         self.entries = kept;
