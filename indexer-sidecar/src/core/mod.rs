@@ -1511,6 +1511,7 @@ impl Core {
                     0
                 },
                 survival: w.load.survival(),
+                prefill: w.role == Role::Prefill,
             })
             .collect::<Vec<_>>();
         // Where the prompt branches off what some worker holds, by the index or by a running

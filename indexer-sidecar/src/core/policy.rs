@@ -21,8 +21,8 @@
 //! beginning (one app's system prompt, a conversation's next turn whose events are late) land
 //! together and share their prefill instead of being spread by load; every sidecar replica
 //! computes the same home; saturation, or being `home_slack` requests busier than the least
-//! loaded worker (or, when set, running `home_slack_blocks` more prompt blocks), is the escape
-//! hatch. Measured on real vLLM (multi-turn
+//! loaded worker (or running `home_slack_blocks` more prompt blocks: by default, prefill workers
+//! of a disaggregated fleet only), is the escape hatch. Measured on real vLLM (multi-turn
 //! chat, docs/benchmarks.md): least loaded for cold prompts lost to Envoy's ring hash alone.
 //! Envoy's ring hash on the fallback key still decides whenever the sidecar does not answer.
 
@@ -54,6 +54,9 @@ pub struct Candidate {
     pub load: Load,
     /// Whether it was over a threshold.
     pub saturated: bool,
+    /// The `home_slack_blocks` that applied to it (by its role unless configured).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub home_slack_blocks: Option<f64>,
     /// Blocks to prefill + load penalty (lower is better).
     pub cost: f64,
     /// Where it stands among workers that tie on everything else (higher first).
@@ -134,6 +137,8 @@ pub struct Worker<'a> {
     pub in_flight_blocks: u32,
     /// The share of an idle cached prefix that survives there until a request reaches it.
     pub survival: f64,
+    /// A disaggregated fleet's prefill worker (which `home_slack_blocks` applies to by default).
+    pub prefill: bool,
 }
 
 /// What the rule knows of the request's prompt.
@@ -185,6 +190,7 @@ pub fn choose<'a>(
                 },
                 load: w.load,
                 saturated: saturated(&w.load, routing),
+                home_slack_blocks: routing.home_slack_blocks_for(w.prefill),
                 cost: 0.0,
                 tie: home_score(tie_key, w.address),
             };
@@ -231,9 +237,9 @@ pub fn choose<'a>(
         let home = (0..unsaturated)
             .filter(|&i| candidates[i].load.busy() <= least_busy + routing.home_slack)
             .filter(|&i| {
-                routing
-                    .home_slack_blocks
-                    .is_none_or(|slack| candidates[i].load.in_flight_blocks <= least_blocks + slack)
+                let c = &candidates[i];
+                c.home_slack_blocks
+                    .is_none_or(|slack| c.load.in_flight_blocks <= least_blocks + slack)
             })
             .max_by_key(|&i| home_score(key, &candidates[i].worker));
         if let Some(home) = home {
@@ -329,6 +335,7 @@ mod tests {
             load,
             in_flight_blocks: 0,
             survival: 1.0,
+            prefill: false,
         }
     }
 
@@ -652,32 +659,39 @@ mod tests {
         );
         assert_eq!(order(&over)[0], order(&next)[0]);
         // With `home_slack_blocks`, a home running more distinct prompt blocks than the
-        // fewest by more than that hands over too; unset, blocks in flight do not move a home.
-        let running_blocks = |extra: f64| {
-            move |w: WorkerId| Load {
-                in_flight_blocks: if w.0 == 1 { extra } else { 0.0 },
-                ..Load::default()
-            }
-        };
+        // fewest by more than that hands over too. Unset, it applies to prefill workers only:
+        // blocks in flight do not move an aggregated worker's home.
         let by_blocks = RoutingConfig {
             home_slack_blocks: Some(16.0),
             ..RoutingConfig::default()
         };
-        let first = |routing: &RoutingConfig, extra: f64| {
-            order(&choose(
-                10,
-                Some(key),
-                &[],
-                &reg,
-                routing,
-                running_blocks(extra),
-                all,
-            ))[0]
-                .clone()
+        let first = |routing: &RoutingConfig, prefill: bool, extra: f64| {
+            let workers = reg.iter().enumerate().map(|(i, a)| Worker {
+                prefill,
+                ..worker(
+                    i,
+                    a,
+                    Load {
+                        in_flight_blocks: if i == 1 { extra } else { 0.0 },
+                        ..Load::default()
+                    },
+                )
+            });
+            let prompt = Prompt {
+                blocks: 10,
+                home_key: Some(key),
+                ..Prompt::default()
+            };
+            order(&super::choose(prompt, &[], workers, routing))[0].clone()
         };
-        assert_eq!(first(&by_blocks, 16.0), addr(1));
-        assert_eq!(first(&by_blocks, 17.0), order(&next)[0]);
-        assert_eq!(first(&routing, 99.0), addr(1));
+        for prefill in [false, true] {
+            assert_eq!(first(&by_blocks, prefill, 16.0), addr(1));
+            assert_eq!(first(&by_blocks, prefill, 17.0), order(&next)[0]);
+        }
+        let slack = crate::config::PREFILL_HOME_SLACK_BLOCKS;
+        assert_eq!(first(&routing, true, slack), addr(1));
+        assert_eq!(first(&routing, true, slack + 1.0), order(&next)[0]);
+        assert_eq!(first(&routing, false, 99.0), addr(1));
     }
 
     #[test]

@@ -10,7 +10,7 @@ use kvroute_protocol::vllm::{EngineBlockHash, EventBatch, VllmEvent};
 use kvroute_protocol::{HashSeed, PrefixHash};
 
 use super::*;
-use crate::config::Config;
+use crate::config::{Config, PREFILL_HOME_SLACK_BLOCKS};
 
 fn config(extra: &str) -> Config {
     let model = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/models/tiny-llama");
@@ -82,6 +82,7 @@ fn reports_teach_how_much_of_an_idle_match_survives() {
         (c.matched_blocks, c.in_flight_blocks, c.survival)
     };
     assert_eq!(held(&first), (4, 0, 1.0), "trusted before any report");
+    assert_eq!(first.decision.candidates[0].home_slack_blocks, None);
     let second = core.hint(&req, now).unwrap();
     assert_eq!(
         held(&second),
@@ -212,6 +213,13 @@ fn disaggregated_fleets_pin_the_prefill_worker() {
         assert!(
             cold.target == Target::Prefill(prefill) || cold.target == Target::Prefill(cold_prefill),
             "cold prompts go to a prefill worker: {cold:?}"
+        );
+        // Prefill workers weigh the prompt blocks in flight by default.
+        let slack = Some(PREFILL_HOME_SLACK_BLOCKS);
+        let candidates = &cold.decision.candidates;
+        assert!(
+            candidates.iter().all(|c| c.home_slack_blocks == slack),
+            "{cold:?}"
         );
     }
     // The response's usage is the decode worker's cache, not the prefill worker's: counted,
