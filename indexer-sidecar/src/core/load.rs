@@ -54,7 +54,7 @@ pub struct Load {
     pub envoy_active: f64,
     /// Distinct prompt blocks of the hinted requests not finished (the first blocks of each):
     /// the prefixes hot there.
-    pub in_flight_blocks: f64,
+    pub running_prompt_blocks: f64,
 }
 
 impl Load {
@@ -178,7 +178,7 @@ impl WorkerLoad {
         load.peers_in_flight = self.peers.values().map(|&(n, _)| f64::from(n)).sum();
         load.queued_prefill_blocks = self.dynamo.values().map(|r| r.0).sum();
         load.kv_used_blocks = self.dynamo.values().map(|r| r.1).sum();
-        load.in_flight_blocks = self.in_flight_blocks.len() as f64;
+        load.running_prompt_blocks = self.in_flight_blocks.len() as f64;
         load
     }
 

@@ -232,14 +232,14 @@ pub fn choose<'a>(
             .fold(f64::INFINITY, f64::min);
         let least_blocks = candidates[..unsaturated]
             .iter()
-            .map(|c| c.load.in_flight_blocks)
+            .map(|c| c.load.running_prompt_blocks)
             .fold(f64::INFINITY, f64::min);
         let home = (0..unsaturated)
             .filter(|&i| candidates[i].load.busy() <= least_busy + routing.home_slack)
             .filter(|&i| {
                 let c = &candidates[i];
                 c.home_slack_blocks
-                    .is_none_or(|slack| c.load.in_flight_blocks <= least_blocks + slack)
+                    .is_none_or(|slack| c.load.running_prompt_blocks <= least_blocks + slack)
             })
             .max_by_key(|&i| home_score(key, &candidates[i].worker));
         if let Some(home) = home {
@@ -672,7 +672,7 @@ mod tests {
                     i,
                     a,
                     Load {
-                        in_flight_blocks: if i == 1 { extra } else { 0.0 },
+                        running_prompt_blocks: if i == 1 { extra } else { 0.0 },
                         ..Load::default()
                     },
                 )

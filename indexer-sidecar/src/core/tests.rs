@@ -89,6 +89,11 @@ fn reports_teach_how_much_of_an_idle_match_survives() {
         (4, 4, 1.0),
         "the first request holds all four"
     );
+    // `/debug/explain` shows each of the candidate's fields once, its load's flattened beside.
+    let shown = serde_json::to_string(&second.decision.candidates[0]).unwrap();
+    assert!(shown.contains("\"in_flight_blocks\":4"), "{shown}");
+    assert_eq!(shown.matches("\"in_flight_blocks\"").count(), 1, "{shown}");
+    assert!(shown.contains("\"running_prompt_blocks\":"), "{shown}");
     // Both finish; the engine found none of the four blocks cached for the first, which had
     // counted on idle blocks (the second counted on the first's, which says nothing of them).
     let nothing = |h: &Hint| Finished {
