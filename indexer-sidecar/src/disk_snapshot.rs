@@ -16,14 +16,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::SnapshotConfig;
 use crate::core::digest::Snapshot;
-use crate::core::event::EngineHash;
 use crate::sidecar::Sidecar;
-use kvroute_protocol::PrefixHash;
 
 /// The file's format version: a file of another version is not read.
 const VERSION: u32 = 1;
 
-/// Largest file read (16 bytes an entry as msgpack at most: 64M entries).
+/// Largest file read (27 bytes an entry as msgpack at most: 40M entries).
 const MAX_FILE: u64 = 1 << 30;
 
 /// One cache as saved.
@@ -35,8 +33,11 @@ pub struct SavedCache {
     pub rank: u32,
     /// The last message applied to it.
     pub seq: u64,
-    /// (engine hash, node), store order.
+    /// (engine hash, node), least recently used first.
     pub entries: Vec<(u64, u64)>,
+    /// Each entry's parent ([`crate::core::digest::to_wire`]).
+    #[serde(default)]
+    pub parents: Vec<u64>,
 }
 
 impl SavedCache {
@@ -44,11 +45,7 @@ impl SavedCache {
     pub fn snapshot(&self) -> Snapshot {
         Snapshot {
             seq: self.seq,
-            entries: self
-                .entries
-                .iter()
-                .map(|&(e, n)| (EngineHash(e), PrefixHash(n)))
-                .collect(),
+            entries: crate::core::digest::from_wire(&self.entries, &self.parents),
         }
     }
 }
@@ -138,11 +135,13 @@ fn take(state: &Sidecar) -> Vec<SavedCache> {
         .into_iter()
         .filter_map(|(worker, rank)| {
             let s = state.core().snapshot(&worker, rank)?;
+            let (entries, parents) = crate::core::digest::to_wire(&s.entries);
             Some(SavedCache {
                 worker,
                 rank,
                 seq: s.seq,
-                entries: s.entries.iter().map(|(e, n)| (e.0, n.0)).collect(),
+                entries,
+                parents,
             })
         })
         .collect()
@@ -181,6 +180,7 @@ pub async fn run(config: SnapshotConfig, state: Arc<Sidecar>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::event::EngineHash;
 
     #[test]
     fn a_snapshot_reads_back_and_a_bad_file_is_an_error() {
@@ -193,7 +193,11 @@ mod tests {
             rank: 1,
             seq: 42,
             entries: vec![(1, u64::MAX), (2, 3)],
+            parents: vec![1, 1],
         }];
+        let entries = caches[0].snapshot().entries;
+        assert_eq!(entries[0].parent, None, "a root");
+        assert_eq!(entries[1].parent, Some(EngineHash(1)));
         let bytes = write(&path, caches.clone()).unwrap();
         assert_eq!(std::fs::metadata(&path).unwrap().len() as usize, bytes);
         assert!(!tmp_path(&path).exists());

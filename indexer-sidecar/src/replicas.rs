@@ -94,8 +94,58 @@ pub struct SnapshotChunk {
     pub seq: u64,
     /// Entries in the whole snapshot.
     pub total: usize,
-    /// (engine hash, node) from the request's offset on, store order.
+    /// (engine hash, node) from the request's offset on, least recently used first.
     pub entries: Vec<(u64, u64)>,
+    /// Their parents ([`crate::core::digest::to_wire`]).
+    #[serde(default)]
+    pub parents: Vec<u64>,
+}
+
+/// Why a cache of ours is taken from a peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Why {
+    /// We hold none of it.
+    Missing,
+    /// Ours stayed behind the peer's.
+    Behind,
+    /// Ours lost messages for good.
+    Unclean,
+    /// The copies disagree at the same message; the peer's lost messages less lately (or
+    /// neither copy says which is right, and the peer's id is the lower).
+    Divergent {
+        /// The latest message before which ours lost some.
+        ours_lost_at: u64,
+        /// The same of the peer's.
+        theirs_lost_at: u64,
+    },
+}
+
+impl Why {
+    /// For the repair's log line.
+    pub fn describe(&self) -> String {
+        match self {
+            Why::Missing => "we hold none of it".into(),
+            Why::Behind => "ours stayed behind the peer's".into(),
+            Why::Unclean => "ours lost messages no peer could hand over".into(),
+            Why::Divergent {
+                ours_lost_at,
+                theirs_lost_at,
+            } if ours_lost_at == theirs_lost_at => format!(
+                "the copies disagree after the same message and neither lost messages more                  lately (both at {ours_lost_at}): taking the lower replica id's copy"
+            ),
+            Why::Divergent {
+                ours_lost_at,
+                theirs_lost_at,
+            } => format!(
+                "the copies disagree after the same message; ours lost messages at                  {ours_lost_at}, the peer's {}",
+                if *theirs_lost_at == 0 {
+                    "never".to_owned()
+                } else {
+                    format!("at {theirs_lost_at}")
+                }
+            ),
+        }
+    }
 }
 
 /// A cache whose agreement with a peer changed.
@@ -146,50 +196,97 @@ impl Replicas {
         }
     }
 
-    /// Caches of ours a clean peer's copy should replace, each with that peer: ours is
-    /// unclean and differs from it, or we have none (a sidecar that just started, a worker that
-    /// has been quiet since): the warm start and the repair are one thing.
-    fn wanted(&self, mine: &[CacheReport], now: Instant) -> Vec<(String, CacheKey)> {
+    /// Caches of ours a clean peer's copy should replace, each with that peer and why: we have
+    /// none (a sidecar that just started, a worker quiet since: the warm start and the repair
+    /// are one thing); ours stayed behind the peer's; ours lost messages for good and does not
+    /// agree; or the two disagree at the same message for two intervals, whatever each
+    /// believes of itself, and the peer's copy lost messages less lately than ours (or, when
+    /// that does not tell them apart, the peer's id is the lower: both take the same copy).
+    fn wanted(&self, mine: &[CacheReport], now: Instant) -> Vec<(String, CacheKey, Why)> {
         // Behind for a third of the peer timeout (one interval): not a message in flight.
         let stuck = self.timeout / 3;
         let ours: HashMap<CacheKey, &CacheReport> = mine
             .iter()
             .map(|m| ((m.worker.clone(), m.rank), m))
             .collect();
-        let mut out: BTreeMap<CacheKey, String> = BTreeMap::new();
+        let mut out: BTreeMap<CacheKey, (Why, (u64, &str))> = BTreeMap::new();
         for (peer, p) in &self.peers {
             for (key, theirs) in p.caches.iter().filter(|(_, c)| c.clean) {
-                let want = match ours.get(key) {
-                    None => !theirs.checkpoints.is_empty(),
+                let why = match ours.get(key) {
+                    None => (!theirs.checkpoints.is_empty()).then_some(Why::Missing),
                     Some(m) => {
                         let behind = p.behind_since.get(key).is_some_and(|(seq, since)| {
                             m.checkpoints.last().map(|c| c.seq) == Some(*seq)
                                 && now.saturating_duration_since(*since) >= stuck
                         });
-                        behind
-                            || !m.clean
-                                && !matches!(p.states.get(key), Some(Agreement::Agree { .. }))
+                        let agree = matches!(p.states.get(key), Some(Agreement::Agree { .. }));
+                        let outranked =
+                            (theirs.lost_at, peer.as_str()) < (m.lost_at, self.me.as_str());
+                        let divergent =
+                            matches!(p.states.get(key), Some(Agreement::Divergent { .. }))
+                                && p.divergent_since.get(key).is_some_and(|since| {
+                                    now.saturating_duration_since(*since) >= 2 * stuck
+                                });
+                        if behind {
+                            Some(Why::Behind)
+                        } else if !m.clean && !m.filling && !agree {
+                            Some(Why::Unclean)
+                        } else if divergent && outranked {
+                            Some(Why::Divergent {
+                                ours_lost_at: m.lost_at,
+                                theirs_lost_at: theirs.lost_at,
+                            })
+                        } else {
+                            None
+                        }
                     }
                 };
-                if want {
-                    out.entry(key.clone()).or_insert_with(|| peer.clone());
+                let Some(why) = why else {
+                    continue;
+                };
+                // The copy that lost least lately, of every peer that would do.
+                let rank = (theirs.lost_at, peer.as_str());
+                match out.get(key) {
+                    Some((_, best)) if *best <= rank => {}
+                    _ => {
+                        out.insert(key.clone(), (why, rank));
+                    }
                 }
             }
         }
-        out.into_iter().map(|(k, p)| (p, k)).collect()
+        out.into_iter()
+            .map(|(key, (why, (_, peer)))| (peer.to_owned(), key, why))
+            .collect()
+    }
+
+    /// Caches divergent from a peer's for at least `after`: (peer, cache, for how long).
+    pub fn divergent_for(
+        &self,
+        now: Instant,
+        after: Duration,
+    ) -> Vec<(String, CacheKey, Duration)> {
+        self.peers
+            .iter()
+            .flat_map(|(peer, p)| {
+                p.divergent_since.iter().filter_map(move |(key, since)| {
+                    let long = now.saturating_duration_since(*since);
+                    (long >= after).then(|| (peer.clone(), key.clone(), long))
+                })
+            })
+            .collect()
     }
 
     /// Caches to repair now (see `wanted`), not asked for recently.
-    pub fn repairs(&mut self, mine: &[CacheReport], now: Instant) -> Vec<(String, CacheKey)> {
+    pub fn repairs(&mut self, mine: &[CacheReport], now: Instant) -> Vec<(String, CacheKey, Why)> {
         let timeout = self.timeout;
         self.asked
             .retain(|_, at| now.saturating_duration_since(*at) < timeout);
         let wanted: Vec<_> = self
             .wanted(mine, now)
             .into_iter()
-            .filter(|(_, key)| !self.asked.contains_key(key))
+            .filter(|(_, key, _)| !self.asked.contains_key(key))
             .collect();
-        for (_, key) in &wanted {
+        for (_, key, _) in &wanted {
             self.asked.insert(key.clone(), now);
         }
         wanted
@@ -397,6 +494,8 @@ mod tests {
             worker: worker.into(),
             rank: 0,
             clean: true,
+            filling: false,
+            lost_at: 0,
             checkpoints: points
                 .iter()
                 .map(|&(seq, digest)| Checkpoint {
@@ -473,7 +572,10 @@ mod tests {
         assert!(r.repairs(&[mine.clone()], now).is_empty(), "ours is clean");
         mine.clean = false;
         let asked = r.repairs(&[mine.clone()], now);
-        assert_eq!(asked, vec![("b".to_string(), ("w1".to_string(), 0))]);
+        assert_eq!(
+            asked,
+            vec![("b".to_string(), ("w1".to_string(), 0), Why::Unclean)]
+        );
         assert!(r.repairs(&[mine.clone()], now).is_empty(), "already asked");
         r.repaired(&("w1".to_string(), 0));
         let mut theirs = report("w1", &[(2, 21)]);
@@ -493,7 +595,7 @@ mod tests {
         assert!(!r.warm(&[], now));
         assert_eq!(
             r.repairs(&[], now),
-            vec![("b".to_string(), ("w1".to_string(), 0))]
+            vec![("b".to_string(), ("w1".to_string(), 0), Why::Missing)]
         );
         let mine = [report("w1", &[(9, 90)])];
         r.observe(from("b", vec![report("w1", &[(9, 90)])]), &mine, now);
@@ -516,5 +618,52 @@ mod tests {
         let later = now + Duration::from_secs(2);
         r.observe(theirs(), &mine, later);
         assert_eq!(r.repairs(&mine, later).len(), 1);
+    }
+
+    /// Two clean copies that disagree after the same message: the one that lost messages more
+    /// lately gives way after two intervals; when neither tells, the higher id does, so both
+    /// end with one copy. A cache divergent that long is listed for the alarm.
+    #[test]
+    fn clean_copies_that_disagree_converge_on_one() {
+        let now = Instant::now();
+        let later = now + Duration::from_secs(4);
+        let with = |lost_at: u64, digest: u64| CacheReport {
+            lost_at,
+            ..report("w1", &[(5, digest)])
+        };
+        // We lost at 3, the peer never: ours gives way, but not at once.
+        let mut a = Replicas::new("a".into(), Duration::from_secs(6));
+        let mine = [with(3, 50)];
+        a.observe(from("b", vec![with(0, 51)]), &mine, now);
+        assert!(a.repairs(&mine, now).is_empty(), "a fill may be on its way");
+        assert!(a.divergent_for(now, Duration::from_secs(4)).is_empty());
+        a.observe(from("b", vec![with(0, 51)]), &mine, later);
+        let asked = a.repairs(&mine, later);
+        assert_eq!(asked.len(), 1);
+        assert_eq!(
+            asked[0].2,
+            Why::Divergent {
+                ours_lost_at: 3,
+                theirs_lost_at: 0
+            }
+        );
+        assert_eq!(a.divergent_for(later, Duration::from_secs(4)).len(), 1);
+        // The peer's side of the same: it keeps its copy.
+        let mut b = Replicas::new("b".into(), Duration::from_secs(6));
+        let theirs = [with(0, 51)];
+        b.observe(from("a", vec![with(3, 50)]), &theirs, now);
+        b.observe(from("a", vec![with(3, 50)]), &theirs, later);
+        assert!(b.repairs(&theirs, later).is_empty());
+        // Neither lost more lately: the lower id's copy is taken, by "b" only.
+        let mut b = Replicas::new("b".into(), Duration::from_secs(6));
+        let tie = [with(0, 51)];
+        b.observe(from("a", vec![with(0, 50)]), &tie, now);
+        b.observe(from("a", vec![with(0, 50)]), &tie, later);
+        assert_eq!(b.repairs(&tie, later).len(), 1);
+        let mut a = Replicas::new("a".into(), Duration::from_secs(6));
+        let tie = [with(0, 50)];
+        a.observe(from("b", vec![with(0, 51)]), &tie, now);
+        a.observe(from("b", vec![with(0, 51)]), &tie, later);
+        assert!(a.repairs(&tie, later).is_empty());
     }
 }

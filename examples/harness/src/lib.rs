@@ -21,6 +21,7 @@
 //! - [`bench_dynamo`]: kvroute against Dynamo's own KV router on a real Dynamo fleet.
 //! - [`bench_vllm`]: kvroute against ring hash alone and round robin on real vLLM engines.
 //! - [`bench_replicas`]: several sidecar + Envoy pairs on one fleet, lossy, repairing or not.
+//! - [`lossy_nats`]: a NATS proxy that loses a seeded share of one subscriber's KV events.
 
 pub mod bench;
 pub mod bench_dynamo;
@@ -30,6 +31,7 @@ pub mod client;
 pub mod datapath;
 pub mod dynamo;
 pub mod engines;
+pub mod lossy_nats;
 pub mod paths;
 pub mod peers;
 pub mod plot;

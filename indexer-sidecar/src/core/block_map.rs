@@ -1,39 +1,94 @@
-//! [`BlockMap`]: one cache's blocks — engine hash → node — in the order they were stored.
+//! [`BlockMap`]: one cache's blocks — engine hash → node and parent — in the order the engine
+//! would evict them.
+//!
+//! Engines evict the least recently used blocks, leaves first: a request's blocks go back to
+//! the free queue tail first, and a prefix many requests share is used by each of them, so it
+//! is the last to go. The events say when a block is stored and under which parent, not when a
+//! cached block is hit; a store under a parent is the nearest sign that the whole prefix was
+//! just used. So storing blocks makes them, then their parent chain up to the root, the most
+//! recently used, in that order: the queue's oldest live entry is always a leaf, and a system
+//! prompt every conversation extends stays at the young end (what [`BlockMap::pop_oldest`]
+//! drops when removals were lost and the cache is over its engine's capacity).
 //!
 //! The index needs both a lookup by engine hash (events name parents and removals that way)
-//! and the store order (a cache over its capacity drops its oldest blocks first). A hash map
-//! beside a queue of engine hashes would hold each key twice and double both on growth (42
-//! bytes an entry at 10M entries, measured). Here the entries themselves are the queue (16
-//! bytes each, grown by a quarter at a time) and the hash table holds only an entry's 4-byte
-//! store number (5 bytes a bucket with its control byte). A removed entry stays in the queue,
-//! dead, until the oldest blocks are dropped past it or the dead are a third of the queue.
+//! and that order. A hash map beside a queue of engine hashes would hold each key twice and
+//! double both on growth. Here the entries themselves are the queue (24 bytes each, grown by a
+//! quarter at a time) and the hash table holds only an entry's 4-byte number (5 bytes a bucket
+//! with its control byte). A moved or removed entry leaves a dead copy in the queue until the
+//! oldest blocks are dropped past it or the dead are a third of the queue.
 
 use std::collections::VecDeque;
 use std::hash::BuildHasher;
 
-use hashbrown::hash_table::Entry;
+use hashbrown::hash_table::Entry as Slot;
 use hashbrown::HashTable;
 use kvroute_protocol::PrefixHash;
 
 use crate::core::event::EngineHash;
 
-/// The entry with store number `number` of a queue whose first entry is numbered `first`.
-fn entry_at(
-    entries: &VecDeque<(EngineHash, PrefixHash)>,
-    first: u32,
-    number: u32,
-) -> &(EngineHash, PrefixHash) {
+/// One block of a cache: its engine hash, its node, and its parent's engine hash (`None` for
+/// a root block).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Entry {
+    /// The engine's name for the block.
+    pub engine: EngineHash,
+    /// The block's node in the index (its prefix hash).
+    pub node: PrefixHash,
+    /// The engine hash of the block before it, if any.
+    pub parent: Option<EngineHash>,
+}
+
+impl Entry {
+    /// A block of `node` stored as `engine` under `parent`.
+    pub fn new(engine: EngineHash, node: PrefixHash, parent: Option<EngineHash>) -> Self {
+        Entry {
+            engine,
+            node,
+            parent,
+        }
+    }
+}
+
+/// An entry as the queue stores it: a root block's parent is its own engine hash (no block is
+/// its own parent), which saves `Option`'s 8 bytes.
+#[derive(Debug, Clone, Copy)]
+struct Packed {
+    engine: EngineHash,
+    node: PrefixHash,
+    parent: EngineHash,
+}
+
+impl Packed {
+    fn new(e: Entry) -> Self {
+        Packed {
+            engine: e.engine,
+            node: e.node,
+            parent: e.parent.unwrap_or(e.engine),
+        }
+    }
+
+    fn entry(&self) -> Entry {
+        Entry {
+            engine: self.engine,
+            node: self.node,
+            parent: (self.parent != self.engine).then_some(self.parent),
+        }
+    }
+}
+
+/// The entry numbered `number` of a queue whose first entry is numbered `first`.
+fn entry_at(entries: &VecDeque<Packed>, first: u32, number: u32) -> &Packed {
     &entries[number.wrapping_sub(first) as usize]
 }
 
-/// One cache's (engine hash, node) entries in store order, oldest first.
+/// One cache's entries, least recently used first.
 #[derive(Debug, Default)]
 pub struct BlockMap {
-    /// Entries in store order, live and dead.
-    entries: VecDeque<(EngineHash, PrefixHash)>,
-    /// The store number of each live entry: `first` plus its place in `entries` (wrapping).
+    /// Entries, live and dead, least recently used first.
+    entries: VecDeque<Packed>,
+    /// The number of each live entry: `first` plus its place in `entries` (wrapping).
     live: HashTable<u32>,
-    /// Store number of `entries[0]`.
+    /// Number of `entries[0]`.
     first: u32,
     /// Engine hashes are chosen by whoever publishes events: a seeded hasher.
     hasher: foldhash::fast::RandomState,
@@ -54,13 +109,13 @@ impl BlockMap {
         self.hasher.hash_one(engine.0)
     }
 
-    fn at(&self, number: u32) -> &(EngineHash, PrefixHash) {
+    fn at(&self, number: u32) -> &Packed {
         entry_at(&self.entries, self.first, number)
     }
 
     fn number_of(&self, engine: EngineHash) -> Option<u32> {
         self.live
-            .find(self.hash(engine), |&n| self.at(n).0 == engine)
+            .find(self.hash(engine), |&n| self.at(n).engine == engine)
             .copied()
     }
 
@@ -72,12 +127,11 @@ impl BlockMap {
 
     /// The node an engine hash names in this cache.
     pub fn get(&self, engine: EngineHash) -> Option<PrefixHash> {
-        self.number_of(engine).map(|n| self.at(n).1)
+        self.number_of(engine).map(|n| self.at(n).node)
     }
 
-    /// Store `engine` → `node` as the newest entry; returns the node it named before. Storing
-    /// the same pair again changes nothing, its place in the order included.
-    pub fn insert(&mut self, engine: EngineHash, node: PrefixHash) -> Option<PrefixHash> {
+    /// Store `entry` as the most recently used; returns the node its engine hash named before.
+    pub fn insert(&mut self, entry: Entry) -> Option<PrefixHash> {
         if self.entries.len() == self.entries.capacity() {
             self.entries.reserve_exact((self.entries.len() / 4).max(16));
         }
@@ -85,28 +139,49 @@ impl BlockMap {
         let (entries, first, hasher) = (&self.entries, self.first, &self.hasher);
         let at = |n: u32| entry_at(entries, first, n);
         let old = match self.live.entry(
-            hasher.hash_one(engine.0),
-            |&n| at(n).0 == engine,
-            |&n| hasher.hash_one(at(n).0 .0),
+            hasher.hash_one(entry.engine.0),
+            |&n| at(n).engine == entry.engine,
+            |&n| hasher.hash_one(at(n).engine.0),
         ) {
-            Entry::Occupied(found) => {
-                let old = at(*found.get()).1;
-                if old == node {
-                    return Some(node);
-                }
+            Slot::Occupied(found) => {
+                let old = at(*found.get()).node;
                 *found.into_mut() = number;
                 Some(old)
             }
-            Entry::Vacant(vacant) => {
+            Slot::Vacant(vacant) => {
                 vacant.insert(number);
                 None
             }
         };
-        self.entries.push_back((engine, node));
+        self.entries.push_back(Packed::new(entry));
         if old.is_some() {
             self.compact();
         }
         old
+    }
+
+    /// Make a live entry the most recently used; returns its parent's engine hash (`None` for
+    /// a root block or a hash this cache does not hold).
+    fn touch(&mut self, engine: EngineHash) -> Option<EngineHash> {
+        let number = self.number_of(engine)?;
+        let entry = self.at(number).entry();
+        if number != self.first.wrapping_add(self.entries.len() as u32 - 1) {
+            self.insert(entry);
+        }
+        entry.parent
+    }
+
+    /// A block stored under `parent` was just computed from its whole prefix: `parent` and its
+    /// ancestors become the most recently used, the root last. Bounded by the cache's size, so
+    /// a publisher's cycle of parents cannot hold the caller.
+    pub fn touch_chain(&mut self, parent: Option<EngineHash>) {
+        let mut next = parent;
+        for _ in 0..self.len() {
+            let Some(engine) = next else {
+                return;
+            };
+            next = self.touch(engine);
+        }
     }
 
     /// Remove an engine hash; returns the node it named.
@@ -115,35 +190,35 @@ impl BlockMap {
         let at = |n: u32| entry_at(entries, first, n);
         let found = self
             .live
-            .find_entry(self.hasher.hash_one(engine.0), |&n| at(n).0 == engine)
+            .find_entry(self.hasher.hash_one(engine.0), |&n| at(n).engine == engine)
             .ok()?;
-        let node = at(*found.get()).1;
+        let node = at(*found.get()).node;
         found.remove();
         self.compact();
         Some(node)
     }
 
-    /// Remove and return the oldest live entry.
-    pub fn pop_oldest(&mut self) -> Option<(EngineHash, PrefixHash)> {
-        while let Some(entry) = self.entries.pop_front() {
+    /// Remove and return the least recently used live entry.
+    pub fn pop_oldest(&mut self) -> Option<Entry> {
+        while let Some(packed) = self.entries.pop_front() {
             let number = self.first;
             self.first = self.first.wrapping_add(1);
-            let hash = self.hash(entry.0);
+            let hash = self.hash(packed.engine);
             if let Ok(found) = self.live.find_entry(hash, |&n| n == number) {
                 found.remove();
-                return Some(entry);
+                return Some(packed.entry());
             }
         }
         None
     }
 
-    /// Live entries in store order, oldest first.
-    pub fn iter(&self) -> impl Iterator<Item = (EngineHash, PrefixHash)> + '_ {
+    /// Live entries, least recently used first.
+    pub fn iter(&self) -> impl Iterator<Item = Entry> + '_ {
         self.entries
             .iter()
             .zip(0u32..)
-            .filter(|(e, i)| self.is_live(self.first.wrapping_add(*i), e.0))
-            .map(|(e, _)| *e)
+            .filter(|(e, i)| self.is_live(self.first.wrapping_add(*i), e.engine))
+            .map(|(e, _)| e.entry())
     }
 
     /// Entries held, live and dead (what the queue costs).
@@ -158,12 +233,18 @@ impl BlockMap {
         if self.entries.len() <= live + live / 2 + 64 {
             return;
         }
-        let kept: VecDeque<(EngineHash, PrefixHash)> = self.iter().collect();
+        let kept: VecDeque<Packed> = self
+            .entries
+            .iter()
+            .zip(0u32..)
+            .filter(|(e, i)| self.is_live(self.first.wrapping_add(*i), e.engine))
+            .map(|(e, _)| *e)
+            .collect();
         let mut table = HashTable::with_capacity(kept.len());
         for (number, e) in (0u32..).zip(&kept) {
             let hasher = &self.hasher;
-            table.insert_unique(self.hash(e.0), number, |&m| {
-                hasher.hash_one(entry_at(&kept, 0, m).0 .0)
+            table.insert_unique(self.hash(e.engine), number, |&m| {
+                hasher.hash_one(entry_at(&kept, 0, m).engine.0)
             });
         }
         self.entries = kept;
@@ -184,90 +265,130 @@ mod tests {
         PrefixHash(n)
     }
 
+    /// A root block `n` (node `n + 100`).
+    fn root(n: u64) -> Entry {
+        Entry::new(e(n), p(n + 100), None)
+    }
+
+    /// Block `n` under `parent`.
+    fn child(n: u64, parent: u64) -> Entry {
+        Entry::new(e(n), p(n + 100), Some(e(parent)))
+    }
+
+    fn order(m: &BlockMap) -> Vec<u64> {
+        m.iter().map(|x| x.engine.0).collect()
+    }
+
     #[test]
-    fn entries_come_out_in_store_order() {
+    fn entries_come_out_least_recently_used_first() {
         let mut m = BlockMap::default();
         for i in 0..5 {
-            assert_eq!(m.insert(e(i), p(i + 100)), None);
+            assert_eq!(m.insert(root(i)), None);
         }
         assert_eq!(m.remove(e(1)), Some(p(101)));
         assert_eq!(m.remove(e(1)), None);
         assert_eq!(m.get(e(3)), Some(p(103)));
         assert_eq!(m.get(e(1)), None);
-        let order: Vec<u64> = m.iter().map(|(h, _)| h.0).collect();
-        assert_eq!(order, vec![0, 2, 3, 4]);
-        assert_eq!(m.pop_oldest(), Some((e(0), p(100))));
-        assert_eq!(
-            m.pop_oldest(),
-            Some((e(2), p(102))),
-            "the dead entry is skipped"
-        );
+        assert_eq!(order(&m), vec![0, 2, 3, 4]);
+        assert_eq!(m.pop_oldest(), Some(root(0)));
+        assert_eq!(m.pop_oldest(), Some(root(2)), "the dead entry is skipped");
         assert_eq!(m.len(), 2);
         // Removed and stored again, a hash goes out at its new place, not its old one.
         m.remove(e(3));
-        m.insert(e(3), p(103));
-        assert_eq!(m.pop_oldest(), Some((e(4), p(104))));
-        assert_eq!(m.pop_oldest(), Some((e(3), p(103))));
+        m.insert(root(3));
+        assert_eq!(m.pop_oldest(), Some(root(4)));
+        assert_eq!(m.pop_oldest(), Some(root(3)));
     }
 
-    /// A hash stored again for another node is the newest entry; stored again for the same
-    /// node it keeps its place.
+    /// A hash stored again is the most recently used, for the same node or another.
     #[test]
-    fn storing_again_moves_only_a_changed_entry() {
+    fn storing_again_is_a_use() {
         let mut m = BlockMap::default();
         for i in 0..3 {
-            m.insert(e(i), p(i));
+            m.insert(root(i));
         }
-        assert_eq!(m.insert(e(0), p(0)), Some(p(0)));
-        assert_eq!(m.insert(e(1), p(9)), Some(p(1)));
+        assert_eq!(m.insert(root(0)), Some(p(100)));
+        assert_eq!(m.insert(Entry::new(e(1), p(9), None)), Some(p(101)));
         assert_eq!(m.len(), 3);
-        let order: Vec<(EngineHash, PrefixHash)> = m.iter().collect();
-        assert_eq!(order, vec![(e(0), p(0)), (e(2), p(2)), (e(1), p(9))]);
-        assert_eq!(m.pop_oldest(), Some((e(0), p(0))));
-        assert_eq!(m.pop_oldest(), Some((e(2), p(2))));
-        assert_eq!(m.pop_oldest(), Some((e(1), p(9))));
-        assert_eq!(m.pop_oldest(), None);
-        assert!(m.is_empty());
+        assert_eq!(order(&m), vec![2, 0, 1]);
+        assert_eq!(m.get(e(1)), Some(p(9)));
     }
 
-    /// Removed and re-stored hashes never let the queue grow past half again the live entries,
-    /// and what stays live stays findable and in order.
+    /// A store under a prefix uses the whole prefix: the system prompt every conversation
+    /// extends is the last to go, and what is dropped first is always a leaf.
+    #[test]
+    fn a_used_prefix_outlives_its_leaves() {
+        let mut m = BlockMap::default();
+        // A system prompt 0 → 1 → 2, then two conversations under it, then one more turn of
+        // the first: the prompt is used by all of them.
+        m.insert(root(0));
+        m.insert(child(1, 0));
+        m.insert(child(2, 1));
+        m.insert(child(10, 2));
+        m.touch_chain(Some(e(2)));
+        m.insert(child(20, 2));
+        m.touch_chain(Some(e(2)));
+        m.insert(child(11, 10));
+        m.touch_chain(Some(e(10)));
+        assert_eq!(order(&m), vec![20, 11, 10, 2, 1, 0]);
+        let dropped: Vec<u64> = std::iter::from_fn(|| m.pop_oldest())
+            .map(|x| x.engine.0)
+            .collect();
+        assert_eq!(
+            dropped,
+            vec![20, 11, 10, 2, 1, 0],
+            "leaves first, root last"
+        );
+    }
+
+    /// A publisher whose parents form a cycle cannot hold the walk.
+    #[test]
+    fn a_cycle_of_parents_ends() {
+        let mut m = BlockMap::default();
+        m.insert(child(1, 2));
+        m.insert(child(2, 1));
+        m.touch_chain(Some(e(1)));
+        assert_eq!(m.len(), 2);
+        m.touch_chain(Some(e(99)));
+        assert_eq!(m.len(), 2);
+    }
+
+    /// Moved and re-stored hashes never let the queue grow past half again the live entries,
+    /// and what stays live stays findable.
     #[test]
     fn dead_entries_are_compacted_away() {
         let mut m = BlockMap::default();
         for i in 0..100 {
-            m.insert(e(i), p(i));
+            m.insert(root(i));
         }
         for round in 0..10_000u64 {
-            let h = e(round % 200);
-            m.remove(h);
-            m.insert(h, p(round));
+            let h = round % 200;
+            m.remove(e(h));
+            m.insert(child(h, (h + 1) % 200));
+            m.touch_chain(Some(e((h + 7) % 200)));
             assert!(m.held() <= m.len() + m.len() / 2 + 65, "{}", m.held());
         }
         for i in 0..200 {
             assert!(m.get(e(i)).is_some(), "{i}");
         }
-        let order: Vec<PrefixHash> = m.iter().map(|(_, n)| n).collect();
-        assert!(
-            order.windows(2).all(|w| w[0].0 < w[1].0),
-            "store order kept"
-        );
+        assert_eq!(m.iter().count(), 200);
     }
 
-    /// The store numbers wrap without losing an entry.
+    /// The numbers wrap without losing an entry.
     #[test]
-    fn store_numbers_wrap() {
+    fn numbers_wrap() {
         let mut m = BlockMap {
             first: u32::MAX - 2,
             ..BlockMap::default()
         };
         for i in 0..6 {
-            m.insert(e(i), p(i));
+            m.insert(root(i));
         }
-        assert_eq!(m.get(e(5)), Some(p(5)));
-        assert_eq!(m.remove(e(4)), Some(p(4)));
-        let order: Vec<u64> = m.iter().map(|(h, _)| h.0).collect();
-        assert_eq!(order, vec![0, 1, 2, 3, 5]);
-        assert_eq!(m.pop_oldest(), Some((e(0), p(0))));
+        assert_eq!(m.get(e(5)), Some(p(105)));
+        assert_eq!(m.remove(e(4)), Some(p(104)));
+        assert_eq!(order(&m), vec![0, 1, 2, 3, 5]);
+        m.touch_chain(Some(e(0)));
+        assert_eq!(order(&m), vec![1, 2, 3, 5, 0]);
+        assert_eq!(m.pop_oldest(), Some(root(1)));
     }
 }

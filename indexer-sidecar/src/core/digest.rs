@@ -3,15 +3,19 @@
 //! ([`crate::core::index::entry_digest`]) after each message applied, the last few kept as
 //! checkpoints; the last messages' events themselves, to re-apply on top of a peer's snapshot
 //! and to hand a peer that lost them; the messages this replica lost, until a peer hands them
-//! over; and whether the cache is *clean* — every event of its stream applied since a known
-//! state. Two replicas compare *at the same cursor*, so events still in flight to one of them
-//! never read as a divergence.
+//! over, with the cache as it was just before the first of them (its *base*: a fill rebuilds
+//! the cache from it, so the result is exactly what in-order application would have held,
+//! capacity bound included); and whether the cache is *clean* — every event of its stream
+//! applied since a known state. Two replicas compare *at the same cursor*, so events still in
+//! flight to one of them never read as a divergence; at the same cursor with different digests
+//! they disagree whatever each believes, and the copy that lost messages most lately gives way.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use crate::core::block_map::Entry;
 use crate::core::event::{EngineHash, KvEvent};
 use kvroute_protocol::PrefixHash;
 
@@ -47,17 +51,55 @@ pub struct CacheReport {
     /// Whether every event since a known state was applied (a peer repairs from clean ones).
     #[serde(default)]
     pub clean: bool,
+    /// Whether lost messages are being asked of peers: not clean, but not lost for good yet.
+    #[serde(default)]
+    pub filling: bool,
+    /// The latest message before which this copy lost some (filled or not; 0: none since it
+    /// started): of two copies that disagree, the one that lost longest ago is kept.
+    #[serde(default)]
+    pub lost_at: u64,
     /// Its recent checkpoints, oldest first.
     pub checkpoints: Vec<Checkpoint>,
 }
 
-/// A cache as a peer sends it: its entries in store order at message `seq`.
+/// A cache as a peer sends it: its entries, least recently used first, at message `seq`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Snapshot {
     /// The last message applied to it.
     pub seq: u64,
-    /// (engine hash, node) entries, oldest first.
-    pub entries: Vec<(EngineHash, PrefixHash)>,
+    /// Entries, least recently used first.
+    pub entries: Vec<Entry>,
+}
+
+/// Entries as snapshots travel to peers and to disk: (engine hash, node) pairs, and beside
+/// them each one's parent, a root block's being its own engine hash (a snapshot without
+/// parents, from an older sidecar, holds roots only: it matches the same, and evicts by its
+/// order alone).
+pub fn to_wire(entries: &[Entry]) -> (Vec<(u64, u64)>, Vec<u64>) {
+    entries
+        .iter()
+        .map(|e| ((e.engine.0, e.node.0), e.parent.unwrap_or(e.engine).0))
+        .unzip()
+}
+
+/// The entries [`to_wire`] wrote.
+pub fn from_wire(pairs: &[(u64, u64)], parents: &[u64]) -> Vec<Entry> {
+    pairs
+        .iter()
+        .enumerate()
+        .map(|(i, &(engine, node))| {
+            let parent = parents.get(i).copied().filter(|&p| p != engine);
+            Entry::new(EngineHash(engine), PrefixHash(node), parent.map(EngineHash))
+        })
+        .collect()
+}
+
+/// A cache exactly as it was before message `from`, the first still missing: a fill
+/// re-applies every message from there on top of it.
+#[derive(Debug, Clone)]
+struct Base {
+    from: u64,
+    entries: Vec<Entry>,
 }
 
 /// One cache's recent past.
@@ -68,6 +110,10 @@ pub struct CacheLog {
     recent: VecDeque<(u64, Vec<KvEvent>)>,
     /// Messages lost on the way here that a peer may still hand over, and since when.
     missing: BTreeMap<u64, Instant>,
+    /// While messages are missing: the cache just before the first of them.
+    base: Option<Base>,
+    /// See [`CacheReport::lost_at`].
+    pub lost_at: u64,
     /// No event lost for good since a known state: the stream's first message, an engine
     /// restart (an empty cache), a clean peer's snapshot. Clean once `missing` is filled too.
     pub clean: bool,
@@ -91,10 +137,7 @@ impl CacheLog {
             // those is no longer kept, it cannot be.
             if let Some((gone, _)) = self.recent.pop_front() {
                 if self.missing.keys().next().is_some_and(|&s| s < gone) {
-                    let before = self.missing.len();
-                    self.missing.retain(|&s, _| s > gone);
-                    self.clean = false;
-                    given_up = before - self.missing.len();
+                    given_up = self.lose_for_good();
                 }
             }
         }
@@ -107,18 +150,35 @@ impl CacheLog {
         self.clean && self.missing.is_empty()
     }
 
-    /// Messages `from..to` did not arrive: peers are asked for them. More than the log could
-    /// re-apply are lost for good.
-    pub fn lost(&mut self, from: u64, to: u64, now: Instant) {
+    /// Messages `from..to` did not arrive: peers are asked for them, and the cache as it is
+    /// now (`current`, taken only if needed) is the base a fill rebuilds from. More than the
+    /// log could re-apply are lost for good.
+    pub fn lost(&mut self, from: u64, to: u64, now: Instant, current: impl FnOnce() -> Vec<Entry>) {
+        self.lost_at = self.lost_at.max(to);
         let n = usize::try_from(to.saturating_sub(from)).unwrap_or(usize::MAX);
         if n.saturating_add(self.missing.len()) > RECENT {
-            self.missing.clear();
-            self.clean = false;
+            self.lose_for_good();
             return;
+        }
+        if self.base.is_none() {
+            self.base = Some(Base {
+                from,
+                entries: current(),
+            });
         }
         for seq in from..to {
             self.missing.entry(seq).or_insert(now);
         }
+    }
+
+    /// Every missing message is lost for good (one is, and the rest cannot be re-applied
+    /// exactly without it): unclean until a peer's snapshot. How many were still missing.
+    fn lose_for_good(&mut self) -> usize {
+        let n = self.missing.len();
+        self.missing.clear();
+        self.base = None;
+        self.clean = false;
+        n
     }
 
     /// Lost messages to ask peers for: those missing for at least `age` (a peer a little
@@ -131,17 +191,23 @@ impl CacheLog {
             .collect()
     }
 
-    /// Give up on messages missing for `timeout`: the cache is unclean until a snapshot.
-    /// How many.
+    /// Give up on lost messages once one has been missing for `timeout`: the cache is unclean
+    /// until a snapshot. How many.
     pub fn give_up(&mut self, now: Instant, timeout: Duration) -> usize {
-        let before = self.missing.len();
-        self.missing
-            .retain(|_, since| now.saturating_duration_since(*since) < timeout);
-        let gone = before - self.missing.len();
-        if gone > 0 {
-            self.clean = false;
+        let expired = self
+            .missing
+            .values()
+            .any(|since| now.saturating_duration_since(*since) >= timeout);
+        if expired {
+            self.lose_for_good()
+        } else {
+            0
         }
-        gone
+    }
+
+    /// Whether lost messages are still asked of peers.
+    pub fn filling(&self) -> bool {
+        !self.missing.is_empty()
     }
 
     /// The events of message `seq`, when it was applied here.
@@ -151,10 +217,14 @@ impl CacheLog {
     }
 
     /// A peer handed over lost messages: those still missing take their place in the log.
-    /// The earliest taken, from which the caller re-applies ([`CacheLog::events_from`]), and
-    /// how many were taken (another peer may have handed some over first).
-    pub fn fill(&mut self, messages: &[(u64, Vec<KvEvent>)]) -> Option<(u64, usize)> {
-        let mut earliest = None;
+    /// How many were taken (another peer may have handed some over first), and the base to
+    /// rebuild from with the first message to re-apply on top of it (always there while
+    /// messages are missing: see `lost` and `rebase`).
+    #[allow(clippy::type_complexity)]
+    pub fn fill(
+        &mut self,
+        messages: &[(u64, Vec<KvEvent>)],
+    ) -> Option<(usize, Option<(Vec<Entry>, u64)>)> {
         let mut taken = 0;
         for (seq, events) in messages {
             if self.missing.remove(seq).is_none() {
@@ -164,29 +234,41 @@ impl CacheLog {
                 self.recent.insert(i, (*seq, events.clone()));
             }
             taken += 1;
-            earliest = Some(earliest.map_or(*seq, |e: u64| e.min(*seq)));
         }
-        Some((earliest?, taken))
+        if taken == 0 {
+            return None;
+        }
+        Some((taken, self.base.take().map(|b| (b.entries, b.from))))
     }
 
-    /// The events of the messages from `seq` on, in order. Applying them again on top of the
-    /// cache gives the state of having applied them in order: each event sets a block's
-    /// presence (or clears all), so the last one touching a block decides it either way.
-    pub fn events_from(&self, seq: u64) -> Vec<KvEvent> {
-        self.recent
+    /// The messages kept from `seq` on, in order, with the first one still missing among
+    /// them (`None`: none is). A rebuild applies them on top of the cache as it was before
+    /// `seq`, takes that cache as the new base just before the missing one
+    /// ([`CacheLog::rebase`]), and records a checkpoint after each ([`CacheLog::checkpoint`]),
+    /// from [`CacheLog::restart_before`] on.
+    pub fn replay_from(&self, seq: u64) -> (Vec<(u64, Vec<KvEvent>)>, Option<u64>) {
+        let messages = self
+            .recent
             .iter()
             .filter(|(s, _)| *s >= seq)
-            .flat_map(|(_, events)| events.iter().cloned())
-            .collect()
+            .cloned()
+            .collect();
+        let first_missing = self.missing.keys().next().copied().filter(|&m| m >= seq);
+        (messages, first_missing)
     }
 
-    /// The cache changed under its checkpoints (lost messages filled in): they start over at
-    /// its last message.
-    pub fn recheckpoint(&mut self, blocks: usize, digest: u64) {
-        let Some(seq) = self.recent.back().map(|(s, _)| *s) else {
-            return;
-        };
-        self.checkpoints.clear();
+    /// During a rebuild: the cache just before message `from`, which is still missing.
+    pub fn rebase(&mut self, from: u64, entries: Vec<Entry>) {
+        if self.missing.contains_key(&from) {
+            self.base = Some(Base { from, entries });
+        }
+    }
+
+    /// Record the state after message `seq`, in order (a rebuild's own checkpoints).
+    pub fn checkpoint(&mut self, seq: u64, blocks: usize, digest: u64) {
+        if self.checkpoints.len() == CHECKPOINTS {
+            self.checkpoints.pop_front();
+        }
         self.checkpoints.push_back(Checkpoint {
             seq,
             blocks: blocks as u64,
@@ -199,14 +281,13 @@ impl CacheLog {
         self.checkpoints.iter().copied().collect()
     }
 
-    /// The events of the messages after `seq`, in order, and whether those messages follow
-    /// each other from `seq + 1` without a gap other than messages still asked of peers;
-    /// `None` when the log does not reach back to `seq` (some were applied but are no longer
-    /// kept).
-    pub fn after(&self, seq: u64) -> Option<(Vec<KvEvent>, bool)> {
+    /// Whether the messages after `seq` follow each other from `seq + 1` without a gap other
+    /// than messages still asked of peers; `None` when the log does not reach back to `seq`
+    /// (some were applied but are no longer kept).
+    pub fn contiguous_after(&self, seq: u64) -> Option<bool> {
         let last = self.recent.back().map_or(seq, |(s, _)| *s);
         if last <= seq {
-            return Some((Vec::new(), true));
+            return Some(true);
         }
         let first = self.recent.front().map(|(s, _)| *s)?;
         if first > seq.wrapping_add(1) {
@@ -214,25 +295,22 @@ impl CacheLog {
         }
         let mut expected = seq.wrapping_add(1);
         let mut contiguous = true;
-        let mut events = Vec::new();
-        for (s, batch) in self.recent.iter().filter(|(s, _)| *s > seq) {
+        for (s, _) in self.recent.iter().filter(|(s, _)| *s > seq) {
             contiguous &= (expected..*s).all(|m| self.missing.contains_key(&m));
             expected = s.wrapping_add(1);
-            events.extend(batch.iter().cloned());
         }
-        Some((events, contiguous))
+        Some(contiguous)
     }
 
-    /// Start over from a snapshot at `seq` (the events after it are re-applied by the caller):
-    /// messages lost up to it are in it. The messages kept stay, to hand to peers.
-    pub fn restart_at(&mut self, seq: u64, blocks: usize, digest: u64) {
-        self.checkpoints.clear();
-        self.missing.retain(|&s, _| s > seq);
-        self.checkpoints.push_back(Checkpoint {
-            seq,
-            blocks: blocks as u64,
-            digest,
-        });
+    /// Start over from a state just before message `from` (a snapshot, or a rebuild's base):
+    /// messages lost before it are in it, and checkpoints from it on are recorded again.
+    pub fn restart_before(&mut self, from: u64, blocks: usize, digest: u64) {
+        self.missing.retain(|&s, _| s >= from);
+        self.base = None;
+        self.checkpoints.retain(|c| c.seq.wrapping_add(1) < from);
+        if let Some(seq) = from.checked_sub(1) {
+            self.checkpoint(seq, blocks, digest);
+        }
     }
 }
 
@@ -290,6 +368,10 @@ mod tests {
         }
     }
 
+    fn root(n: u64) -> Entry {
+        Entry::new(EngineHash(n), PrefixHash(n), None)
+    }
+
     #[test]
     fn replicas_compare_at_the_latest_common_message() {
         // The peer is two messages behind: compared at 8, where both agree.
@@ -312,22 +394,24 @@ mod tests {
             log.checkpoints()[0].seq,
             RECENT as u64 + 5 - CHECKPOINTS as u64
         );
-        assert_eq!(log.after(RECENT as u64 + 10), Some((vec![], true)));
+        assert_eq!(log.contiguous_after(RECENT as u64 + 10), Some(true));
         assert!(
-            log.after(3).is_none(),
+            log.contiguous_after(3).is_none(),
             "messages 4 and on are no longer all kept"
         );
-        assert_eq!(log.after(4).map(|(_, c)| c), Some(true));
+        assert_eq!(log.contiguous_after(4), Some(true));
         let mut gappy = CacheLog::default();
         for seq in [1, 2, 4] {
             gappy.push(seq, vec![], 1, seq);
         }
-        assert_eq!(gappy.after(1).map(|(_, c)| c), Some(false), "3 is missing");
-        assert_eq!(gappy.after(3).map(|(_, c)| c), Some(true));
+        assert_eq!(gappy.contiguous_after(1), Some(false), "3 is missing");
+        assert_eq!(gappy.contiguous_after(3), Some(true));
     }
 
+    /// A loss keeps the cache as it was before it; a fill hands that base back with the first
+    /// message to re-apply, and a rebuild that still misses one takes a new base there.
     #[test]
-    fn lost_messages_wait_for_peers_within_bounds() {
+    fn lost_messages_wait_for_peers_with_their_base() {
         let t0 = Instant::now();
         let later = t0 + Duration::from_secs(1);
         let mut log = CacheLog {
@@ -335,41 +419,70 @@ mod tests {
             ..CacheLog::default()
         };
         log.push(0, vec![], 0, 0);
-        log.lost(1, 3, t0);
+        log.lost(1, 3, t0, || vec![root(7)]);
+        log.lost(5, 6, t0, || unreachable!("the first base stays"));
+        assert_eq!(log.lost_at, 6);
         log.push(3, vec![], 0, 0);
-        assert!(!log.is_clean() && log.clean);
+        assert!(!log.is_clean() && log.clean && log.filling());
         assert_eq!(
             log.wanted(t0, Duration::from_millis(100)),
             Vec::<u64>::new()
         );
-        assert_eq!(log.wanted(later, Duration::from_millis(100)), vec![1, 2]);
-        assert_eq!(log.after(0).map(|(_, c)| c), Some(true), "asked of peers");
-        assert_eq!(
-            log.fill(&[(2, vec![]), (7, vec![])]),
-            Some((2, 1)),
-            "7 was not lost"
-        );
+        assert_eq!(log.wanted(later, Duration::from_millis(100)), vec![1, 2, 5]);
+        assert_eq!(log.contiguous_after(0), Some(true), "asked of peers");
+        let (taken, base) = log.fill(&[(2, vec![]), (7, vec![])]).unwrap();
+        assert_eq!(taken, 1, "7 was not lost");
+        assert_eq!(base, Some((vec![root(7)], 1)));
         assert_eq!(log.fill(&[(2, vec![])]), None, "2 is filled already");
         assert_eq!(log.message(2), Some(&[][..]));
-        assert_eq!(log.give_up(later, Duration::from_secs(1)), 1);
-        assert!(!log.clean, "message 1 is lost for good");
+        // The rebuild: from before 1, still missing 1 and 5.
+        let (messages, first_missing) = log.replay_from(1);
+        assert_eq!(
+            messages.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+            vec![2, 3]
+        );
+        assert_eq!(first_missing, Some(1));
+        log.restart_before(1, 1, 11);
+        log.rebase(1, vec![root(8)]);
+        assert_eq!(log.checkpoints().last().map(|c| c.seq), Some(0));
+        let (_, base) = log.fill(&[(1, vec![])]).unwrap();
+        assert_eq!(base, Some((vec![root(8)], 1)));
+        // Given up once one has waited the timeout: every missing one with it.
+        log.lost(9, 10, t0, Vec::new);
+        assert_eq!(log.give_up(later, Duration::from_secs(1)), 2);
+        assert!(!log.clean && !log.filling(), "5 and 9 are lost for good");
         // More than the log could re-apply is lost at once.
         let mut big = CacheLog {
             clean: true,
             ..CacheLog::default()
         };
-        big.lost(1, 2 + RECENT as u64, t0);
+        big.lost(1, 2 + RECENT as u64, t0, Vec::new);
         assert!(big.wanted(later, Duration::ZERO).is_empty() && !big.clean);
         // A lost message is given up once a message after it is no longer kept.
         let mut old = CacheLog {
             clean: true,
             ..CacheLog::default()
         };
-        old.lost(0, 1, t0);
+        old.lost(0, 1, t0, Vec::new);
         let given_up: usize = (1..=RECENT as u64 + 1)
             .map(|seq| old.push(seq, vec![], 0, 0))
             .sum();
         assert_eq!(given_up, 1);
         assert!(!old.clean);
+    }
+
+    #[test]
+    fn entries_travel_with_their_parents() {
+        let entries = vec![
+            root(1),
+            Entry::new(EngineHash(2), PrefixHash(20), Some(EngineHash(1))),
+        ];
+        let (pairs, parents) = to_wire(&entries);
+        assert_eq!(from_wire(&pairs, &parents), entries);
+        assert_eq!(
+            from_wire(&pairs, &[]),
+            vec![root(1), Entry::new(EngineHash(2), PrefixHash(20), None)],
+            "an older peer's snapshot: roots"
+        );
     }
 }

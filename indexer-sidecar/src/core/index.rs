@@ -15,15 +15,15 @@
 //!
 //! A cache never holds more blocks than its engine can ([`RadixIndex::apply_within`]): past
 //! that, removals were lost (NATS core drops, a publisher's high-water mark) or a publisher
-//! lies, and the blocks stored longest ago go first — the engine evicted them long ago, or
-//! will next.
+//! lies, and what goes first is what the engine's own policy drops: the least recently used
+//! blocks, leaves first ([`BlockMap`]), so a prefix every request extends stays.
 
 use std::collections::HashMap;
 
 use kvroute_protocol::hash::chain;
 use kvroute_protocol::PrefixHash;
 
-use crate::core::block_map::BlockMap;
+use crate::core::block_map::{BlockMap, Entry};
 use crate::core::event::{EngineHash, KvEvent, KvEventKind};
 use crate::core::fleet::WorkerId;
 use crate::core::holders::{Holders, Slot};
@@ -50,7 +50,8 @@ pub struct ApplyOutcome {
     pub orphan: bool,
     /// The event came from a cache beyond the index's 65,535 caches and was dropped.
     pub too_many_caches: bool,
-    /// Blocks dropped, oldest first, because the cache held more than its capacity.
+    /// Blocks dropped, least recently used first, because the cache held more than its
+    /// capacity.
     pub evicted: usize,
 }
 
@@ -142,26 +143,38 @@ impl RadixIndex {
                         Some(prefix)
                     }
                 };
-                for b in blocks {
-                    let node = chain(prefix, b.local_hash);
+                let mut up = *parent;
+                let stored: Vec<Entry> = blocks
+                    .iter()
+                    .map(|b| {
+                        let node = chain(prefix, b.local_hash);
+                        prefix = Some(node);
+                        let entry = Entry::new(b.engine_hash, node, up);
+                        up = Some(b.engine_hash);
+                        entry
+                    })
+                    .collect();
+                // Deepest first: the leaf is the least recently used of the new blocks.
+                for entry in stored.iter().rev() {
+                    let (engine, node) = (entry.engine, entry.node);
                     // An engine hash stored again for other tokens (a hash reused after a
                     // removal we missed): the old node is no longer held through it.
-                    match cache.insert(b.engine_hash, node) {
+                    match cache.insert(*entry) {
                         Some(old) if old == node => {}
                         Some(old) => {
                             self.holders.unhold(old, slot);
                             *digest = digest
-                                .wrapping_sub(entry_digest(b.engine_hash, old))
-                                .wrapping_add(entry_digest(b.engine_hash, node));
+                                .wrapping_sub(entry_digest(engine, old))
+                                .wrapping_add(entry_digest(engine, node));
                         }
                         None => {
-                            *digest = digest.wrapping_add(entry_digest(b.engine_hash, node));
+                            *digest = digest.wrapping_add(entry_digest(engine, node));
                         }
                     }
                     self.holders.hold(node, slot);
-                    prefix = Some(node);
                     out.stored += 1;
                 }
+                cache.touch_chain(*parent);
                 out.evicted = self.evict(slot, capacity);
             }
             KvEventKind::Removed { blocks } => {
@@ -182,15 +195,15 @@ impl RadixIndex {
         out
     }
 
-    /// Drop the oldest blocks of a cache until it holds at most `capacity`.
+    /// Drop the least recently used blocks of a cache until it holds at most `capacity`.
     fn evict(&mut self, slot: Slot, capacity: usize) -> usize {
         let mut evicted = 0;
         let cache = &mut self.caches[slot as usize];
         while cache.blocks.len() > capacity {
-            let Some((h, node)) = cache.blocks.pop_oldest() else {
+            let Some(Entry { engine, node, .. }) = cache.blocks.pop_oldest() else {
                 break;
             };
-            cache.digest = cache.digest.wrapping_sub(entry_digest(h, node));
+            cache.digest = cache.digest.wrapping_sub(entry_digest(engine, node));
             self.holders.unhold(node, slot);
             evicted += 1;
         }
@@ -201,7 +214,7 @@ impl RadixIndex {
         let cache = &mut self.caches[slot as usize];
         cache.digest = 0;
         let blocks = std::mem::take(&mut cache.blocks);
-        for (_, node) in blocks.iter() {
+        for Entry { node, .. } in blocks.iter() {
             self.holders.unhold(node, slot);
         }
         blocks.len()
@@ -262,27 +275,24 @@ impl RadixIndex {
         found
     }
 
-    /// A cache's entries (engine hash, node) in store order, oldest first: what a peer needs to
-    /// hold exactly the same.
-    pub fn snapshot(&self, cache: CacheId) -> Vec<(EngineHash, PrefixHash)> {
+    /// A cache's entries, least recently used first: what a peer needs to hold exactly the
+    /// same and evict as this one would.
+    pub fn snapshot(&self, cache: CacheId) -> Vec<Entry> {
         let Some(&slot) = self.slots.get(&cache) else {
             return Vec::new();
         };
         self.caches[slot as usize].blocks.iter().collect()
     }
 
-    /// Replace a cache's entries with a snapshot (store order, oldest first), as a peer holds
+    /// Replace a cache's entries with a snapshot (least recently used first), as a peer holds
     /// them; returns the blocks it holds now. `None` past the index's 65,535 caches.
-    pub fn install(
-        &mut self,
-        cache: CacheId,
-        entries: &[(EngineHash, PrefixHash)],
-    ) -> Option<usize> {
+    pub fn install(&mut self, cache: CacheId, entries: &[Entry]) -> Option<usize> {
         let slot = self.slot(cache)?;
         self.clear_cache(slot);
-        for &(engine, node) in entries {
+        for &entry in entries {
+            let (engine, node) = (entry.engine, entry.node);
             let c = &mut self.caches[slot as usize];
-            match c.blocks.insert(engine, node) {
+            match c.blocks.insert(entry) {
                 Some(old) if old == node => continue,
                 Some(old) => {
                     c.digest = c.digest.wrapping_sub(entry_digest(engine, old));
@@ -511,15 +521,15 @@ mod tests {
         assert_eq!(idx.find_matches(&prefix_hashes(&a), 8), vec![(W0, 3)]);
     }
 
-    /// Past its capacity a cache loses the blocks stored longest ago, whatever was removed
-    /// (and stored again) in between.
+    /// Past its capacity a cache loses its least recently used blocks, leaves first: a prefix
+    /// extended since is used, whenever it was stored.
     #[test]
-    fn a_cache_over_capacity_drops_its_oldest_blocks() {
+    fn a_cache_over_capacity_drops_its_least_recently_used_leaves() {
         let mut idx = RadixIndex::default();
         let (a, b, c) = (locals(0, 3), locals(100, 3), locals(200, 2));
         idx.apply_within(W0, &stored(None, &a, 1), 6);
         idx.apply_within(W0, &stored(None, &b, 1), 6);
-        // a[2] removed and stored again: it is now the newest block.
+        // a[2] removed and stored again under a[1]: all of a is now used more lately than b.
         let removed = KvEvent {
             dp_rank: 0,
             kind: KvEventKind::Removed {
@@ -530,14 +540,37 @@ mod tests {
         let again = stored(Some(a[1].0 ^ 1), &a[2..], 1);
         assert_eq!(idx.apply_within(W0, &again, 6).evicted, 0);
         let out = idx.apply_within(W0, &stored(None, &c, 1), 6);
-        assert_eq!(out.evicted, 2, "a[0] and a[1] are the oldest");
+        assert_eq!(out.evicted, 2, "b's two deepest blocks");
         assert_eq!(idx.blocks_of(W0), 6);
-        assert!(idx.find_matches(&prefix_hashes(&a), 8).is_empty());
-        assert_eq!(idx.find_matches(&prefix_hashes(&b), 8), vec![(W0, 3)]);
+        assert_eq!(idx.find_matches(&prefix_hashes(&a), 8), vec![(W0, 3)]);
+        assert_eq!(idx.find_matches(&prefix_hashes(&b), 8), vec![(W0, 1)]);
         assert_eq!(idx.find_matches(&prefix_hashes(&c), 8), vec![(W0, 2)]);
         // Another worker's cache is bounded on its own.
         assert_eq!(idx.apply_within(W1, &stored(None, &c, 2), 1).evicted, 1);
         assert_eq!(idx.blocks_of(W0), 6);
+    }
+
+    /// The incident the bound exists for: removals lost, a cache over capacity. A system
+    /// prompt that every conversation extends survives; the conversations' tails go.
+    #[test]
+    fn a_shared_system_prompt_survives_lost_removals() {
+        let mut idx = RadixIndex::default();
+        let system = locals(0, 4);
+        idx.apply_within(W0, &stored(None, &system, 1), 12);
+        let top = Some(system[3].0 ^ 1);
+        for turn in 0..20u32 {
+            let conversation = locals(1000 + 100 * turn, 2);
+            idx.apply_within(W0, &stored(top, &conversation, 1), 12);
+            assert_eq!(idx.blocks_of(W0), (6 + 2 * turn as usize).min(12));
+        }
+        assert_eq!(
+            idx.find_matches(&prefix_hashes(&system), 8),
+            vec![(W0, 4)],
+            "the shared prefix is the last to go"
+        );
+        let mut last = system.clone();
+        last.extend(locals(1000 + 100 * 19, 2));
+        assert_eq!(idx.find_matches(&prefix_hashes(&last), 8), vec![(W0, 6)]);
     }
 
     /// The digest depends on what a cache holds, not on the order it was stored in nor on

@@ -23,6 +23,7 @@ pub mod event;
 pub mod fleet;
 pub mod holders;
 pub mod index;
+mod ledger;
 pub mod load;
 pub mod policy;
 pub mod shared_prefix;
@@ -881,6 +882,13 @@ impl Core {
                     .collect()
             }
         };
+        // The loss is booked before the message is applied: a fill rebuilds from the cache as
+        // it was just before the first lost message.
+        let start = match m.body {
+            Body::Dynamo(_) => 1,
+            Body::Vllm(_) => 0,
+        };
+        self.book_loss(id, &model, m.stream, verdict, start, m.seq, now);
         for kv in &events {
             self.apply(&name, &model, kv, out);
         }
@@ -893,33 +901,6 @@ impl Core {
         });
         if let Some(w) = self.fleet.get_mut(id) {
             let log = w.logs.entry(m.stream).or_default();
-            let fills = self.fill_timeout.is_some();
-            let lost = |log: &mut digest::CacheLog, from: u64, to: u64| {
-                if fills {
-                    log.lost(from, to, now);
-                } else {
-                    log.clean = false;
-                }
-            };
-            // Clean from a known state on: the stream's first message, or an engine that
-            // restarted (empty); a live gap is asked of peers, unclean until they fill it.
-            match verdict {
-                Verdict::First => {
-                    // A stream's first message is Dynamo's `event_id` 1, vLLM's `seq` 0: a
-                    // later first message follows lost ones.
-                    let start = match m.body {
-                        Body::Dynamo(_) => 1,
-                        Body::Vllm(_) => 0,
-                    };
-                    log.clean = true;
-                    if m.seq > start {
-                        lost(log, start, m.seq);
-                    }
-                }
-                Verdict::Restarted => log.clean = true,
-                Verdict::Gap { from, to } => lost(log, from, to),
-                Verdict::Next | Verdict::Duplicate => {}
-            }
             let given_up = log.push(m.seq, events, held, digest);
             if given_up > 0 {
                 out.push(Happened::Unfilled {
@@ -943,210 +924,6 @@ impl Core {
             .filter(|w| w.truth.total() > 0)
             .map(|w| (w.address.to_string(), w.truth))
             .collect()
-    }
-
-    /// Every cache's recent checkpoints, for the replica plane.
-    pub fn reports(&self) -> Vec<digest::CacheReport> {
-        self.fleet
-            .iter()
-            .flat_map(|w| {
-                w.logs.iter().map(|(&rank, log)| digest::CacheReport {
-                    worker: w.address.to_string(),
-                    rank,
-                    clean: log.is_clean(),
-                    checkpoints: log.checkpoints(),
-                })
-            })
-            .collect()
-    }
-
-    /// The last message applied to a cache of the worker at `address`.
-    pub fn cursor_of(&self, address: &str, rank: u32) -> Option<u64> {
-        self.fleet.by_address(address)?.cursors.get(&rank)?.last
-    }
-
-    /// A cache of the worker at `address` as it is now, for a peer to install; `None` for a
-    /// worker or cache not known here.
-    pub fn snapshot(&self, address: &str, rank: u32) -> Option<digest::Snapshot> {
-        let seq = self.cursor_of(address, rank)?;
-        let w = self.fleet.by_address(address)?;
-        let index = self.indexes.get(&w.model)?;
-        Some(digest::Snapshot {
-            seq,
-            entries: index.snapshot(index::CacheId {
-                worker: w.id,
-                dp_rank: rank,
-            }),
-        })
-    }
-
-    /// Install a snapshot of a cache: its entries, then the events this replica applied after
-    /// the snapshot's message. A clean peer's leaves the cache clean unless messages are
-    /// missing among those (then a fresher snapshot repairs it), and live copies of the
-    /// messages up to it are duplicates. One saved on disk leaves it unclean (events while the
-    /// sidecar was down may be missing; a peer's clean copy replaces it), and nothing is taken
-    /// for a copy: a live message numbered below it is an engine that restarted meanwhile.
-    /// Refused (`false`) when this replica no longer keeps those events, or does not know the
-    /// worker.
-    fn install(
-        &mut self,
-        address: &str,
-        rank: u32,
-        snapshot: &digest::Snapshot,
-        from: SnapshotFrom,
-        out: &mut Vec<Happened>,
-    ) -> bool {
-        let Some(id) = self.fleet.by_address(address).map(|w| w.id) else {
-            return false;
-        };
-        let name = self.name(id);
-        let Some(w) = self.fleet.get_mut(id) else {
-            return false;
-        };
-        let model = w.model.clone();
-        let ours = w.cursors.get(&rank).and_then(|c| c.last).unwrap_or(0);
-        let Some((after, contiguous)) = w.logs.entry(rank).or_default().after(snapshot.seq) else {
-            return false;
-        };
-        let cache = index::CacheId {
-            worker: id,
-            dp_rank: rank,
-        };
-        let Some(index) = self.indexes.get_mut(&model) else {
-            return false;
-        };
-        if index.install(cache, &snapshot.entries).is_none() {
-            return false;
-        }
-        if snapshot.seq > ours {
-            if let Some(w) = self.fleet.get_mut(id) {
-                // A peer's: events up to the snapshot's still on their way here are copies now.
-                let cursor = w.cursors.entry(rank).or_default();
-                cursor.last = Some(snapshot.seq);
-                cursor.warm_through = (from == SnapshotFrom::Peer).then_some(snapshot.seq);
-            }
-        }
-        for kv in &after {
-            self.apply(&name, &model, kv, out);
-        }
-        let index = self.indexes.get(&model);
-        let (held, digest) = index.map_or((0, 0), |i| i.cache_state(cache));
-        if let Some(w) = self.fleet.get_mut(id) {
-            let log = w.logs.entry(rank).or_default();
-            log.restart_at(snapshot.seq.max(ours), held, digest);
-            // Clean only if nothing is missing since the snapshot: else a fresher one is due.
-            log.clean = from == SnapshotFrom::Peer && contiguous;
-        }
-        let blocks = index.map_or(0, |i| i.blocks_of(id));
-        out.push(Happened::Holds {
-            worker: name,
-            blocks,
-        });
-        true
-    }
-
-    /// Lost messages of every cache to ask peers for: missing for at least `age`.
-    pub fn wanted(&self, now: Instant, age: Duration) -> Vec<(digest::CacheKey, Vec<u64>)> {
-        self.fleet
-            .iter()
-            .flat_map(|w| {
-                w.logs.iter().filter_map(move |(&rank, log)| {
-                    let seqs = log.wanted(now, age);
-                    (!seqs.is_empty()).then(|| ((w.address.to_string(), rank), seqs))
-                })
-            })
-            .collect()
-    }
-
-    /// The messages among `seqs` this replica applied to a cache, for a peer that lost them.
-    pub fn messages(&self, address: &str, rank: u32, seqs: &[u64]) -> Vec<(u64, Vec<KvEvent>)> {
-        let Some(log) = self
-            .fleet
-            .by_address(address)
-            .and_then(|w| w.logs.get(&rank))
-        else {
-            return Vec::new();
-        };
-        seqs.iter()
-            .filter_map(|&seq| Some((seq, log.message(seq)?.to_vec())))
-            .collect()
-    }
-
-    /// A peer's copies of messages this replica lost: put in their place, and every message
-    /// from the earliest one on applied again, so the cache is as if none had been lost.
-    fn fill(
-        &mut self,
-        address: &str,
-        rank: u32,
-        messages: &[(u64, Vec<KvEvent>)],
-        out: &mut Vec<Happened>,
-    ) {
-        let Some(id) = self.fleet.by_address(address).map(|w| w.id) else {
-            return;
-        };
-        let name = self.name(id);
-        let Some(w) = self.fleet.get_mut(id) else {
-            return;
-        };
-        let model = w.model.clone();
-        let Some(log) = w.logs.get_mut(&rank) else {
-            return;
-        };
-        // Events of another rank would change another cache under this one's sequence.
-        let sound: Vec<(u64, Vec<KvEvent>)> = messages
-            .iter()
-            .filter(|(_, events)| events.iter().all(|e| e.dp_rank == rank))
-            .cloned()
-            .collect();
-        let Some((from, filled)) = log.fill(&sound) else {
-            return;
-        };
-        let again = log.events_from(from);
-        for kv in &again {
-            self.apply(&name, &model, kv, out);
-        }
-        let cache = index::CacheId {
-            worker: id,
-            dp_rank: rank,
-        };
-        let index = self.indexes.get(&model);
-        let (held, digest) = index.map_or((0, 0), |i| i.cache_state(cache));
-        if let Some(log) = self.fleet.get_mut(id).and_then(|w| w.logs.get_mut(&rank)) {
-            log.recheckpoint(held, digest);
-        }
-        out.push(Happened::Filled {
-            worker: name.clone(),
-            rank,
-            messages: filled,
-        });
-        let blocks = index.map_or(0, |i| i.blocks_of(id));
-        out.push(Happened::Holds {
-            worker: name,
-            blocks,
-        });
-    }
-
-    /// Lost messages no peer handed over within the fill timeout are lost for good.
-    fn give_up(&mut self, now: Instant, out: &mut Vec<Happened>) {
-        let Some(timeout) = self.fill_timeout else {
-            return;
-        };
-        let mut gone = Vec::new();
-        for w in self.fleet.iter_mut() {
-            for (&rank, log) in &mut w.logs {
-                let n = log.give_up(now, timeout);
-                if n > 0 {
-                    gone.push((w.id, rank, n));
-                }
-            }
-        }
-        for (id, rank, messages) in gone {
-            out.push(Happened::Unfilled {
-                worker: self.name(id),
-                rank,
-                messages,
-            });
-        }
     }
 
     fn apply(&mut self, worker: &Name, model: &str, event: &KvEvent, out: &mut Vec<Happened>) {

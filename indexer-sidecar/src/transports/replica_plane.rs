@@ -19,15 +19,14 @@ use anyhow::Context as _;
 use futures::StreamExt;
 
 use crate::config::{NatsConfig, ReplicasConfig};
+use crate::core::block_map::Entry;
 use crate::core::digest::Snapshot;
-use crate::core::event::EngineHash;
 use crate::core::Input;
 use crate::metrics::{Direction, DirectionLabel};
 use crate::replicas::{
-    CacheKey, Digests, FillReply, FillRequest, LoadShare, SnapshotChunk, SnapshotRequest,
+    CacheKey, Digests, FillReply, FillRequest, LoadShare, SnapshotChunk, SnapshotRequest, Why,
 };
 use crate::sidecar::Sidecar;
-use kvroute_protocol::PrefixHash;
 
 /// Entries per snapshot chunk: about 40 bytes each as JSON, under NATS's default 1 MiB payload.
 const CHUNK: usize = 16_384;
@@ -143,10 +142,13 @@ pub async fn run(
                     continue;
                 }
                 let repairs = state.replicas().repairs(&mine, Instant::now());
-                for (peer, cache) in repairs {
+                for (peer, cache, why) in repairs {
                     if state.core().fleet().by_address(&cache.0).is_none() {
                         // A worker of a peer's fleet this replica does not serve.
                         continue;
+                    }
+                    if matches!(why, Why::Divergent { .. } | Why::Unclean) {
+                        tracing::warn!(%peer, worker = %cache.0, rank = cache.1, why = %why.describe(), "replica plane: taking a peer's copy of a cache");
                     }
                     let (client, state, subject) =
                         (client.clone(), state.clone(), format!("{snapshots}.{peer}"));
@@ -333,13 +335,12 @@ fn answer(
     };
     let from = req.offset.min(snapshot.entries.len());
     let to = (from + CHUNK).min(snapshot.entries.len());
+    let (entries, parents) = crate::core::digest::to_wire(&snapshot.entries[from..to]);
     let chunk = SnapshotChunk {
         seq: snapshot.seq,
         total: snapshot.entries.len(),
-        entries: snapshot.entries[from..to]
-            .iter()
-            .map(|(e, n)| (e.0, n.0))
-            .collect(),
+        entries,
+        parents,
     };
     serde_json::to_vec(&chunk).unwrap_or_default()
 }
@@ -351,7 +352,7 @@ async fn fetch(
     cache: &CacheKey,
     state: &Sidecar,
 ) -> anyhow::Result<Snapshot> {
-    let mut entries: Vec<(EngineHash, PrefixHash)> = Vec::new();
+    let mut entries: Vec<Entry> = Vec::new();
     let mut seq = None;
     loop {
         let req = SnapshotRequest {
@@ -390,12 +391,10 @@ async fn fetch(
         );
         seq = Some(chunk.seq);
         let got = chunk.entries.len();
-        entries.extend(
-            chunk
-                .entries
-                .into_iter()
-                .map(|(e, n)| (EngineHash(e), PrefixHash(n))),
-        );
+        entries.extend(crate::core::digest::from_wire(
+            &chunk.entries,
+            &chunk.parents,
+        ));
         if entries.len() >= chunk.total || got == 0 {
             anyhow::ensure!(entries.len() == chunk.total, "short snapshot");
             return Ok(Snapshot {
@@ -418,6 +417,8 @@ mod tests {
             worker: format!("10.0.{}.{}:8000", i / 250, i % 250),
             rank: i % 8,
             clean: true,
+            filling: false,
+            lost_at: u64::MAX,
             checkpoints: (0..CHECKPOINTS as u64)
                 .map(|seq| Checkpoint {
                     seq: u64::MAX - seq,
