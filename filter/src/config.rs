@@ -43,6 +43,11 @@ pub struct FilterConfig {
     /// or two; the streams not read are reported as `unread`, so the sidecar's comparison of
     /// predicted and reported cached tokens is a sample of them.
     pub stream_usage_every: u32,
+    /// …and besides, at least this many streams a second per VM when there are (0: the count
+    /// alone): a quiet proxy reads every stream, so the per-replica comparison of predicted
+    /// and reported cached tokens has enough of them; the cost is bounded at this many reads
+    /// a second (a 128-token stream: ~0.5 ms of CPU each).
+    pub stream_usage_min_per_s: u32,
     /// Tests only: a request carrying this header makes the VM trap, as a bug would, so that
     /// Envoy's handling of a failed VM (`failure_policy`) can be checked. Empty (the default):
     /// off. Never set it in production.
@@ -70,6 +75,7 @@ impl Default for FilterConfig {
             bundle_refresh_ms: 5000,
             read_usage: true,
             stream_usage_every: 32,
+            stream_usage_min_per_s: 4,
             test_trap_header: String::new(),
         }
     }

@@ -23,7 +23,7 @@ use crate::flow::{self, Call, OnBody, OnHeaders, OnHint, Unreported};
 use crate::metrics::{Counter, FallbackReason};
 use crate::models::ModelRegistry;
 use crate::plan::{plan, warm_up, Next};
-use crate::usage::{reading, Reading, UsageScanner};
+use crate::usage::{reading, Reading, StreamRule, StreamSample, UsageScanner};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -40,8 +40,8 @@ struct Shared {
     metrics: HashMap<Counter, u32>,
     /// Hinted requests that finished, not yet reported to the sidecar.
     finished: Unreported,
-    /// Hinted responses that streamed so far (one in `stream_usage_every` is read).
-    streams: u64,
+    /// Hinted responses that streamed so far, and when one was last read.
+    streams: StreamSample,
 }
 
 impl Shared {
@@ -432,11 +432,21 @@ impl HttpContext for Request {
         let decided = {
             let mut shared = self.shared.borrow_mut();
             let shared = &mut *shared;
+            let rule = StreamRule {
+                every: shared.config.stream_usage_every,
+                min_per_s: shared.config.stream_usage_min_per_s,
+            };
+            let now_ms = || {
+                let now = hostcalls::get_current_time().ok()?;
+                let since = now.duration_since(std::time::UNIX_EPOCH).ok()?;
+                u64::try_from(since.as_millis()).ok()
+            };
             reading(
                 shared.config.read_usage,
-                shared.config.stream_usage_every,
+                rule,
                 || header(":status"),
                 || header("content-type"),
+                now_ms,
                 &mut shared.streams,
             )
         };

@@ -152,10 +152,19 @@ impl UsageScanner {
         }
     }
 
-    /// The usage of a response that `answered` (a success status, seen to its end) or not.
+    /// The usage of a response that `answered` (a success status, seen to its end) or not. A
+    /// usage read whole is kept either way: it is the engine's account of the prefill, which
+    /// was done, and a client that closes at a stream's `data: [DONE]` ends the response before
+    /// Envoy sees the upstream's end (flag `DC`), right after the usage went by.
     pub fn finish(self, answered: bool) -> Usage {
+        let whole = |u: &Usage| matches!(u, Usage::Cached { .. } | Usage::PromptOnly { .. });
         if !answered {
-            return Usage::Unanswered;
+            return match (self.found, self.state) {
+                (Some(usage), state) if whole(&usage) && !matches!(state, State::Object { .. }) => {
+                    usage
+                }
+                _ => Usage::Unanswered,
+            };
         }
         match (self.found, self.state) {
             (_, State::Object { .. }) => Usage::Malformed,
@@ -176,16 +185,37 @@ pub enum Reading {
     Failed,
 }
 
+/// Which of a VM's successful streams are read: one in `every`, and besides, at low traffic,
+/// at least one each `1 / min_per_s` seconds. Reading a stream costs a host call per chunk, so
+/// a busy VM reads a sample; the alarms that compare each replica's predictions with what its
+/// engines report need a few dozen streams a minute, which a quiet VM's sample of one in 32
+/// would not give them — and a quiet VM has the CPU to read them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamRule {
+    /// One in this many (1: every one).
+    pub every: u32,
+    /// At least this many a second, when there are (0: the count alone).
+    pub min_per_s: u32,
+}
+
+/// A VM's successful streams so far, for [`StreamRule`].
+#[derive(Debug, Default, Clone, Copy)]
+pub struct StreamSample {
+    seen: u64,
+    last_read_ms: Option<u64>,
+}
+
 /// How to read a hinted response. Its `:status` is asked for only when reading is on and its
-/// `content_type` only when the answer is a success, as each costs a host call; `streams`
-/// counts the VM's successful streams and this one is counted when it is one, so that one in
-/// `every` is read.
+/// `content_type` only when the answer is a success, as each costs a host call; a successful
+/// stream is counted in `sample`, the clock (`now_ms`) asked for it when the rule has a rate,
+/// and read as the rule says.
 pub fn reading(
     read_usage: bool,
-    every: u32,
+    rule: StreamRule,
     status: impl FnOnce() -> Option<String>,
     content_type: impl FnOnce() -> Option<String>,
-    streams: &mut u64,
+    now_ms: impl FnOnce() -> Option<u64>,
+    sample: &mut StreamSample,
 ) -> Reading {
     if !read_usage {
         return Reading::Unread;
@@ -196,9 +226,20 @@ pub fn reading(
     if !is_stream(content_type().as_deref()) {
         return Reading::Read;
     }
-    let nth = *streams;
-    *streams += 1;
-    if sampled(nth, every) {
+    let nth = sample.seen;
+    sample.seen += 1;
+    let now = if rule.min_per_s > 0 { now_ms() } else { None };
+    let due = |last: Option<u64>| match (now, last) {
+        (Some(_), None) => true,
+        (Some(now), Some(last)) => {
+            now.saturating_sub(last) >= 1000 / u64::from(rule.min_per_s.max(1))
+        }
+        (None, _) => false,
+    };
+    if sampled(nth, rule.every) || due(sample.last_read_ms) {
+        if now.is_some() {
+            sample.last_read_ms = now;
+        }
         Reading::Read
     } else {
         Reading::Unread
@@ -322,9 +363,20 @@ mod tests {
         long.extend(std::iter::repeat_n(b'a', MAX_USAGE_BYTES));
         long.extend_from_slice(br#"","prompt_tokens":1}}"#);
         assert_eq!(scan_in_pieces(&long, 100), Usage::Malformed);
+        // A stream the client closed at `[DONE]`: its usage went by, and is kept.
         let mut s = UsageScanner::default();
-        s.feed(br#"{"usage":{"prompt_tokens":1}}"#);
-        assert_eq!(s.finish(false), Usage::Unanswered, "not seen to its end");
+        s.feed(b"data: {\"usage\":{\"prompt_tokens\":1}}\n\ndata: [DONE]\n\n");
+        assert_eq!(
+            s.finish(false),
+            Usage::PromptOnly { prompt_tokens: 1 },
+            "closed at [DONE]"
+        );
+        // Closed before a whole usage went by: unanswered.
+        let mut s = UsageScanner::default();
+        s.feed(br#"data: {"usage":{"prompt_tokens":1"#);
+        assert_eq!(s.finish(false), Usage::Unanswered, "cut in its usage");
+        let s = UsageScanner::default();
+        assert_eq!(s.finish(false), Usage::Unanswered, "nothing went by");
     }
 
     #[test]
@@ -360,14 +412,19 @@ mod tests {
     fn a_response_is_read_when_it_is_a_success_and_in_the_sample() {
         let sse = || Some("text/event-stream".to_string());
         let json = || Some("application/json".to_string());
-        let mut streams = 0;
+        let mut sample = StreamSample::default();
+        let rule = StreamRule {
+            every: 2,
+            min_per_s: 0,
+        };
         let mut read = |on, status: &str, content_type: &dyn Fn() -> Option<String>| {
             reading(
                 on,
-                2,
+                rule,
                 || Some(status.to_string()),
                 content_type,
-                &mut streams,
+                || unreachable!("no rate: no clock"),
+                &mut sample,
             )
         };
         assert_eq!(read(false, "200", &json), Reading::Unread);
@@ -381,13 +438,21 @@ mod tests {
             "JSON is always read"
         );
         assert_eq!(read(true, "200", &sse), Reading::Read);
-        assert_eq!(streams, 3, "only successful streams are counted");
-        let mut untouched = 0;
+        assert_eq!(sample.seen, 3, "only successful streams are counted");
+        let mut untouched = StreamSample::default();
         let asked = std::cell::Cell::new(false);
+        let one = StreamRule {
+            every: 1,
+            min_per_s: 4,
+        };
         let status = reading(
             true,
-            1,
+            one,
             || Some("404".to_string()),
+            || {
+                asked.set(true);
+                None
+            },
             || {
                 asked.set(true);
                 None
@@ -395,18 +460,53 @@ mod tests {
             &mut untouched,
         );
         assert_eq!(status, Reading::Failed);
-        assert!(!asked.get(), "a failure's content type is not asked for");
+        assert!(
+            !asked.get(),
+            "a failure's content type and time are not asked for"
+        );
         let off = reading(
             false,
-            1,
+            one,
             || {
                 asked.set(true);
                 None
             },
             || None,
+            || None,
             &mut untouched,
         );
         assert_eq!(off, Reading::Unread);
         assert!(!asked.get(), "with reading off, no header is asked for");
+    }
+
+    /// One in 32 by count, and at least four a second: a quiet VM reads every stream, a busy
+    /// one a little more than one in 32.
+    #[test]
+    fn a_quiet_vm_reads_every_stream_a_busy_one_a_sample() {
+        let rule = StreamRule {
+            every: 32,
+            min_per_s: 4,
+        };
+        let run = |gap_ms: u64, streams: u64| {
+            let mut sample = StreamSample::default();
+            (0..streams)
+                .filter(|&i| {
+                    let r = reading(
+                        true,
+                        rule,
+                        || Some("200".into()),
+                        || Some("text/event-stream".into()),
+                        || Some(1_000_000 + i * gap_ms),
+                        &mut sample,
+                    );
+                    r == Reading::Read
+                })
+                .count()
+        };
+        assert_eq!(run(1_000, 100), 100, "one a second: every one");
+        assert_eq!(run(250, 100), 100, "four a second: every one");
+        // 1,000 a second for 3.2 s: 100 by count, 4 a second besides.
+        let busy = run(1, 3_200);
+        assert!((100..=114).contains(&busy), "{busy}");
     }
 }

@@ -814,6 +814,14 @@ pub struct AlarmConfig {
     pub replica_skew_ratio: f64,
     /// …each with at least this many prompt tokens in the window.
     pub replica_skew_min_tokens: u64,
+    /// `index_behind` and `replica_prediction_skew`: a replica's prediction error — the cached
+    /// tokens its engines reported less the ones its hints predicted, over the prompt tokens —
+    /// above this (it under-predicts), or this far from its peers' (either way)…
+    pub prediction_gap: f64,
+    /// …over at least this many prompt tokens in the window (each side).
+    pub prediction_min_tokens: u64,
+    /// `replica_divergent`: a cache disagrees with a peer's for this many replica intervals.
+    pub divergent_intervals: u32,
 }
 
 impl Default for AlarmConfig {
@@ -826,6 +834,9 @@ impl Default for AlarmConfig {
             stale_index_min_tokens: 4096,
             replica_skew_ratio: 0.7,
             replica_skew_min_tokens: 16384,
+            prediction_gap: 0.15,
+            prediction_min_tokens: 16384,
+            divergent_intervals: 5,
         }
     }
 }

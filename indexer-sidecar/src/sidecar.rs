@@ -857,10 +857,39 @@ impl Sidecar {
         let totals = self.served_totals();
         let me = self.replicas().me().to_owned();
         let window = Duration::from_secs(self.alarms.truth_window_s);
-        let mut watch = lock(&self.truth);
-        watch.observe(now, totals, window);
-        on.extend(watch.alarms(&me, &self.alarms));
+        {
+            let mut watch = lock(&self.truth);
+            watch.observe(now, totals, window);
+            on.extend(watch.alarms(&me, &self.alarms));
+        }
+        on.extend(self.divergent_alarms(&me, now));
         on
+    }
+
+    /// `replica_divergent`: a cache of ours has disagreed with a peer's after the same message
+    /// for `[alarms] divergent_intervals` replica intervals — longer than a repair takes.
+    fn divergent_alarms(&self, me: &str, now: Instant) -> Vec<Alarm> {
+        let Some(interval) = self.peer_wait.map(|three| three / 3) else {
+            return Vec::new();
+        };
+        let intervals = self.alarms.divergent_intervals;
+        let divergent = self.replicas().divergent_for(now, interval * intervals);
+        divergent
+            .into_iter()
+            .map(|(peer, (worker, rank), long)| Alarm {
+                name: "replica_divergent",
+                subject: format!("{worker}#{rank}"),
+                message: format!(
+                    "replica {me}: its copy of worker {worker} (rank {rank}) has disagreed with \
+                     replica {peer}'s after the same KV event for {:.1} s, more than \
+                     {intervals} intervals: the repair that ends a divergence did not happen — \
+                     look for 'replica plane:' WARN lines (a snapshot that failed), compare the \
+                     two on /debug/replicas; restarting the replica whose copy is wrong warms it \
+                     from its peers",
+                    long.as_secs_f64()
+                ),
+            })
+            .collect()
     }
 
     /// Check the alarms every few seconds, forever: a log line when one starts or stops, and

@@ -1,6 +1,9 @@
 //! The alarms on what the engines reported: `stale_index` (a worker's engine had far fewer of
-//! the predicted tokens cached than this replica's index said) and `replica_skew` (one
-//! replica's engines report a hit rate well below its peers'). Pure: the alarm task hands it
+//! the predicted tokens cached than this replica's index said), `index_behind` (this
+//! replica's engines had far more cached than its index predicted: it misses events),
+//! `replica_prediction_skew` (one replica's prediction error departs from its peers', either
+//! way: round robin over replicas dilutes a lossy replica's hit rate, not its error) and
+//! `replica_skew` (one replica's engines report a hit rate well below its peers'). Pure: the alarm task hands it
 //! every replica's per-worker totals ([`Truth`], ours from the core, the peers' from the
 //! replica plane) with the time, and it weighs what was added over the last
 //! `[alarms] truth_window_s`.
@@ -86,6 +89,7 @@ impl TruthWatch {
         for ((replica, _), t) in &recent {
             per_replica.entry(replica).or_default().merge(t);
         }
+        out.extend(prediction_alarms(me, &per_replica, config));
         let min = config.replica_skew_min_tokens;
         for (replica, t) in &per_replica {
             let mut others = Truth::default();
@@ -118,6 +122,73 @@ impl TruthWatch {
         }
         out
     }
+}
+
+/// (cached − predicted) / prompt tokens: how far a replica's index is behind (positive) or
+/// ahead (negative) of what its engines held; `None` below `min` prompt tokens.
+fn prediction_error(t: &Truth, min: u64) -> Option<f64> {
+    (t.prompt_tokens >= min.max(1))
+        .then(|| (t.cached_tokens as f64 - t.predicted_tokens as f64) / t.prompt_tokens as f64)
+}
+
+/// `index_behind` for this replica, `replica_prediction_skew` for any replica whose error
+/// departs from its peers' together.
+fn prediction_alarms(
+    me: &str,
+    per_replica: &BTreeMap<&str, Truth>,
+    config: &AlarmConfig,
+) -> Vec<Alarm> {
+    let (gap, min, window) = (
+        config.prediction_gap,
+        config.prediction_min_tokens,
+        config.truth_window_s,
+    );
+    let mut out = Vec::new();
+    if let Some(error) = per_replica.get(me).and_then(|t| prediction_error(t, min)) {
+        if error > gap {
+            out.push(Alarm {
+                name: "index_behind",
+                subject: me.to_owned(),
+                message: format!(
+                    "replica {me}: its engines reported {:.1}% of the prompt tokens cached beyond \
+                     what its hints predicted over the last {window} s: its index misses blocks \
+                     the engines hold — KV events lost or not read (kvroute_replica_lost_messages_total, \
+                     kvroute_sequence_total, /debug/sources), or a cache its peers disagree with \
+                     (/debug/replicas); with [replicas], a peer's copy repairs it",
+                    error * 100.0
+                ),
+            });
+        }
+    }
+    for (replica, t) in per_replica {
+        let mut others = Truth::default();
+        for (_, o) in per_replica.iter().filter(|(r, _)| *r != replica) {
+            others.merge(o);
+        }
+        let (Some(mine), Some(theirs)) = (prediction_error(t, min), prediction_error(&others, min))
+        else {
+            continue;
+        };
+        // The one further from what its engines reported is the outlier (with two replicas,
+        // each departs from the other).
+        if (mine - theirs).abs() > gap && mine.abs() > theirs.abs() {
+            out.push(Alarm {
+                name: "replica_prediction_skew",
+                subject: (*replica).to_owned(),
+                message: format!(
+                    "replica {replica}: its predictions miss what its engines reported by {:+.1}% \
+                     of the prompt tokens over the last {window} s, its {} peers' by {:+.1}% \
+                     (positive: predicted too little): its index departs from theirs — compare \
+                     its caches on /debug/replicas and its kvroute_replica_lost_messages_total; \
+                     restarting it warms it from its peers",
+                    mine * 100.0,
+                    per_replica.len() - 1,
+                    theirs * 100.0
+                ),
+            });
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -233,5 +304,62 @@ mod tests {
         watch.observe(start + Duration::from_secs(4), restarted, window);
         assert_eq!(watch.recent()[&key("c", "w0")], again);
         assert_eq!(watch.alarms("a", &config()).len(), 1);
+    }
+
+    /// The incident round robin hides: both replicas' engines hit alike (each serves half of
+    /// every conversation), but one replica's index predicts a fraction of it. Its own sidecar
+    /// says `index_behind`; every sidecar names it in `replica_prediction_skew`; nothing fires
+    /// while the two predict alike.
+    #[test]
+    fn a_replica_predicting_far_less_than_its_engines_hold_is_named() {
+        let (start, window) = (Instant::now(), Duration::from_secs(10));
+        let config = AlarmConfig {
+            prediction_min_tokens: 1_000,
+            ..config()
+        };
+        let names = |watch: &TruthWatch, me: &str| -> Vec<(&'static str, String)> {
+            watch
+                .alarms(me, &config)
+                .into_iter()
+                .map(|a| (a.name, a.subject))
+                .collect()
+        };
+        let mut watch = TruthWatch::default();
+        let zero = Totals::from([
+            (key("clean", "w0"), Truth::default()),
+            (key("lossy", "w0"), Truth::default()),
+        ]);
+        watch.observe(start, zero, window);
+        let (mut clean, mut lossy) = (Truth::default(), Truth::default());
+        served(&mut clean, 20, 78, 78);
+        served(&mut lossy, 20, 21, 78);
+        let totals = Totals::from([(key("clean", "w0"), clean), (key("lossy", "w0"), lossy)]);
+        watch.observe(start + Duration::from_secs(3), totals, window);
+        let skew = ("replica_prediction_skew", "lossy".to_owned());
+        assert_eq!(
+            names(&watch, "lossy"),
+            vec![("index_behind", "lossy".to_owned()), skew.clone()]
+        );
+        assert_eq!(names(&watch, "clean"), vec![skew]);
+        // Repaired: both predict what their engines hold.
+        let mut fine = TruthWatch::default();
+        let (mut a, mut b) = (Truth::default(), Truth::default());
+        served(&mut a, 20, 78, 78);
+        served(&mut b, 20, 76, 78);
+        fine.observe(
+            start,
+            Totals::from([
+                (key("clean", "w0"), Truth::default()),
+                (key("lossy", "w0"), Truth::default()),
+            ]),
+            window,
+        );
+        fine.observe(
+            start + Duration::from_secs(3),
+            Totals::from([(key("clean", "w0"), a), (key("lossy", "w0"), b)]),
+            window,
+        );
+        assert!(names(&fine, "lossy").is_empty());
+        assert!(names(&fine, "clean").is_empty());
     }
 }
