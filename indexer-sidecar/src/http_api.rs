@@ -131,9 +131,9 @@ async fn replicas(State(state): State<Arc<Sidecar>>) -> Response {
                                "latest": c.checkpoints.last()})
         })
         .collect();
-    let mut body = state.replicas().debug(std::time::Instant::now());
+    let mut body = state.replication().peers().debug(std::time::Instant::now());
     body["mine"] = mine.into();
-    body["served"] = crate::replicas::served_json(&served).into();
+    body["served"] = crate::replication::peers::served_json(&served).into();
     Json(body).into_response()
 }
 

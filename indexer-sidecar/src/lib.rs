@@ -11,9 +11,9 @@
 //! - [`transports`]: where KV events come from: NATS (Dynamo), ZMQ (vLLM).
 //! - [`observers`]: what else feeds the fleet: Dynamo discovery, Envoy's admin view, engine
 //!   `/metrics` scrapes.
-//! - [`replicas`]: how this sidecar's caches compare with its peers' (the replica plane's
-//!   state; `transports::replica_plane` carries the digests).
-//! - [`disk_snapshot`]: the index saved on local disk, and read back at start.
+//! - [`replication`]: replicas that agree — the pure brain deciding every digest, fill,
+//!   snapshot and load share, the peers' state, the wire messages, the NATS loop that only
+//!   executes, and the index saved on local disk.
 //! - [`explain`]: the recent decisions `/debug/explain` shows, joined to their requests.
 //! - [`http_api`]: the HTTP API (`/v1/hint`, bundles, `/metrics`, `/debug/*`).
 //! - [`metrics`]: the Prometheus metrics served on `/metrics`.
@@ -25,7 +25,6 @@
 
 pub mod config;
 pub mod core;
-pub mod disk_snapshot;
 pub mod envoy_config;
 pub mod event_plane;
 pub mod explain;
@@ -33,7 +32,7 @@ pub mod http_api;
 pub mod inspect;
 pub mod metrics;
 pub mod observers;
-pub mod replicas;
+pub mod replication;
 pub mod sidecar;
 pub mod transports;
 pub mod truth_watch;

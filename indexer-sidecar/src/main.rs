@@ -230,10 +230,10 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     let mut tasks = tokio::task::JoinSet::new();
     if let Some(snapshot) = config.snapshot.clone() {
         // Before any source starts: a vLLM replay then continues the restored caches.
-        kvroute_sidecar::disk_snapshot::restore(&snapshot, &state);
+        kvroute_sidecar::replication::disk::restore(&snapshot, &state);
         let state = state.clone();
         tasks.spawn(async move {
-            kvroute_sidecar::disk_snapshot::run(snapshot, state).await;
+            kvroute_sidecar::replication::disk::run(snapshot, state).await;
             Ok(())
         });
     }
@@ -273,7 +273,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         tasks.spawn(async move {
             // The replica plane is an addition: its failure is said and retried, serving goes on.
             loop {
-                let run = transports::replica_plane::run(replicas.clone(), nats.clone(), state.clone());
+                let run = kvroute_sidecar::replication::plane::run(replicas.clone(), nats.clone(), state.clone());
                 if let Err(e) = run.await {
                     tracing::error!(error = %format!("{e:#}"), "replica plane stopped; serving alone, retrying in 5 s");
                 }

@@ -46,13 +46,14 @@ use crate::core::{Core, Delivery, Forgot, Happened, Input, Rejected, Target, Tic
 use crate::event_plane::{Activity, Alarm, EventPlane};
 use crate::explain::ExplainLog;
 use crate::metrics::{
-    AgreementLabel, AgreementValue, AlarmLabels, EventLabels, EventType, HintLabels, HintResult,
-    LostLabel, LostOutcome, Metrics, PredictionLabels, PredictionOutcome, PublisherLabel,
-    RejectLabels, RejectReason, RepairKind, RepairLabel, ReplicaWorkerLabels, RestoreLabel,
-    RestoreOutcome, RoleLabels, RoleValue, SequenceKind, SequenceLabels, ServedLabels, SourceLabel,
-    TicketHow, TicketLabel, Transport, UsageKind, WorkerLabel,
+    AgreementLabel, AgreementValue, AlarmLabels, Direction, DirectionLabel, EventLabels, EventType,
+    HintLabels, HintResult, LostLabel, LostOutcome, Metrics, PredictionLabels, PredictionOutcome,
+    PublisherLabel, RejectLabels, RejectReason, RepairKind, RepairLabel, ReplicaWorkerLabels,
+    RestoreLabel, RestoreOutcome, RoleLabels, RoleValue, SequenceKind, SequenceLabels,
+    ServedLabels, SourceLabel, TicketHow, TicketLabel, Transport, UsageKind, WorkerLabel,
 };
-use crate::replicas::{Digests, Replicas};
+use crate::replication::brain::{Brain, Effect, Event};
+use crate::replication::peers::Change;
 use crate::truth_watch::{Totals, TruthWatch};
 use kvroute_protocol::hint::Usage;
 
@@ -83,7 +84,7 @@ pub struct Sidecar {
     core: Mutex<Core>,
     plane: Mutex<EventPlane>,
     explained: Mutex<ExplainLog>,
-    replicas: Mutex<Replicas>,
+    replication: Mutex<Brain>,
     truth: Mutex<TruthWatch>,
     /// Tests only (`[replicas] test_drop_events`): this fraction of KV-event messages is
     /// dropped before the core sees it; which ones depends on the replica's id, so two lossy
@@ -145,9 +146,10 @@ impl Sidecar {
             core: Mutex::new(Core::new(config, random_key())),
             plane: Mutex::new(EventPlane::new(Instant::now())),
             explained: Mutex::new(ExplainLog::new(config.explain_bytes)),
-            replicas: Mutex::new(Replicas::new(
+            replication: Mutex::new(Brain::new(
                 replica_id.clone().unwrap_or_default(),
                 three_intervals,
+                replicas,
             )),
             truth: Mutex::new(TruthWatch::default()),
             test_drop_events: replicas.map_or(0.0, |r| r.test_drop_events),
@@ -227,16 +229,27 @@ impl Sidecar {
         lock(&self.plane)
     }
 
-    /// The peers' digests.
-    pub fn replicas(&self) -> MutexGuard<'_, Replicas> {
-        lock(&self.replicas)
+    /// The replica plane's state: the peers, what was shared, snapshots taken for peers.
+    pub fn replication(&self) -> MutexGuard<'_, Brain> {
+        lock(&self.replication)
     }
 
-    /// A peer's digests arrived: compare them with ours, count and log what changed.
-    pub fn peer_digests(&self, theirs: Digests, now: Instant) {
-        let mine = self.core().reports();
-        let changes = self.replicas().observe(theirs, &mine, now);
-        for c in &changes {
+    /// Hand the replica plane's brain an event; what to do about it.
+    pub fn replicate(&self, event: Event<'_>, now: Instant) -> Vec<Effect> {
+        self.replication().on(event, now)
+    }
+
+    /// Snapshot bytes sent to or received from peers.
+    pub fn snapshot_bytes(&self, direction: Direction, bytes: usize) {
+        self.metrics
+            .replica_snapshot_bytes
+            .get_or_create(&DirectionLabel { direction })
+            .inc_by(bytes as u64);
+    }
+
+    /// Caches whose agreement with a peer changed: counted and logged.
+    pub fn replica_changes(&self, changes: &[Change]) {
+        for c in changes {
             let (worker, rank) = (&c.cache.0, c.cache.1);
             match &c.now {
                 Agreement::Divergent { seq, mine, theirs } => {
@@ -253,7 +266,7 @@ impl Sidecar {
                 Agreement::Unknown => {}
             }
         }
-        self.replica_gauges(now);
+        self.replica_gauges(Instant::now());
     }
 
     /// Whether this sidecar routes with what its peers know (`/readyz`), and why: warm when it
@@ -264,7 +277,8 @@ impl Sidecar {
             return (true, "no [replicas]: the events alone".into());
         };
         let mine = self.core().reports();
-        let r = self.replicas();
+        let brain = self.replication();
+        let r = brain.peers();
         if r.warm(&mine, now) {
             return (
                 true,
@@ -281,7 +295,8 @@ impl Sidecar {
     pub fn replica_gauges(&self, now: Instant) {
         let totals = self.served_totals();
         let (gone, s) = {
-            let mut r = self.replicas();
+            let mut brain = self.replication();
+            let r = brain.peers_mut();
             (r.expire(now), r.summary())
         };
         let m = &self.metrics;
@@ -837,7 +852,8 @@ impl Sidecar {
     /// Every replica's per-worker totals: ours from the core, the peers' as last published.
     fn served_totals(&self) -> Totals {
         let mine = self.core().served();
-        let r = self.replicas();
+        let brain = self.replication();
+        let r = brain.peers();
         let me = r.me().to_owned();
         let mut totals: Totals = mine
             .into_iter()
@@ -855,7 +871,7 @@ impl Sidecar {
         let activity = self.activity();
         let mut on = self.plane().alarms(&self.alarms, &activity, now);
         let totals = self.served_totals();
-        let me = self.replicas().me().to_owned();
+        let me = self.replication().peers().me().to_owned();
         let window = Duration::from_secs(self.alarms.truth_window_s);
         {
             let mut watch = lock(&self.truth);
@@ -873,7 +889,10 @@ impl Sidecar {
             return Vec::new();
         };
         let intervals = self.alarms.divergent_intervals;
-        let divergent = self.replicas().divergent_for(now, interval * intervals);
+        let divergent = self
+            .replication()
+            .peers()
+            .divergent_for(now, interval * intervals);
         divergent
             .into_iter()
             .map(|(peer, (worker, rank), long)| Alarm {

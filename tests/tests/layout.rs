@@ -179,7 +179,8 @@ fn target(path: &[String], modules: &BTreeSet<Vec<String>>) -> Option<Vec<String
         .find(|p| modules.contains(p))
 }
 
-fn cycles_in(crate_dir: &Path) -> Vec<String> {
+/// Every module's dependencies on the crate's other modules.
+fn edges_of(crate_dir: &Path) -> BTreeMap<Vec<String>, BTreeSet<Vec<String>>> {
     let src = crate_dir.join("src");
     let mut files = Vec::new();
     rust_files(&src, &mut files);
@@ -201,6 +202,11 @@ fn cycles_in(crate_dir: &Path) -> Vec<String> {
             }
         }
     }
+    edges
+}
+
+fn cycles_in(crate_dir: &Path) -> Vec<String> {
+    let edges = edges_of(crate_dir);
     let mut found = Vec::new();
     for (from, tos) in &edges {
         for to in tos {
@@ -246,6 +252,51 @@ fn no_crate_has_an_import_cycle() {
         all.is_empty(),
         "module dependencies that lead back to themselves:\n{}",
         all.join("\n")
+    );
+}
+
+/// The sidecar's decisions are pure: the core and the replica plane's brain (with the peers'
+/// state and the wire messages it reads) import no edge — no transport, observer, the shell
+/// that holds the locks, its metrics, the HTTP API, or the loops that execute.
+#[test]
+fn the_sidecars_decisions_import_no_edge() {
+    let edges = edges_of(&workspace().join("indexer-sidecar"));
+    let name = |s: &str| s.split("::").map(str::to_owned).collect::<Vec<String>>();
+    let pure = [
+        "core",
+        "replication::brain",
+        "replication::peers",
+        "replication::wire",
+    ];
+    let edge = [
+        "sidecar",
+        "transports",
+        "observers",
+        "metrics",
+        "http_api",
+        "replication::plane",
+        "replication::disk",
+    ];
+    let mut wrong = Vec::new();
+    for (from, tos) in &edges {
+        if !pure.iter().any(|p| from.starts_with(&name(p))) {
+            continue;
+        }
+        for to in tos {
+            if edge.iter().any(|e| to.starts_with(&name(e))) {
+                wrong.push(format!("{} -> {}", from.join("::"), to.join("::")));
+            }
+        }
+    }
+    assert!(
+        pure.iter()
+            .all(|p| edges.keys().any(|m| m.starts_with(&name(p)))),
+        "a pure module was renamed: update this test"
+    );
+    assert!(
+        wrong.is_empty(),
+        "pure modules importing edges:\n{}",
+        wrong.join("\n")
     );
 }
 

@@ -2,5 +2,4 @@
 //! [`crate::sidecar::Sidecar::ingest`].
 
 pub mod nats;
-pub mod replica_plane;
 pub mod zmq;

@@ -1,27 +1,13 @@
-//! What this replica knows of its peers: their last digests per cache and how each cache
-//! compares with ours ([`crate::core::digest::compare`]). Pure: the replica plane
-//! ([`crate::transports::replica_plane`]) feeds it, time passed in.
+//! What this replica knows of its peers: their last digests per cache, how each cache compares
+//! with ours ([`crate::core::digest::compare`]), and which of ours a peer's copy should
+//! replace. Pure: the [`super::brain`] feeds it, time passed in.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
-
+use super::wire::Digests;
 use crate::core::digest::{compare, Agreement, CacheReport};
 use crate::core::truth::Truth;
-
-/// What a replica publishes every interval.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Digests {
-    /// Its id.
-    pub replica: String,
-    /// Its caches.
-    pub caches: Vec<CacheReport>,
-    /// Per worker, its finished hinted requests since it started: predicted against reported
-    /// cached tokens (a replica that does not send them yet sends none).
-    #[serde(default)]
-    pub served: Vec<(String, Truth)>,
-}
 
 pub use crate::core::digest::CacheKey;
 
@@ -37,68 +23,6 @@ struct Peer {
     /// since when. A message lost at the end of a burst shows as no gap until the next one
     /// arrives, which may be never: staying behind is a divergence of its own.
     behind_since: HashMap<CacheKey, (u64, Instant)>,
-}
-
-/// A replica's hinted requests in flight per worker (`kvroute.replicas.<group>.load`): sent
-/// when they change, at most every `load_interval_ms`, and every interval anyway; a worker not
-/// listed has none of its requests.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LoadShare {
-    /// Its id.
-    pub replica: String,
-    /// (worker address, requests in flight).
-    pub in_flight: Vec<(String, u32)>,
-}
-
-/// A request for a peer's snapshot of a cache (`kvroute.replicas.<group>.snapshot.<peer>`),
-/// from entry `offset` on: a big cache comes in chunks of one snapshot.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SnapshotRequest {
-    /// The worker's address.
-    pub worker: String,
-    /// The rank.
-    pub rank: u32,
-    /// The first entry wanted.
-    pub offset: usize,
-}
-
-/// A replica asking its peers for KV-event messages it lost (`kvroute.replicas.<group>.fill`,
-/// answered on the request's reply subject by every peer that applied some of them).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FillRequest {
-    /// The asking replica (its own request comes back to it too).
-    pub replica: String,
-    /// The worker's address.
-    pub worker: String,
-    /// The rank.
-    pub rank: u32,
-    /// The messages' sequence numbers.
-    pub seqs: Vec<u64>,
-}
-
-/// A peer's copies of lost messages.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FillReply {
-    /// The worker's address.
-    pub worker: String,
-    /// The rank.
-    pub rank: u32,
-    /// (sequence number, events) of each message the peer has.
-    pub messages: Vec<(u64, Vec<crate::core::event::KvEvent>)>,
-}
-
-/// One chunk of a snapshot.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SnapshotChunk {
-    /// The last message applied to the cache when the snapshot was taken.
-    pub seq: u64,
-    /// Entries in the whole snapshot.
-    pub total: usize,
-    /// (engine hash, node) from the request's offset on, least recently used first.
-    pub entries: Vec<(u64, u64)>,
-    /// Their parents ([`crate::core::digest::to_wire`]).
-    #[serde(default)]
-    pub parents: Vec<u64>,
 }
 
 /// Why a cache of ours is taken from a peer.
