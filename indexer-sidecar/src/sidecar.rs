@@ -14,12 +14,16 @@
 //! - `plane` (`Mutex<EventPlane>`): per-source counters and discovery status; sources take it
 //!   per message, `/debug/sources` and the alarm check to read.
 //! - `explained` (`Mutex<ExplainLog>`): the recent decisions for `/debug/explain`.
-//! - `replicas` (`Mutex<Replicas>`): the peers' digests; the replica plane takes it per
-//!   message, `/debug/replicas` to read (our own reports are taken from the core first).
+//! - `replication` (`Mutex<Brain>`): the replica plane's state (the peers' digests, the last
+//!   load share, snapshots taken for peers); the replica plane takes it per message and tick,
+//!   `/debug/replicas`, `/readyz` and the alarm check to read (our own reports are taken from
+//!   the core first).
 //!
 //! Taking or installing a peer snapshot holds `core` for the cache's size (a hash-map walk per
 //! entry): a peer asks for one only for a cache that diverged, at most once per three
-//! intervals, and an unchanged cache's snapshot is served again rather than taken anew.
+//! intervals, and an unchanged cache's snapshot is served again rather than taken anew. So
+//! does a fill's rebuild (the cache put back to its base, the messages since re-applied), and
+//! the base is copied when a loss is first seen.
 //!
 //! No lock is taken while another is held, so there is no order to get wrong. Metrics are
 //! atomics and take no lock of ours. A poisoned lock is used anyway: nothing panics while
