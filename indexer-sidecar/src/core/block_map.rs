@@ -1,21 +1,21 @@
-//! [`BlockMap`]: one cache's blocks — engine hash → node and parent — in the order the engine
-//! would evict them.
+//! [`BlockMap`]: one cache's blocks — engine hash → node and parent — and which of them the
+//! engine would evict first.
 //!
 //! Engines evict the least recently used blocks, leaves first: a request's blocks go back to
 //! the free queue tail first, and a prefix many requests share is used by each of them, so it
 //! is the last to go. The events say when a block is stored and under which parent, not when a
 //! cached block is hit; a store under a parent is the nearest sign that the whole prefix was
-//! just used. So storing blocks makes them, then their parent chain up to the root, the most
-//! recently used, in that order: the queue's oldest live entry is always a leaf, and a system
-//! prompt every conversation extends stays at the young end (what [`BlockMap::pop_oldest`]
-//! drops when removals were lost and the cache is over its engine's capacity).
+//! just used. So the map keeps each block's own last use (stored, or the parent of a store) as
+//! its place in a queue — O(1) per event — and only when blocks must go
+//! ([`BlockMap::victims`]: removals were lost and the cache is over its engine's capacity) does
+//! it work out each block's last use through its descendants, in one pass over the cache.
 //!
 //! The index needs both a lookup by engine hash (events name parents and removals that way)
 //! and that order. A hash map beside a queue of engine hashes would hold each key twice and
 //! double both on growth. Here the entries themselves are the queue (24 bytes each, grown by a
 //! quarter at a time) and the hash table holds only an entry's 4-byte number (5 bytes a bucket
 //! with its control byte). A moved or removed entry leaves a dead copy in the queue until the
-//! oldest blocks are dropped past it or the dead are a third of the queue.
+//! dead are a third of the queue.
 
 use std::collections::VecDeque;
 use std::hash::BuildHasher;
@@ -81,10 +81,10 @@ fn entry_at(entries: &VecDeque<Packed>, first: u32, number: u32) -> &Packed {
     &entries[number.wrapping_sub(first) as usize]
 }
 
-/// One cache's entries, least recently used first.
+/// One cache's entries, by their own last use.
 #[derive(Debug, Default)]
 pub struct BlockMap {
-    /// Entries, live and dead, least recently used first.
+    /// Entries, live and dead, by their own last use, oldest first.
     entries: VecDeque<Packed>,
     /// The number of each live entry: `first` plus its place in `entries` (wrapping).
     live: HashTable<u32>,
@@ -160,28 +160,58 @@ impl BlockMap {
         old
     }
 
-    /// Make a live entry the most recently used; returns its parent's engine hash (`None` for
-    /// a root block or a hash this cache does not hold).
-    fn touch(&mut self, engine: EngineHash) -> Option<EngineHash> {
-        let number = self.number_of(engine)?;
-        let entry = self.at(number).entry();
-        if number != self.first.wrapping_add(self.entries.len() as u32 - 1) {
+    /// A block was the parent of a store: it is the most recently used (its ancestors with
+    /// it, which [`BlockMap::victims`] works out when it is needed).
+    pub fn touch(&mut self, engine: EngineHash) {
+        let Some(number) = self.number_of(engine) else {
+            return;
+        };
+        let newest = self.first.wrapping_add(self.entries.len() as u32 - 1);
+        if number != newest {
+            let entry = self.at(number).entry();
             self.insert(entry);
         }
-        entry.parent
     }
 
-    /// A block stored under `parent` was just computed from its whole prefix: `parent` and its
-    /// ancestors become the most recently used, the root last. Bounded by the cache's size, so
-    /// a publisher's cycle of parents cannot hold the caller.
-    pub fn touch_chain(&mut self, parent: Option<EngineHash>) {
-        let mut next = parent;
-        for _ in 0..self.len() {
-            let Some(engine) = next else {
-                return;
-            };
-            next = self.touch(engine);
+    /// The `n` blocks the engine would evict first: least recently used, a block used when any
+    /// of its descendants was, leaves first among blocks last used together. One pass over the
+    /// cache, then a partial sort: O(len) plus O(n log n).
+    pub fn victims(&self, n: usize) -> Vec<EngineHash> {
+        let live: Vec<Entry> = self.iter().collect();
+        if n == 0 || live.is_empty() {
+            return Vec::new();
         }
+        let at: std::collections::HashMap<EngineHash, usize> = live
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.engine, i))
+            .collect();
+        // (last use through descendants, steps up from the block that used it last).
+        let mut used: Vec<(usize, usize)> = (0..live.len()).map(|i| (i, 0)).collect();
+        // Newest first: the first descendant to reach an ancestor is its latest use, so each
+        // ancestor is raised once and a walk stops where one was (cycles included).
+        for i in (0..live.len()).rev() {
+            let (when, _) = used[i];
+            let mut steps = used[i].1;
+            let mut up = live[i].parent.and_then(|p| at.get(&p).copied());
+            while let Some(j) = up {
+                if used[j].0 >= when {
+                    break;
+                }
+                steps += 1;
+                used[j] = (when, steps);
+                up = live[j].parent.and_then(|p| at.get(&p).copied());
+            }
+        }
+        let mut order: Vec<usize> = (0..live.len()).collect();
+        let n = n.min(order.len());
+        let key = |&i: &usize| used[i];
+        if n < order.len() {
+            order.select_nth_unstable_by_key(n, key);
+            order.truncate(n);
+        }
+        order.sort_unstable_by_key(key);
+        order.into_iter().map(|i| live[i].engine).collect()
     }
 
     /// Remove an engine hash; returns the node it named.
@@ -198,21 +228,7 @@ impl BlockMap {
         Some(node)
     }
 
-    /// Remove and return the least recently used live entry.
-    pub fn pop_oldest(&mut self) -> Option<Entry> {
-        while let Some(packed) = self.entries.pop_front() {
-            let number = self.first;
-            self.first = self.first.wrapping_add(1);
-            let hash = self.hash(packed.engine);
-            if let Ok(found) = self.live.find_entry(hash, |&n| n == number) {
-                found.remove();
-                return Some(packed.entry());
-            }
-        }
-        None
-    }
-
-    /// Live entries, least recently used first.
+    /// Live entries, by their own last use, oldest first.
     pub fn iter(&self) -> impl Iterator<Item = Entry> + '_ {
         self.entries
             .iter()
@@ -279,8 +295,12 @@ mod tests {
         m.iter().map(|x| x.engine.0).collect()
     }
 
+    fn victims(m: &BlockMap, n: usize) -> Vec<u64> {
+        m.victims(n).into_iter().map(|x| x.0).collect()
+    }
+
     #[test]
-    fn entries_come_out_least_recently_used_first() {
+    fn entries_keep_their_own_last_use() {
         let mut m = BlockMap::default();
         for i in 0..5 {
             assert_eq!(m.insert(root(i)), None);
@@ -290,14 +310,15 @@ mod tests {
         assert_eq!(m.get(e(3)), Some(p(103)));
         assert_eq!(m.get(e(1)), None);
         assert_eq!(order(&m), vec![0, 2, 3, 4]);
-        assert_eq!(m.pop_oldest(), Some(root(0)));
-        assert_eq!(m.pop_oldest(), Some(root(2)), "the dead entry is skipped");
-        assert_eq!(m.len(), 2);
-        // Removed and stored again, a hash goes out at its new place, not its old one.
+        m.touch(e(0));
+        m.touch(e(77));
+        assert_eq!(order(&m), vec![2, 3, 4, 0]);
+        // Removed and stored again, a hash is at its new place, not its old one.
         m.remove(e(3));
         m.insert(root(3));
-        assert_eq!(m.pop_oldest(), Some(root(4)));
-        assert_eq!(m.pop_oldest(), Some(root(3)));
+        assert_eq!(order(&m), vec![2, 4, 0, 3]);
+        assert_eq!(victims(&m, 2), vec![2, 4]);
+        assert_eq!(victims(&m, 9), vec![2, 4, 0, 3]);
     }
 
     /// A hash stored again is the most recently used, for the same node or another.
@@ -315,42 +336,37 @@ mod tests {
     }
 
     /// A store under a prefix uses the whole prefix: the system prompt every conversation
-    /// extends is the last to go, and what is dropped first is always a leaf.
+    /// extends goes last, and what goes first is always a leaf.
     #[test]
     fn a_used_prefix_outlives_its_leaves() {
         let mut m = BlockMap::default();
-        // A system prompt 0 → 1 → 2, then two conversations under it, then one more turn of
-        // the first: the prompt is used by all of them.
-        m.insert(root(0));
-        m.insert(child(1, 0));
+        // A system prompt 0 → 1 → 2 (stored deepest first, as the index does), two
+        // conversations under it, one more turn of the first; a stale root 9 from before.
+        m.insert(root(9));
         m.insert(child(2, 1));
+        m.insert(child(1, 0));
+        m.insert(root(0));
         m.insert(child(10, 2));
-        m.touch_chain(Some(e(2)));
+        m.touch(e(2));
         m.insert(child(20, 2));
-        m.touch_chain(Some(e(2)));
+        m.touch(e(2));
         m.insert(child(11, 10));
-        m.touch_chain(Some(e(10)));
-        assert_eq!(order(&m), vec![20, 11, 10, 2, 1, 0]);
-        let dropped: Vec<u64> = std::iter::from_fn(|| m.pop_oldest())
-            .map(|x| x.engine.0)
-            .collect();
-        assert_eq!(
-            dropped,
-            vec![20, 11, 10, 2, 1, 0],
-            "leaves first, root last"
-        );
+        m.touch(e(10));
+        assert_eq!(victims(&m, 7), vec![9, 20, 11, 10, 2, 1, 0]);
+        // One more conversation under the prompt's first block only: 0 is used again.
+        m.insert(child(30, 0));
+        m.touch(e(0));
+        assert_eq!(victims(&m, 8), vec![9, 20, 11, 10, 2, 1, 30, 0]);
     }
 
-    /// A publisher whose parents form a cycle cannot hold the walk.
+    /// A publisher whose parents form a cycle cannot hold the ranking.
     #[test]
     fn a_cycle_of_parents_ends() {
         let mut m = BlockMap::default();
         m.insert(child(1, 2));
         m.insert(child(2, 1));
-        m.touch_chain(Some(e(1)));
-        assert_eq!(m.len(), 2);
-        m.touch_chain(Some(e(99)));
-        assert_eq!(m.len(), 2);
+        m.touch(e(1));
+        assert_eq!(victims(&m, 2).len(), 2);
     }
 
     /// Moved and re-stored hashes never let the queue grow past half again the live entries,
@@ -365,13 +381,14 @@ mod tests {
             let h = round % 200;
             m.remove(e(h));
             m.insert(child(h, (h + 1) % 200));
-            m.touch_chain(Some(e((h + 7) % 200)));
+            m.touch(e((h + 7) % 200));
             assert!(m.held() <= m.len() + m.len() / 2 + 65, "{}", m.held());
         }
         for i in 0..200 {
             assert!(m.get(e(i)).is_some(), "{i}");
         }
         assert_eq!(m.iter().count(), 200);
+        assert_eq!(m.victims(500).len(), 200);
     }
 
     /// The numbers wrap without losing an entry.
@@ -387,8 +404,7 @@ mod tests {
         assert_eq!(m.get(e(5)), Some(p(105)));
         assert_eq!(m.remove(e(4)), Some(p(104)));
         assert_eq!(order(&m), vec![0, 1, 2, 3, 5]);
-        m.touch_chain(Some(e(0)));
+        m.touch(e(0));
         assert_eq!(order(&m), vec![1, 2, 3, 5, 0]);
-        assert_eq!(m.pop_oldest(), Some(root(1)));
     }
 }

@@ -50,7 +50,7 @@ pub struct ApplyOutcome {
     pub orphan: bool,
     /// The event came from a cache beyond the index's 65,535 caches and was dropped.
     pub too_many_caches: bool,
-    /// Blocks dropped, least recently used first, because the cache held more than its
+    /// Blocks dropped, least recently used leaves first, because the cache held more than its
     /// capacity.
     pub evicted: usize,
 }
@@ -174,7 +174,9 @@ impl RadixIndex {
                     self.holders.hold(node, slot);
                     out.stored += 1;
                 }
-                cache.touch_chain(*parent);
+                if let Some(p) = parent {
+                    cache.touch(*p);
+                }
                 out.evicted = self.evict(slot, capacity);
             }
             KvEventKind::Removed { blocks } => {
@@ -195,19 +197,22 @@ impl RadixIndex {
         out
     }
 
-    /// Drop the least recently used blocks of a cache until it holds at most `capacity`.
+    /// Drop the blocks its engine would evict first from a cache over `capacity`, down to a
+    /// 64th below it: ranking them is a pass over the cache, made once per that many stores
+    /// rather than on each one while removals are being lost.
     fn evict(&mut self, slot: Slot, capacity: usize) -> usize {
-        let mut evicted = 0;
         let cache = &mut self.caches[slot as usize];
-        while cache.blocks.len() > capacity {
-            let Some(Entry { engine, node, .. }) = cache.blocks.pop_oldest() else {
-                break;
-            };
-            cache.digest = cache.digest.wrapping_sub(entry_digest(engine, node));
-            self.holders.unhold(node, slot);
-            evicted += 1;
+        let Some(over) = cache.blocks.len().checked_sub(capacity).filter(|&n| n > 0) else {
+            return 0;
+        };
+        let victims = cache.blocks.victims(over + capacity / 64);
+        for engine in &victims {
+            if let Some(node) = cache.blocks.remove(*engine) {
+                cache.digest = cache.digest.wrapping_sub(entry_digest(*engine, node));
+                self.holders.unhold(node, slot);
+            }
         }
-        evicted
+        victims.len()
     }
 
     fn clear_cache(&mut self, slot: Slot) -> usize {
