@@ -5,6 +5,8 @@
 //! rebuild the cache exactly, the capacity bound dropped other blocks than the engine, two clean
 //! copies disagreeing at the same message never converged). After the traffic, both sidecars,
 //! asked directly for every prompt sent, must name the same worker with the same match.
+//! Against the sidecar of 1ff089c (before that fix) both tests fail: 65–69% agreement, the lossy
+//! replica matching 0.61–0.77 of the clean one's blocks, two of three caches divergent for good.
 
 mod common;
 
@@ -186,14 +188,16 @@ async fn lossy_replica_agrees(name: &str, loss: f64, seed: u64) {
     .await
     .unwrap_or_else(|e| panic!("{e}\n{}", log_1()));
 
-    // Multi-turn chats behind three long system prompts, each turn to the next Envoy in turn.
+    // Multi-turn chats behind three system prompts, each turn to the next Envoy in turn. The
+    // longest prompt (about 70 blocks) fits a mocker's 128 (a longer one is refused), the whole
+    // chat does not fit the three.
     let workload = ChatWorkload::generate(&ChatSpec {
         seed: 1000 + seed,
-        system_prompt_words: vec![300, 250, 200],
+        system_prompt_words: vec![160, 120, 100],
         conversations: 32,
         turns: 6,
-        user_words: (40, 80),
-        reply_words: (30, 60),
+        user_words: (20, 40),
+        reply_words: (15, 30),
         max_tokens: 8,
         hot_share: None,
     });
