@@ -503,7 +503,7 @@ impl Default for Metrics {
                 &[0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0],
             ),
             replica_repairs: family(&mut r, "replica_repairs", "Caches repaired, by kind: engine_replay (a gap filled from the engine's replay socket), peer_snapshot, refused"),
-            replica_lost_messages: family(&mut r, "replica_lost_messages", "KV-event messages lost on the way to this replica, by outcome: filled (a peer handed it over), unfilled"),
+            replica_lost_messages: family(&mut r, "replica_lost_messages", "KV-event messages lost on the way to this replica, by outcome: filled (a peer handed it over), unfilled; a message is one sequence number of its stream (a Dynamo event id, a vLLM batch), so a NATS message carrying several Dynamo events counts each"),
             replica_snapshot_bytes: family(&mut r, "replica_snapshot_bytes", "Snapshot bytes exchanged with peers, by direction"),
             restored_caches: family(&mut r, "restored_caches", "Caches read from the disk snapshot at start, by outcome: restored, refused, not_found"),
             restored_blocks: counter(&mut r, "restored_blocks", "Blocks put back from the disk snapshot at start"),

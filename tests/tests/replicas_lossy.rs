@@ -4,7 +4,9 @@
 //! failure this guards: such replicas diverged for good once the caches evicted (a fill did not
 //! rebuild the cache exactly, the capacity bound dropped other blocks than the engine, two clean
 //! copies disagreeing at the same message never converged). After the traffic, both sidecars,
-//! asked directly for every prompt sent, must name the same worker with the same match.
+//! asked directly for every prompt sent, must name the same worker with the same match, and
+//! predict what the engines report as closely as each other; the alarms that page for this
+//! incident stay quiet. With reconciliation off, the same loss raises them.
 //! Against the sidecar of 1ff089c (before that fix) both tests fail: 65–69% agreement, the lossy
 //! replica matching 0.61–0.77 of the clean one's blocks, two of three caches divergent for good.
 
@@ -108,9 +110,53 @@ async fn probe(stack: &Stack, bases: &[String], body: &Value) -> Vec<Answer> {
     out
 }
 
+/// The alarms that page for replicas that disagree.
+const REPLICA_ALARMS: [&str; 3] = [
+    "replica_divergent",
+    "replica_prediction_skew",
+    "index_behind",
+];
+
+/// The thresholds of those alarms for a run of a minute: checked every second, over enough
+/// prompt tokens for one replica's half of the chat.
+const ALARMS: &str = "[alarms]\nsilence_s = 3\ntruth_window_s = 120\nprediction_min_tokens = 4096\ndivergent_intervals = 4\n";
+
+/// What one run measured.
+struct Run {
+    agreement: f64,
+    /// Mean matched blocks of the probes, per replica.
+    mean: [f64; 2],
+    /// Per replica: (cached − predicted) / prompt tokens over the requests it hinted.
+    error: [f64; 2],
+    /// `alarm{subject}` of the replica alarms on at either sidecar.
+    alarms: Vec<String>,
+}
+
+/// A replica's prediction error over the hinted requests it saw: the cached tokens its engines
+/// reported beyond what it predicted, over the prompt tokens.
+fn prediction_error(text: &str) -> f64 {
+    let predicted = prometheus::sum(text, "kvroute_predicted_cached_tokens_total{");
+    let cached = prometheus::sum(text, "kvroute_actual_cached_tokens_total{");
+    let prompt = prometheus::sum(text, "kvroute_served_prompt_tokens_total{");
+    (cached - predicted) / prompt.max(1.0)
+}
+
+/// The replica alarms on in a sidecar's metrics.
+fn alarms_on(text: &str) -> Vec<String> {
+    prometheus::series(text, "kvroute_alarm{")
+        .filter(|(l, v)| {
+            *v == 1.0
+                && REPLICA_ALARMS
+                    .iter()
+                    .any(|a| l.contains(&format!("\"{a}\"")))
+        })
+        .map(|(l, _)| l.to_owned())
+        .collect()
+}
+
 /// The whole scenario at `loss` (the proxy's seed `seed`): start, move replica 1 behind the
-/// proxy, run the chat over both Envoys, wait, probe both sidecars, check.
-async fn lossy_replica_agrees(name: &str, loss: f64, seed: u64) {
+/// proxy, run the chat over both Envoys, wait, probe both sidecars.
+async fn lossy_replica(name: &str, loss: f64, seed: u64, reconcile: bool) -> Run {
     let started = Instant::now();
     let mut opts = StackOptions::new(name, Mode::Kvroute);
     opts.dynamo = Some(DynamoOptions {
@@ -124,10 +170,11 @@ async fn lossy_replica_agrees(name: &str, loss: f64, seed: u64) {
         interval_ms: INTERVAL_MS,
         loss: 0.0,
         lossy: None,
-        reconcile: true,
+        reconcile,
         share_load: true,
         load_interval_ms: LOAD_INTERVAL_MS,
     });
+    opts.sidecar_toml = ALARMS.into();
     let mut stack = Stack::start(opts).await.expect("stack starts");
     eprintln!("{name}: stack up after {:?}", started.elapsed());
 
@@ -230,6 +277,17 @@ async fn lossy_replica_agrees(name: &str, loss: f64, seed: u64) {
 
     // Events on their way, the last fills and repairs: three digest intervals and slack.
     tokio::time::sleep(Duration::from_millis(3 * INTERVAL_MS) + Duration::from_millis(3500)).await;
+    // Before the probes (they are hints with no usage): the alarms and the predictions.
+    let before = [
+        metrics(&stack, &bases[0]).await,
+        metrics(&stack, &bases[1]).await,
+    ];
+    let error = [prediction_error(&before[0]), prediction_error(&before[1])];
+    let alarms: Vec<String> = before.iter().flat_map(|t| alarms_on(t)).collect();
+    eprintln!(
+        "{name}: prediction error (cached − predicted) / prompt: replica 0 {:+.3}, replica 1 {:+.3}; replica alarms on: {alarms:?}",
+        error[0], error[1]
+    );
 
     let bodies: Vec<Value> = sessions.iter().flat_map(|s| s.bodies.clone()).collect();
     let mut same = 0;
@@ -291,6 +349,7 @@ async fn lossy_replica_agrees(name: &str, loss: f64, seed: u64) {
     );
 
     // The scenario happened: messages were lost, and the caches evicted.
+    let _ = log_1;
     assert!(
         counts.dropped > 0,
         "the proxy dropped nothing ({counts:?}): this run proves nothing"
@@ -301,19 +360,35 @@ async fn lossy_replica_agrees(name: &str, loss: f64, seed: u64) {
         "the mockers evicted nothing: no Removed event\n{}",
         texts[0]
     );
-    // Both replicas route every prompt alike, and the lossy one knows as much as the clean one.
+    if !differing.is_empty() {
+        eprintln!("{name}: replica 1's log:\n{}", log_1());
+    }
+    Run {
+        agreement,
+        mean,
+        error,
+        alarms,
+    }
+}
+
+/// With reconciliation on: both replicas route every prompt alike, the lossy one knows as much
+/// as the clean one and predicts as well, and no replica alarm is on.
+async fn lossy_replica_agrees(name: &str, loss: f64, seed: u64) {
+    let run = lossy_replica(name, loss, seed, true).await;
+    assert!(run.agreement >= 0.99, "agreement {:.3}", run.agreement);
     assert!(
-        agreement >= 0.99,
-        "agreement {agreement:.3}: {differing:?}\n{}",
-        log_1()
+        run.mean[1] >= 0.97 * run.mean[0],
+        "the lossy replica matched {:.2} blocks a probe, the clean one {:.2}",
+        run.mean[1],
+        run.mean[0]
     );
     assert!(
-        mean[1] >= 0.97 * mean[0],
-        "the lossy replica matched {:.2} blocks a probe, the clean one {:.2}\n{}",
-        mean[1],
-        mean[0],
-        log_1()
+        (run.error[1] - run.error[0]).abs() <= 0.05,
+        "prediction errors apart: clean {:+.3}, lossy {:+.3}",
+        run.error[0],
+        run.error[1]
     );
+    assert!(run.alarms.is_empty(), "alarms on: {:?}", run.alarms);
 }
 
 /// A sixth or so of replica 1's KV-event messages lost (15%), caches of 128 blocks evicting.
@@ -326,4 +401,23 @@ async fn replicas_agree_after_evictions_when_one_loses_15_percent_of_its_events(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_agree_after_evictions_when_one_loses_2_percent_of_its_events() {
     lossy_replica_agrees("replicas-lossy-2", 0.02, 2).await;
+}
+
+/// The same loss without reconciliation: the replicas disagree, and the alarms page — the
+/// incident that, before them, showed nowhere (round robin over the replicas evened out the
+/// engines' hit rates).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_reconciliation_the_replica_alarms_page() {
+    let run = lossy_replica("replicas-lossy-off", 0.15, 15, false).await;
+    assert!(
+        run.agreement < 0.99,
+        "agreement {:.3} without reconciliation: the loss did not matter, the test proves nothing",
+        run.agreement
+    );
+    assert!(
+        !run.alarms.is_empty(),
+        "no replica alarm on; prediction errors clean {:+.3}, lossy {:+.3}",
+        run.error[0],
+        run.error[1]
+    );
 }
