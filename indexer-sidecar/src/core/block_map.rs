@@ -12,8 +12,8 @@
 //!
 //! The index needs both a lookup by engine hash (events name parents and removals that way)
 //! and that order. A hash map beside a queue of engine hashes would hold each key twice and
-//! double both on growth. Here the entries themselves are the queue (24 bytes each, grown by a
-//! quarter at a time) and the hash table holds only an entry's 4-byte number (5 bytes a bucket
+//! double both on growth. Here the entries themselves are the queue (20 bytes each: the parent
+//! is named by a 4-byte [`Tag`] of its engine hash; grown by a quarter at a time) and the hash table holds only an entry's 4-byte number (5 bytes a bucket
 //! with its control byte). A moved or removed entry leaves a dead copy in the queue until the
 //! dead are a third of the queue.
 
@@ -26,16 +26,30 @@ use kvroute_protocol::PrefixHash;
 
 use crate::core::event::EngineHash;
 
-/// One block of a cache: its engine hash, its node, and its parent's engine hash (`None` for
-/// a root block).
+/// A block's parent as an entry names it: 4 bytes of its engine hash. It is only followed to
+/// rank blocks for eviction, where two blocks of one cache with the same tag (one chance in
+/// 2³² per pair) make one of them look used a little more lately: a worse guess at what the
+/// engine evicts, never a wrong match.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Tag(pub u32);
+
+impl Tag {
+    /// The tag of an engine hash.
+    pub fn of(engine: EngineHash) -> Self {
+        Tag((engine.0 ^ (engine.0 >> 32)) as u32)
+    }
+}
+
+/// One block of a cache: its engine hash, its node, and its parent's tag (`None` for a root
+/// block).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Entry {
     /// The engine's name for the block.
     pub engine: EngineHash,
     /// The block's node in the index (its prefix hash).
     pub node: PrefixHash,
-    /// The engine hash of the block before it, if any.
-    pub parent: Option<EngineHash>,
+    /// The block before it, if any.
+    pub parent: Option<Tag>,
 }
 
 impl Entry {
@@ -44,34 +58,41 @@ impl Entry {
         Entry {
             engine,
             node,
-            parent,
+            parent: parent.map(Tag::of),
         }
     }
 }
 
-/// An entry as the queue stores it: a root block's parent is its own engine hash (no block is
-/// its own parent), which saves `Option`'s 8 bytes.
+/// An entry as the queue stores it, 20 bytes: a root block's parent tag is its own (no block
+/// is its own parent), which saves `Option`'s bytes.
 #[derive(Debug, Clone, Copy)]
+#[repr(C, packed(4))]
 struct Packed {
-    engine: EngineHash,
-    node: PrefixHash,
-    parent: EngineHash,
+    engine: u64,
+    node: u64,
+    parent: u32,
 }
 
 impl Packed {
     fn new(e: Entry) -> Self {
         Packed {
-            engine: e.engine,
-            node: e.node,
-            parent: e.parent.unwrap_or(e.engine),
+            engine: e.engine.0,
+            node: e.node.0,
+            parent: e.parent.unwrap_or(Tag::of(e.engine)).0,
         }
     }
 
+    fn engine(&self) -> EngineHash {
+        EngineHash(self.engine)
+    }
+
     fn entry(&self) -> Entry {
+        let engine = self.engine();
+        let parent = Tag(self.parent);
         Entry {
-            engine: self.engine,
-            node: self.node,
-            parent: (self.parent != self.engine).then_some(self.parent),
+            engine,
+            node: PrefixHash(self.node),
+            parent: (parent != Tag::of(engine)).then_some(parent),
         }
     }
 }
@@ -115,7 +136,7 @@ impl BlockMap {
 
     fn number_of(&self, engine: EngineHash) -> Option<u32> {
         self.live
-            .find(self.hash(engine), |&n| self.at(n).engine == engine)
+            .find(self.hash(engine), |&n| self.at(n).engine() == engine)
             .copied()
     }
 
@@ -127,7 +148,7 @@ impl BlockMap {
 
     /// The node an engine hash names in this cache.
     pub fn get(&self, engine: EngineHash) -> Option<PrefixHash> {
-        self.number_of(engine).map(|n| self.at(n).node)
+        self.number_of(engine).map(|n| PrefixHash(self.at(n).node))
     }
 
     /// Store `entry` as the most recently used; returns the node its engine hash named before.
@@ -140,11 +161,11 @@ impl BlockMap {
         let at = |n: u32| entry_at(entries, first, n);
         let old = match self.live.entry(
             hasher.hash_one(entry.engine.0),
-            |&n| at(n).engine == entry.engine,
-            |&n| hasher.hash_one(at(n).engine.0),
+            |&n| at(n).engine() == entry.engine,
+            |&n| hasher.hash_one(at(n).engine),
         ) {
             Slot::Occupied(found) => {
-                let old = at(*found.get()).node;
+                let old = PrefixHash(at(*found.get()).node);
                 *found.into_mut() = number;
                 Some(old)
             }
@@ -181,10 +202,11 @@ impl BlockMap {
         if n == 0 || live.is_empty() {
             return Vec::new();
         }
-        let at: std::collections::HashMap<EngineHash, usize> = live
+        // A tag two blocks share names the more recently used of them.
+        let at: std::collections::HashMap<Tag, usize> = live
             .iter()
             .enumerate()
-            .map(|(i, e)| (e.engine, i))
+            .map(|(i, e)| (Tag::of(e.engine), i))
             .collect();
         // (last use through descendants, steps up from the block that used it last).
         let mut used: Vec<(usize, usize)> = (0..live.len()).map(|i| (i, 0)).collect();
@@ -220,9 +242,11 @@ impl BlockMap {
         let at = |n: u32| entry_at(entries, first, n);
         let found = self
             .live
-            .find_entry(self.hasher.hash_one(engine.0), |&n| at(n).engine == engine)
+            .find_entry(self.hasher.hash_one(engine.0), |&n| {
+                at(n).engine() == engine
+            })
             .ok()?;
-        let node = at(*found.get()).node;
+        let node = PrefixHash(at(*found.get()).node);
         found.remove();
         self.compact();
         Some(node)
@@ -233,7 +257,7 @@ impl BlockMap {
         self.entries
             .iter()
             .zip(0u32..)
-            .filter(|(e, i)| self.is_live(self.first.wrapping_add(*i), e.engine))
+            .filter(|(e, i)| self.is_live(self.first.wrapping_add(*i), e.engine()))
             .map(|(e, _)| e.entry())
     }
 
@@ -253,14 +277,14 @@ impl BlockMap {
             .entries
             .iter()
             .zip(0u32..)
-            .filter(|(e, i)| self.is_live(self.first.wrapping_add(*i), e.engine))
+            .filter(|(e, i)| self.is_live(self.first.wrapping_add(*i), e.engine()))
             .map(|(e, _)| *e)
             .collect();
         let mut table = HashTable::with_capacity(kept.len());
         for (number, e) in (0u32..).zip(&kept) {
             let hasher = &self.hasher;
-            table.insert_unique(self.hash(e.engine), number, |&m| {
-                hasher.hash_one(entry_at(&kept, 0, m).engine.0)
+            table.insert_unique(self.hash(e.engine()), number, |&m| {
+                hasher.hash_one(entry_at(&kept, 0, m).engine)
             });
         }
         self.entries = kept;

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::core::block_map::Entry;
+use crate::core::block_map::{Entry, Tag};
 use crate::core::event::{EngineHash, KvEvent};
 use kvroute_protocol::PrefixHash;
 
@@ -72,13 +72,16 @@ pub struct Snapshot {
 }
 
 /// Entries as snapshots travel to peers and to disk: (engine hash, node) pairs, and beside
-/// them each one's parent, a root block's being its own engine hash (a snapshot without
-/// parents, from an older sidecar, holds roots only: it matches the same, and evicts by its
-/// order alone).
+/// them each one's parent [`Tag`], a root block's being its own (a snapshot without parents,
+/// from an older sidecar, holds roots only: it matches the same, and ranks blocks for eviction
+/// by their own last use alone).
 pub fn to_wire(entries: &[Entry]) -> (Vec<(u64, u64)>, Vec<u64>) {
     entries
         .iter()
-        .map(|e| ((e.engine.0, e.node.0), e.parent.unwrap_or(e.engine).0))
+        .map(|e| {
+            let parent = e.parent.unwrap_or(Tag::of(e.engine));
+            ((e.engine.0, e.node.0), u64::from(parent.0))
+        })
         .unzip()
 }
 
@@ -88,8 +91,16 @@ pub fn from_wire(pairs: &[(u64, u64)], parents: &[u64]) -> Vec<Entry> {
         .iter()
         .enumerate()
         .map(|(i, &(engine, node))| {
-            let parent = parents.get(i).copied().filter(|&p| p != engine);
-            Entry::new(EngineHash(engine), PrefixHash(node), parent.map(EngineHash))
+            let engine = EngineHash(engine);
+            let parent = parents
+                .get(i)
+                .map(|&p| Tag(p as u32))
+                .filter(|&p| p != Tag::of(engine));
+            Entry {
+                engine,
+                node: PrefixHash(node),
+                parent,
+            }
         })
         .collect()
 }
@@ -479,6 +490,7 @@ mod tests {
         ];
         let (pairs, parents) = to_wire(&entries);
         assert_eq!(from_wire(&pairs, &parents), entries);
+        assert_eq!(entries[1].parent, Some(Tag::of(EngineHash(1))));
         assert_eq!(
             from_wire(&pairs, &[]),
             vec![root(1), Entry::new(EngineHash(2), PrefixHash(20), None)],

@@ -21,7 +21,7 @@ use crate::sidecar::Sidecar;
 /// The file's format version: a file of another version is not read.
 const VERSION: u32 = 1;
 
-/// Largest file read (27 bytes an entry as msgpack at most: 40M entries).
+/// Largest file read (23 bytes an entry as msgpack at most: 46M entries).
 const MAX_FILE: u64 = 1 << 30;
 
 /// One cache as saved.
@@ -180,6 +180,7 @@ pub async fn run(config: SnapshotConfig, state: Arc<Sidecar>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::block_map::Tag;
     use crate::core::event::EngineHash;
 
     #[test]
@@ -193,11 +194,14 @@ mod tests {
             rank: 1,
             seq: 42,
             entries: vec![(1, u64::MAX), (2, 3)],
-            parents: vec![1, 1],
+            parents: vec![
+                u64::from(Tag::of(EngineHash(1)).0),
+                u64::from(Tag::of(EngineHash(1)).0),
+            ],
         }];
         let entries = caches[0].snapshot().entries;
         assert_eq!(entries[0].parent, None, "a root");
-        assert_eq!(entries[1].parent, Some(EngineHash(1)));
+        assert_eq!(entries[1].parent, Some(Tag::of(EngineHash(1))));
         let bytes = write(&path, caches.clone()).unwrap();
         assert_eq!(std::fs::metadata(&path).unwrap().len() as usize, bytes);
         assert!(!tmp_path(&path).exists());
