@@ -581,7 +581,7 @@ pub struct RoutingConfig {
 /// `home_slack_blocks` for prefill workers when unset. A prefill worker's work is the
 /// prompts it computes, so the distinct prompt blocks in flight are its load; an aggregated
 /// worker's is dominated by decoding its requests, which `home_slack` counts. Measured
-/// (docs/benchmarks.md, "Against Dynamo's KV router", session 14): in front of disaggregated
+/// (docs/benchmarks.md, "Against Dynamo's KV router"): in front of disaggregated
 /// Dynamo it removed the runs where two long system prompts shared one prefill worker; on
 /// aggregated real vLLM it moved the hit rate by under a point and not the TTFT p95 for the
 /// better.
