@@ -107,10 +107,12 @@ pub fn from_wire(pairs: &[(u64, u64)], parents: &[u64]) -> Vec<Entry> {
 
 /// A cache exactly as it was before message `from`, the first still missing: a fill
 /// re-applies every message from there on top of it.
-#[derive(Debug, Clone)]
-struct Base {
-    from: u64,
-    entries: Vec<Entry>,
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Base {
+    /// The first message to re-apply.
+    pub from: u64,
+    /// The cache's entries before it.
+    pub entries: Vec<Entry>,
 }
 
 /// One cache's recent past.
@@ -231,11 +233,7 @@ impl CacheLog {
     /// How many were taken (another peer may have handed some over first), and the base to
     /// rebuild from with the first message to re-apply on top of it (always there while
     /// messages are missing: see `lost` and `rebase`).
-    #[allow(clippy::type_complexity)]
-    pub fn fill(
-        &mut self,
-        messages: &[(u64, Vec<KvEvent>)],
-    ) -> Option<(usize, Option<(Vec<Entry>, u64)>)> {
+    pub fn fill(&mut self, messages: &[(u64, Vec<KvEvent>)]) -> Option<(usize, Option<Base>)> {
         let mut taken = 0;
         for (seq, events) in messages {
             if self.missing.remove(seq).is_none() {
@@ -249,7 +247,7 @@ impl CacheLog {
         if taken == 0 {
             return None;
         }
-        Some((taken, self.base.take().map(|b| (b.entries, b.from))))
+        Some((taken, self.base.take()))
     }
 
     /// The messages kept from `seq` on, in order, with the first one still missing among
@@ -443,7 +441,8 @@ mod tests {
         assert_eq!(log.contiguous_after(0), Some(true), "asked of peers");
         let (taken, base) = log.fill(&[(2, vec![]), (7, vec![])]).unwrap();
         assert_eq!(taken, 1, "7 was not lost");
-        assert_eq!(base, Some((vec![root(7)], 1)));
+        let base_at = |from, entries| Some(Base { from, entries });
+        assert_eq!(base, base_at(1, vec![root(7)]));
         assert_eq!(log.fill(&[(2, vec![])]), None, "2 is filled already");
         assert_eq!(log.message(2), Some(&[][..]));
         // The rebuild: from before 1, still missing 1 and 5.
@@ -457,7 +456,7 @@ mod tests {
         log.rebase(1, vec![root(8)]);
         assert_eq!(log.checkpoints().last().map(|c| c.seq), Some(0));
         let (_, base) = log.fill(&[(1, vec![])]).unwrap();
-        assert_eq!(base, Some((vec![root(8)], 1)));
+        assert_eq!(base, base_at(1, vec![root(8)]));
         // Given up once one has waited the timeout: every missing one with it.
         log.lost(9, 10, t0, Vec::new);
         assert_eq!(log.give_up(later, Duration::from_secs(1)), 2);

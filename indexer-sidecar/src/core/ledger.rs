@@ -10,25 +10,29 @@ use super::digest;
 use super::event::KvEvent;
 use super::fleet::WorkerId;
 use super::index::CacheId;
-use super::{Core, Happened, SnapshotFrom};
+use super::{Body, Core, Happened, Message, SnapshotFrom};
 use crate::core::block_map::Entry;
 
 impl Core {
     /// Book what a message's sequence verdict says about the cache's record, before the
-    /// message is applied: clean from a known state on (the stream's first message, numbered
-    /// `start`, or an engine that restarted, empty); lost messages asked of peers, with the
-    /// cache as it is now as the base a fill rebuilds from, or, without peers, unclean.
-    #[allow(clippy::too_many_arguments)]
+    /// message is applied: clean from a known state on (the stream's first message, or an
+    /// engine that restarted, empty); lost messages asked of peers, with the cache as it is now
+    /// as the base a fill rebuilds from, or, without peers, unclean.
     pub(super) fn book_loss(
         &mut self,
         id: WorkerId,
         model: &str,
-        rank: u32,
+        m: &Message<'_>,
         verdict: Verdict,
-        start: u64,
-        seq: u64,
         now: Instant,
     ) {
+        let (rank, seq) = (m.stream, m.seq);
+        // A stream's first message is Dynamo's `event_id` 1, vLLM's `seq` 0: a later first
+        // message follows lost ones.
+        let start = match m.body {
+            Body::Dynamo(_) => 1,
+            Body::Vllm(_) => 0,
+        };
         let lost = match verdict {
             Verdict::First if seq > start => Some((start, seq)),
             Verdict::Gap { from, to } => Some((from, to)),
@@ -296,8 +300,8 @@ impl Core {
         let Some((filled, base)) = log.fill(&sound) else {
             return;
         };
-        if let Some((base, from)) = base {
-            self.rebuild(id, rank, &model, &base, from, out);
+        if let Some(base) = base {
+            self.rebuild(id, rank, &model, &base.entries, base.from, out);
         }
         out.push(Happened::Filled {
             worker: name,

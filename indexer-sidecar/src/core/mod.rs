@@ -884,11 +884,7 @@ impl Core {
         };
         // The loss is booked before the message is applied: a fill rebuilds from the cache as
         // it was just before the first lost message.
-        let start = match m.body {
-            Body::Dynamo(_) => 1,
-            Body::Vllm(_) => 0,
-        };
-        self.book_loss(id, &model, m.stream, verdict, start, m.seq, now);
+        self.book_loss(id, &model, &m, verdict, now);
         for kv in &events {
             self.apply(&name, &model, kv, out);
         }

@@ -2,6 +2,7 @@
 //! hands each to the [`super::brain::Brain`] with the facts it needs from the core, and
 //! executes what it decides. Nothing is decided here.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
@@ -16,7 +17,6 @@ use crate::core::digest::Snapshot;
 use crate::core::Input;
 use crate::metrics::Direction;
 use crate::sidecar::Sidecar;
-use std::sync::Arc;
 
 /// Entries a peer's snapshot may have (the default `[index] max_blocks_per_cache`): a peer
 /// claiming more is not believed, and cannot make this replica hold more.
