@@ -150,7 +150,13 @@ impl CacheLog {
             // those is no longer kept, it cannot be.
             if let Some((gone, _)) = self.recent.pop_front() {
                 if self.missing.keys().next().is_some_and(|&s| s < gone) {
-                    given_up = self.lose_for_good();
+                    // Those before it are lost for good, and the cache can no longer be
+                    // rebuilt exactly from before them; later ones are still filled in.
+                    let before = self.missing.len();
+                    self.missing.retain(|&s, _| s > gone);
+                    self.base = None;
+                    self.clean = false;
+                    given_up = before - self.missing.len();
                 }
             }
         }
@@ -204,18 +210,19 @@ impl CacheLog {
             .collect()
     }
 
-    /// Give up on lost messages once one has been missing for `timeout`: the cache is unclean
-    /// until a snapshot. How many.
+    /// Give up on messages missing for `timeout`: the cache is unclean until a snapshot, and
+    /// can no longer be rebuilt exactly (its base is dropped); the others are still asked for,
+    /// and applied on top when they come. How many.
     pub fn give_up(&mut self, now: Instant, timeout: Duration) -> usize {
-        let expired = self
-            .missing
-            .values()
-            .any(|since| now.saturating_duration_since(*since) >= timeout);
-        if expired {
-            self.lose_for_good()
-        } else {
-            0
+        let before = self.missing.len();
+        self.missing
+            .retain(|_, since| now.saturating_duration_since(*since) < timeout);
+        let gone = before - self.missing.len();
+        if gone > 0 {
+            self.clean = false;
+            self.base = None;
         }
+        gone
     }
 
     /// Whether lost messages are still asked of peers.
@@ -230,11 +237,13 @@ impl CacheLog {
     }
 
     /// A peer handed over lost messages: those still missing take their place in the log.
-    /// How many were taken (another peer may have handed some over first), and the base to
-    /// rebuild from with the first message to re-apply on top of it (always there while
-    /// messages are missing: see `lost` and `rebase`).
-    pub fn fill(&mut self, messages: &[(u64, Vec<KvEvent>)]) -> Option<(usize, Option<Base>)> {
+    /// How many were taken (another peer may have handed some over first), the earliest of
+    /// them, and the base to rebuild from — `None` once some were lost for good before them
+    /// (the cache is unclean then, and is rebuilt from where it stands: the messages from the
+    /// earliest one filled on, applied again on top).
+    pub fn fill(&mut self, messages: &[(u64, Vec<KvEvent>)]) -> Option<(usize, u64, Option<Base>)> {
         let mut taken = 0;
+        let mut earliest = u64::MAX;
         for (seq, events) in messages {
             if self.missing.remove(seq).is_none() {
                 continue;
@@ -243,11 +252,19 @@ impl CacheLog {
                 self.recent.insert(i, (*seq, events.clone()));
             }
             taken += 1;
+            earliest = earliest.min(*seq);
         }
         if taken == 0 {
             return None;
         }
-        Some((taken, self.base.take()))
+        // Rebuilt from where it stands, the cache re-applies from the first message still
+        // missing too, so that none is dropped from the record.
+        let from = self
+            .missing
+            .keys()
+            .next()
+            .map_or(earliest, |&m| m.min(earliest));
+        Some((taken, from, self.base.take()))
     }
 
     /// The messages kept from `seq` on, in order, with the first one still missing among
@@ -271,6 +288,16 @@ impl CacheLog {
         if self.missing.contains_key(&from) {
             self.base = Some(Base { from, entries });
         }
+    }
+
+    /// The cache changed under its checkpoints (messages applied again on top of their own
+    /// later effects): they start over at its last message.
+    pub fn recheckpoint(&mut self, blocks: usize, digest: u64) {
+        let Some(seq) = self.recent.back().map(|(s, _)| *s) else {
+            return;
+        };
+        self.checkpoints.clear();
+        self.checkpoint(seq, blocks, digest);
     }
 
     /// Record the state after message `seq`, in order (a rebuild's own checkpoints).
@@ -439,8 +466,12 @@ mod tests {
         );
         assert_eq!(log.wanted(later, Duration::from_millis(100)), vec![1, 2, 5]);
         assert_eq!(log.contiguous_after(0), Some(true), "asked of peers");
-        let (taken, base) = log.fill(&[(2, vec![]), (7, vec![])]).unwrap();
-        assert_eq!(taken, 1, "7 was not lost");
+        let (taken, earliest, base) = log.fill(&[(2, vec![]), (7, vec![])]).unwrap();
+        assert_eq!(
+            (taken, earliest),
+            (1, 1),
+            "7 was not lost; 1 is still missing"
+        );
         let base_at = |from, entries| Some(Base { from, entries });
         assert_eq!(base, base_at(1, vec![root(7)]));
         assert_eq!(log.fill(&[(2, vec![])]), None, "2 is filled already");
@@ -455,12 +486,19 @@ mod tests {
         log.restart_before(1, 1, 11);
         log.rebase(1, vec![root(8)]);
         assert_eq!(log.checkpoints().last().map(|c| c.seq), Some(0));
-        let (_, base) = log.fill(&[(1, vec![])]).unwrap();
+        let (_, _, base) = log.fill(&[(1, vec![])]).unwrap();
         assert_eq!(base, base_at(1, vec![root(8)]));
-        // Given up once one has waited the timeout: every missing one with it.
-        log.lost(9, 10, t0, Vec::new);
-        assert_eq!(log.give_up(later, Duration::from_secs(1)), 2);
-        assert!(!log.clean && !log.filling(), "5 and 9 are lost for good");
+        // Given up once it has waited the timeout; one lost later is still asked for, and
+        // filled in on top (no exact base any more).
+        log.lost(9, 10, later, Vec::new);
+        assert_eq!(log.give_up(later, Duration::from_secs(1)), 1);
+        assert_eq!(log.fill(&[(9, vec![])]), Some((1, 9, None)));
+        log.lost(11, 12, later, Vec::new);
+        assert!(
+            !log.clean && log.filling(),
+            "5 is lost for good, 11 still asked for"
+        );
+        assert_eq!(log.wanted(later, Duration::ZERO), vec![11]);
         // More than the log could re-apply is lost at once.
         let mut big = CacheLog {
             clean: true,

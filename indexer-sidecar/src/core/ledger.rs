@@ -297,11 +297,32 @@ impl Core {
             .filter(|(_, events)| events.iter().all(|e| e.dp_rank == rank))
             .cloned()
             .collect();
-        let Some((filled, base)) = log.fill(&sound) else {
+        let Some((filled, earliest, base)) = log.fill(&sound) else {
             return;
         };
-        if let Some(base) = base {
-            self.rebuild(id, rank, &model, &base.entries, base.from, out);
+        match base {
+            Some(base) => {
+                self.rebuild(id, rank, &model, &base.entries, base.from, out);
+            }
+            None => {
+                // Lost for good before these (the cache is unclean): no exact state to start
+                // from. The messages from the earliest one filled on are applied again on top,
+                // which leaves each block as the last of them to touch it says.
+                let (messages, _) = log.replay_from(earliest);
+                for (_, events) in &messages {
+                    for kv in events {
+                        self.apply(&name, &model, kv, out);
+                    }
+                }
+                let cache = CacheId {
+                    worker: id,
+                    dp_rank: rank,
+                };
+                let (held, digest) = self.cache_state(&model, cache);
+                if let Some(log) = self.fleet.get_mut(id).and_then(|w| w.logs.get_mut(&rank)) {
+                    log.recheckpoint(held, digest);
+                }
+            }
         }
         out.push(Happened::Filled {
             worker: name,
