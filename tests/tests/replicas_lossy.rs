@@ -154,9 +154,14 @@ fn alarms_on(text: &str) -> Vec<String> {
         .collect()
 }
 
+/// One scenario at a time: each runs three mockers, a frontend, two sidecars and two Envoys,
+/// which is all two cores can carry without slowing the fills the scenario measures.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// The whole scenario at `loss` (the proxy's seed `seed`): start, move replica 1 behind the
 /// proxy, run the chat over both Envoys, wait, probe both sidecars.
 async fn lossy_replica(name: &str, loss: f64, seed: u64, reconcile: bool) -> Run {
+    let _one = ONE_AT_A_TIME.lock().await;
     let started = Instant::now();
     let mut opts = StackOptions::new(name, Mode::Kvroute);
     opts.dynamo = Some(DynamoOptions {
