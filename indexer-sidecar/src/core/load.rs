@@ -88,6 +88,11 @@ const IN_FLIGHT_BLOCKS: usize = 1 << 16;
 /// follows a cache that fills up within a minute.
 const SURVIVAL_WEIGHT: f64 = 0.2;
 
+/// [`WorkerLoad::survival`] is a multiple of this: replicas whose estimates differ by a hair
+/// (each learns from its own share of the requests) weigh two holders of a prefix alike, and
+/// the rendezvous order, the same everywhere, breaks the tie.
+const SURVIVAL_STEP: f64 = 1.0 / 32.0;
+
 /// How long after its hint a request is surely counted by its engine. Reclaiming is for lost
 /// reports, which are rare, so erring long only keeps a lost ticket a few seconds more; erring
 /// short closes the tickets of running requests, whose worker then looks idler than it is and,
@@ -120,7 +125,7 @@ pub struct WorkerLoad {
     /// The open tickets' prompt blocks, each with the number of tickets that have it: blocks a
     /// running request keeps in the cache, so a request sharing them finds them there.
     in_flight_blocks: HashMap<u64, u32>,
-    /// See [`WorkerLoad::survival`]; `None` until a report says.
+    /// This replica's estimate for [`WorkerLoad::survival`]; `None` until a report says.
     survival: Option<f64>,
     /// Latest `kv_metrics` per data-parallel rank: (queued prefill blocks, KV blocks used).
     dynamo: BTreeMap<u32, (f64, f64)>,
@@ -128,6 +133,8 @@ pub struct WorkerLoad {
     settled: VecDeque<(u64, Expected)>,
     /// Per peer replica: its requests in flight here, and when it said so.
     peers: BTreeMap<String, (u32, Instant)>,
+    /// Per peer replica: its own survival estimate here, and when it said so.
+    peer_survival: BTreeMap<String, (f64, Instant)>,
     /// When the latest reports closed open tickets, oldest first (at most [`RECENT_CLOSES`],
     /// none older than the last scrape asked for).
     closed_at: VecDeque<Instant>,
@@ -235,8 +242,44 @@ impl WorkerLoad {
     /// share its engine reported cached, over the last few reports (1 before any): how much of
     /// an idle prefix survives until a request reaches it. Near 1 where the cache is large
     /// against its traffic; low where queued requests find their prefixes evicted.
+    ///
+    /// Pooled over the replicas that share load: the mean of this replica's estimate and each
+    /// peer's latest, in steps of [`SURVIVAL_STEP`]. Every replica then weighs a worker alike
+    /// once the estimates have been shared (at most a load interval after they change), so the
+    /// replicas agree on where a prompt goes; each estimate alone comes from a share of the
+    /// requests, and a hair between two replicas' estimates sent one prompt two ways.
     pub fn survival(&self) -> f64 {
-        self.survival.unwrap_or(1.0)
+        let mut all: Vec<f64> = self
+            .survival
+            .into_iter()
+            .chain(self.peer_survival.values().map(|&(s, _)| s))
+            .collect();
+        if all.is_empty() {
+            return 1.0;
+        }
+        // Summed in value order: the same set gives the same bits on every replica.
+        all.sort_by(f64::total_cmp);
+        let mean = all.iter().sum::<f64>() / all.len() as f64;
+        ((mean / SURVIVAL_STEP).round() * SURVIVAL_STEP).clamp(0.0, 1.0)
+    }
+
+    /// This replica's own estimate, learnt from the requests it routed (`None` before any):
+    /// what it shares with its peers.
+    pub fn own_survival(&self) -> Option<f64> {
+        self.survival
+    }
+
+    /// Peer replica `peer`'s own survival estimate here, as of `now` (`None`: it has none).
+    pub fn peer_survival(&mut self, peer: &str, survival: Option<f64>, now: Instant) {
+        match survival {
+            Some(s) if s.is_finite() => {
+                self.peer_survival
+                    .insert(peer.to_owned(), (s.clamp(0.0, 1.0), now));
+            }
+            _ => {
+                self.peer_survival.remove(peer);
+            }
+        }
     }
 
     /// The engine reported `cached` tokens for a request hinted with `expected`.
@@ -305,6 +348,8 @@ impl WorkerLoad {
     pub fn expire_peers(&mut self, now: Instant, ttl: Duration) -> bool {
         let before = self.peers.len();
         self.peers
+            .retain(|_, (_, at)| now.saturating_duration_since(*at) < ttl);
+        self.peer_survival
             .retain(|_, (_, at)| now.saturating_duration_since(*at) < ttl);
         self.peers.len() != before
     }
@@ -551,22 +596,50 @@ mod tests {
     fn survival_is_learnt_from_the_reports() {
         let mut w = WorkerLoad::default();
         assert_eq!(w.survival(), 1.0, "trusted until a report says otherwise");
+        let own = |w: &WorkerLoad| w.own_survival().unwrap();
         let hinted = |predicted, pinned| Expected { predicted, pinned };
         // 100 of 500 idle tokens were found: 0.2.
         w.observe(hinted(600, 100), 200);
-        assert!((w.survival() - 0.2).abs() < 1e-9);
+        assert!((own(&w) - 0.2).abs() < 1e-9);
+        assert_eq!(w.survival(), 6.0 / 32.0, "used in steps");
         // Reports that say nothing of idle blocks change nothing.
         w.observe(hinted(100, 100), 0);
         w.observe(hinted(0, 0), 0);
-        assert!((w.survival() - 0.2).abs() < 1e-9);
+        assert!((own(&w) - 0.2).abs() < 1e-9);
         // Full survival from then on moves it up by steps.
         for _ in 0..60 {
             w.observe(hinted(320, 0), 320);
         }
-        assert!(w.survival() > 0.95, "{}", w.survival());
+        assert!(own(&w) > 0.95, "{}", own(&w));
         // More found than predicted counts as all of it.
         w.observe(hinted(320, 0), 1000);
-        assert!(w.survival() <= 1.0);
+        assert!(own(&w) <= 1.0);
+    }
+
+    /// Two replicas that learnt a hair apart weigh the worker alike once they shared their
+    /// estimates; a peer's estimate goes with its load when it falls silent.
+    #[test]
+    fn replicas_pool_their_survival() {
+        let now = Instant::now();
+        let hinted = Expected {
+            predicted: 1000,
+            pinned: 0,
+        };
+        let (mut a, mut b) = (WorkerLoad::default(), WorkerLoad::default());
+        a.observe(hinted, 989);
+        b.observe(hinted, 1000);
+        b.observe(hinted, 700);
+        assert_ne!(a.survival(), b.survival());
+        a.peer_survival("b", b.own_survival(), now);
+        b.peer_survival("a", a.own_survival(), now);
+        assert_eq!(a.survival(), b.survival());
+        // (0.989 + 0.94) / 2 = 0.9645: in steps of 1/32.
+        assert_eq!(a.survival(), 31.0 / 32.0);
+        // A peer with none yet, or gone quiet, counts for nothing.
+        b.peer_survival("a", None, now);
+        assert_eq!(b.survival(), 30.0 / 32.0);
+        a.expire_peers(now + Duration::from_secs(60), Duration::from_secs(5));
+        assert_eq!(a.survival(), 32.0 / 32.0);
     }
 
     #[test]

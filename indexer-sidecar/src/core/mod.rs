@@ -240,6 +240,9 @@ pub enum Input<'a> {
         peer: &'a str,
         /// Its counts.
         in_flight: &'a [(String, u32)],
+        /// Its own survival estimates (address, share): every worker it does not list, it has
+        /// none for.
+        survival: &'a [(String, f64)],
     },
     /// Time passed: tickets past their lifetime expire, whether or not their worker is ever
     /// scraped (a lost finished-report must not load a worker forever).
@@ -721,7 +724,11 @@ impl Core {
                 rank,
                 messages,
             } => self.fill(worker, rank, messages, &mut out),
-            Input::PeerLoad { peer, in_flight } => self.peer_load(peer, in_flight, now, &mut out),
+            Input::PeerLoad {
+                peer,
+                in_flight,
+                survival,
+            } => self.peer_load(peer, in_flight, survival, now, &mut out),
             Input::Tick => {
                 self.expire(now, &mut out);
                 self.give_up(now, &mut out);
@@ -1148,15 +1155,19 @@ impl Core {
         &mut self,
         peer: &str,
         in_flight: &[(String, u32)],
+        survival: &[(String, f64)],
         now: Instant,
         out: &mut Vec<Happened>,
     ) {
         let counts: HashMap<&str, u32> = in_flight.iter().map(|(w, n)| (w.as_str(), *n)).collect();
+        let survival: HashMap<&str, f64> = survival.iter().map(|(w, s)| (w.as_str(), *s)).collect();
         let ttl = self.peer_load_ttl;
         let mut changed = Vec::new();
         for w in self.fleet.iter_mut() {
             let n = counts.get(&*w.address).copied().unwrap_or(0);
             let expired = w.load.expire_peers(now, ttl);
+            w.load
+                .peer_survival(peer, survival.get(&*w.address).copied(), now);
             if w.load.peer_in_flight(peer, n, now) || expired {
                 changed.push(w.id);
             }
@@ -1199,6 +1210,15 @@ impl Core {
                 let n = u32::try_from(w.load.own_in_flight()).unwrap_or(u32::MAX);
                 (w.address.to_string(), n)
             })
+            .collect()
+    }
+
+    /// Per worker, this replica's own survival estimate, for those it has one of: what it
+    /// shares with its peers ([`load::WorkerLoad::survival`]).
+    pub fn own_survival(&self) -> Vec<(String, f64)> {
+        self.fleet
+            .iter()
+            .filter_map(|w| Some((w.address.to_string(), w.load.own_survival()?)))
             .collect()
     }
 

@@ -1063,6 +1063,7 @@ fn peer_replicas_load_steers_cold_prompts() {
         Input::PeerLoad {
             peer: "b",
             in_flight: &busy_home,
+            survival: &[],
         },
         now,
     );
@@ -1078,6 +1079,7 @@ fn peer_replicas_load_steers_cold_prompts() {
         Input::PeerLoad {
             peer: "b",
             in_flight: &[],
+            survival: &[],
         },
         now,
     );
@@ -1086,6 +1088,7 @@ fn peer_replicas_load_steers_cold_prompts() {
         Input::PeerLoad {
             peer: "b",
             in_flight: &busy_home,
+            survival: &[],
         },
         now,
     );

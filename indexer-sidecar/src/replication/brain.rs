@@ -60,10 +60,12 @@ pub enum Event<'a> {
         /// Whether this replica serves a worker.
         serves: &'a dyn Fn(&str) -> bool,
     },
-    /// The load interval: our hinted requests in flight per worker.
+    /// The load interval: our hinted requests in flight and survival estimates per worker.
     LoadTick {
         /// (worker address, requests).
         in_flight: Vec<(String, u32)>,
+        /// (worker address, our own survival estimate).
+        survival: Vec<(String, f64)>,
     },
     /// The fill interval: our messages lost for at least a fill interval, per cache.
     FillTick {
@@ -179,7 +181,7 @@ pub struct Brain {
     reconcile: bool,
     /// Load shares go out when they change, and at least every `heartbeat`.
     heartbeat: Duration,
-    shared: (Vec<(String, u32)>, Option<Instant>),
+    shared: Option<(LoadShare, Instant)>,
     taken: HashMap<CacheKey, (Instant, Arc<Snapshot>)>,
 }
 
@@ -195,7 +197,7 @@ impl Brain {
             reconcile: config.is_some_and(|c| c.reconcile),
             heartbeat: Duration::from_millis(config.map_or(2000, |c| c.interval_ms)),
             peers: Replicas::new(me, timeout),
-            shared: (Vec::new(), None),
+            shared: None,
             taken: HashMap::new(),
         }
     }
@@ -229,7 +231,10 @@ impl Brain {
                 served,
                 serves,
             } => self.tick(mine, served, serves, now),
-            Event::LoadTick { in_flight } => self.share_load(in_flight, now),
+            Event::LoadTick {
+                in_flight,
+                survival,
+            } => self.share_load(in_flight, survival, now),
             Event::FillTick { wanted } => wanted
                 .into_iter()
                 .filter_map(|((worker, rank), seqs)| {
@@ -339,24 +344,29 @@ impl Brain {
         out
     }
 
-    /// Share our requests in flight when they changed, and every interval anyway.
-    fn share_load(&mut self, in_flight: Vec<(String, u32)>, now: Instant) -> Vec<Effect> {
-        let due = self.shared.0 != in_flight
-            || self
-                .shared
-                .1
-                .is_none_or(|t| now.saturating_duration_since(t) >= self.heartbeat);
-        if !due {
-            return Vec::new();
-        }
+    /// Share our requests in flight and survival estimates when they changed, and every
+    /// interval anyway.
+    fn share_load(
+        &mut self,
+        in_flight: Vec<(String, u32)>,
+        survival: Vec<(String, f64)>,
+        now: Instant,
+    ) -> Vec<Effect> {
         let share = LoadShare {
             replica: self.peers.me().to_owned(),
             in_flight,
+            survival,
         };
+        let due = self.shared.as_ref().is_none_or(|(last, at)| {
+            *last != share || now.saturating_duration_since(*at) >= self.heartbeat
+        });
+        if !due {
+            return Vec::new();
+        }
         let Ok(body) = serde_json::to_vec(&share) else {
             return Vec::new();
         };
-        self.shared = (share.in_flight, Some(now));
+        self.shared = Some((share, now));
         vec![Effect::Publish {
             subject: self.subjects.loads.clone(),
             reply: None,
@@ -509,25 +519,40 @@ mod tests {
         assert_eq!(tick(&mut b).len(), 2, "asked again once the transfer ended");
     }
 
-    /// Load shares go out when they change and on the heartbeat, never our own back in.
+    /// Load shares go out when they change (requests or survival) and on the heartbeat, never
+    /// our own back in.
     #[test]
     fn load_is_shared_on_change_and_heartbeat() {
         let (mut b, now) = (brain(), Instant::now());
         let load = |n| vec![("w1".to_owned(), n)];
-        assert_eq!(b.on(Event::LoadTick { in_flight: load(1) }, now).len(), 1);
-        assert!(b.on(Event::LoadTick { in_flight: load(1) }, now).is_empty());
-        assert_eq!(b.on(Event::LoadTick { in_flight: load(2) }, now).len(), 1);
+        let tick = |b: &mut Brain, n, s: f64, at| {
+            let survival = vec![("w1".to_owned(), s)];
+            b.on(
+                Event::LoadTick {
+                    in_flight: load(n),
+                    survival,
+                },
+                at,
+            )
+            .len()
+        };
+        assert_eq!(tick(&mut b, 1, 1.0, now), 1);
+        assert_eq!(tick(&mut b, 1, 1.0, now), 0);
+        assert_eq!(tick(&mut b, 2, 1.0, now), 1);
+        assert_eq!(tick(&mut b, 2, 0.9, now), 1, "survival moved");
         let later = now + Duration::from_secs(1);
-        assert_eq!(b.on(Event::LoadTick { in_flight: load(2) }, later).len(), 1);
+        assert_eq!(tick(&mut b, 2, 0.9, later), 1);
         let ours = serde_json::to_vec(&LoadShare {
             replica: "a".into(),
             in_flight: load(3),
+            survival: Vec::new(),
         })
         .unwrap();
         assert!(b.on(Event::PeerLoad(&ours), now).is_empty());
         let theirs = serde_json::to_vec(&LoadShare {
             replica: "b".into(),
             in_flight: load(3),
+            survival: Vec::new(),
         })
         .unwrap();
         assert!(

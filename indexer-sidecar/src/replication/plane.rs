@@ -93,8 +93,11 @@ pub async fn run(
                 effects
             }
             _ = load_tick.tick(), if config.share_load => {
-                let in_flight = state.core().own_in_flight();
-                state.replicate(Event::LoadTick { in_flight }, Instant::now())
+                let (in_flight, survival) = {
+                    let core = state.core();
+                    (core.own_in_flight(), core.own_survival())
+                };
+                state.replicate(Event::LoadTick { in_flight, survival }, Instant::now())
             }
             _ = fill_tick.tick(), if config.reconcile => {
                 // Lost a fill interval ago: a peer a little behind has them by now.
@@ -189,6 +192,7 @@ async fn execute(mut effects: Vec<Effect>, client: &async_nats::Client, state: &
                 let input = Input::PeerLoad {
                     peer: &share.replica,
                     in_flight: &share.in_flight,
+                    survival: &share.survival,
                 };
                 state.ingest(None, input, Instant::now());
             }

@@ -37,15 +37,19 @@ pub struct Digests {
     pub served: Vec<(String, Truth)>,
 }
 
-/// A replica's hinted requests in flight per worker (`kvroute.replicas.<group>.load`): sent
-/// when they change, at most every `load_interval_ms`, and every interval anyway; a worker not
-/// listed has none of its requests.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// A replica's hinted requests in flight and survival estimates per worker
+/// (`kvroute.replicas.<group>.load`): sent when they change, at most every `load_interval_ms`,
+/// and every interval anyway; a worker not listed has none of its requests (no estimate).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LoadShare {
     /// Its id.
     pub replica: String,
     /// (worker address, requests in flight).
     pub in_flight: Vec<(String, u32)>,
+    /// (worker address, its own survival estimate): pooled by every replica, so all weigh a
+    /// worker alike (a replica that does not send them sends none).
+    #[serde(default)]
+    pub survival: Vec<(String, f64)>,
 }
 
 /// A request for a peer's snapshot of a cache (`kvroute.replicas.<group>.snapshot.<peer>`),
