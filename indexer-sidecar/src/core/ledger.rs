@@ -146,11 +146,13 @@ impl Core {
                 // A peer's: events up to the snapshot's still on their way here are copies now.
                 let cursor = w.cursors.entry(rank).or_default();
                 cursor.last = Some(snapshot.seq);
-                cursor.warm_through = (from == SnapshotFrom::Peer).then_some(snapshot.seq);
+                let peer = matches!(from, SnapshotFrom::Peer { .. });
+                cursor.warm_through = peer.then_some(snapshot.seq);
             }
             let log = w.logs.entry(rank).or_default();
-            // Clean only if nothing is missing since the snapshot: else a fresher one is due.
-            log.clean = from == SnapshotFrom::Peer && contiguous;
+            // Clean only if the peer's copy was and nothing is missing since the snapshot:
+            // else a fresher one is due.
+            log.clean = from == SnapshotFrom::Peer { clean: true } && contiguous;
             // The copy is the peer's now: a peer that lost less lately still outranks it.
             log.lost_at = log.lost_at.max(snapshot.seq);
         }

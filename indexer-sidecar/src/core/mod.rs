@@ -203,7 +203,7 @@ pub enum Input<'a> {
     },
     /// Hinted requests that finished, with what their responses said.
     Finished(&'a [Finished]),
-    /// A clean peer's snapshot of a cache (the worker's address and rank), to repair ours.
+    /// A peer's snapshot of a cache (the worker's address and rank), to repair ours.
     Snapshot {
         /// The worker's address.
         worker: &'a str,
@@ -211,6 +211,9 @@ pub enum Input<'a> {
         rank: u32,
         /// The cache.
         snapshot: &'a digest::Snapshot,
+        /// Whether the peer's copy was clean (else ours stays unclean: both converged on a
+        /// copy that lost messages).
+        clean: bool,
     },
     /// A cache as this sidecar saved it on disk before it stopped (the worker's address and
     /// rank): its entries, until the events after it say otherwise. Unclean: events while the
@@ -252,8 +255,11 @@ pub enum Input<'a> {
 /// Where a snapshot being installed comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum SnapshotFrom {
-    /// A clean peer ([`Input::Snapshot`]).
-    Peer,
+    /// A peer ([`Input::Snapshot`]); `clean`: its copy lost nothing for good.
+    Peer {
+        /// Whether the copy is clean.
+        clean: bool,
+    },
     /// This sidecar's disk, before it restarted ([`Input::Restore`]).
     Disk,
 }
@@ -696,8 +702,10 @@ impl Core {
                 worker,
                 rank,
                 snapshot,
+                clean,
             } => {
-                let installed = self.install(worker, rank, snapshot, SnapshotFrom::Peer, &mut out);
+                let from = SnapshotFrom::Peer { clean };
+                let installed = self.install(worker, rank, snapshot, from, &mut out);
                 out.push(Happened::Repaired {
                     worker: worker.to_owned(),
                     rank,

@@ -880,6 +880,7 @@ fn a_peer_snapshot_repairs_a_cache_that_lost_events() {
             worker: "127.0.0.1:9000",
             rank: 0,
             snapshot: &snapshot,
+            clean: true,
         },
         now,
     );

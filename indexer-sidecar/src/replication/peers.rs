@@ -42,6 +42,17 @@ pub enum Why {
         /// The same of the peer's.
         theirs_lost_at: u64,
     },
+    /// No peer holds a clean copy, and ours stayed behind the peer's unclean one (`behind`)
+    /// or both lost messages for good and disagree: converge on the peer's (ahead, or it lost
+    /// messages less lately, or its id is the lower), which stays unclean here too.
+    NoCleanCopy {
+        /// Ours stayed behind the peer's (else the two disagree).
+        behind: bool,
+        /// The latest message before which ours lost some.
+        ours_lost_at: u64,
+        /// The same of the peer's.
+        theirs_lost_at: u64,
+    },
 }
 
 impl Why {
@@ -55,20 +66,40 @@ impl Why {
                 ours_lost_at,
                 theirs_lost_at,
             } if ours_lost_at == theirs_lost_at => format!(
-                "the copies disagree after the same message and neither lost messages more                  lately (both at {ours_lost_at}): taking the lower replica id's copy"
+                "the copies disagree after the same message and neither lost messages more \
+                 lately (both at {ours_lost_at}): taking the lower replica id's copy"
             ),
             Why::Divergent {
                 ours_lost_at,
                 theirs_lost_at,
             } => format!(
-                "the copies disagree after the same message; ours lost messages at                  {ours_lost_at}, the peer's {}",
+                "the copies disagree after the same message; ours lost messages at \
+                 {ours_lost_at}, the peer's {}",
                 if *theirs_lost_at == 0 {
                     "never".to_owned()
                 } else {
                     format!("at {theirs_lost_at}")
                 }
             ),
+            Why::NoCleanCopy { behind: true, .. } => "ours stayed behind the peer's, and no \
+                 replica has a clean copy: taking the peer's, still unclean"
+                .into(),
+            Why::NoCleanCopy {
+                ours_lost_at,
+                theirs_lost_at,
+                ..
+            } => format!(
+                "both copies lost messages for good (ours at {ours_lost_at}, the peer's at \
+                 {theirs_lost_at}) and disagree, and no replica has a clean one: converging on \
+                 the peer's, still unclean"
+            ),
         }
+    }
+
+    /// Whether the copy taken is as clean as the peer says its own is: not when no clean
+    /// copy existed.
+    pub fn takes_clean_copy(&self) -> bool {
+        !matches!(self, Why::NoCleanCopy { .. })
     }
 }
 
@@ -133,11 +164,14 @@ impl Replicas {
             .iter()
             .map(|m| ((m.worker.clone(), m.rank), m))
             .collect();
-        let mut out: BTreeMap<CacheKey, (Why, (u64, &str))> = BTreeMap::new();
+        let mut out: BTreeMap<CacheKey, (Why, (bool, u64, &str))> = BTreeMap::new();
         for (peer, p) in &self.peers {
-            for (key, theirs) in p.caches.iter().filter(|(_, c)| c.clean) {
+            for (key, theirs) in &p.caches {
                 let why = match ours.get(key) {
-                    None => (!theirs.checkpoints.is_empty()).then_some(Why::Missing),
+                    None if theirs.clean => {
+                        (!theirs.checkpoints.is_empty()).then_some(Why::Missing)
+                    }
+                    None => None,
                     Some(m) => {
                         let behind = p.behind_since.get(key).is_some_and(|(seq, since)| {
                             m.checkpoints.last().map(|c| c.seq) == Some(*seq)
@@ -151,9 +185,18 @@ impl Replicas {
                                 && p.divergent_since.get(key).is_some_and(|since| {
                                     now.saturating_duration_since(*since) >= 2 * stuck
                                 });
-                        if behind {
+                        let unclean = !m.clean && !m.filling;
+                        if !theirs.clean {
+                            // Only to converge, ranked after every clean copy.
+                            let diverged = divergent && outranked && unclean;
+                            ((behind || diverged) && !theirs.filling).then_some(Why::NoCleanCopy {
+                                behind,
+                                ours_lost_at: m.lost_at,
+                                theirs_lost_at: theirs.lost_at,
+                            })
+                        } else if behind {
                             Some(Why::Behind)
-                        } else if !m.clean && !m.filling && !agree {
+                        } else if unclean && !agree {
                             Some(Why::Unclean)
                         } else if divergent && outranked {
                             Some(Why::Divergent {
@@ -168,8 +211,8 @@ impl Replicas {
                 let Some(why) = why else {
                     continue;
                 };
-                // The copy that lost least lately, of every peer that would do.
-                let rank = (theirs.lost_at, peer.as_str());
+                // A clean copy first; the one that lost least lately, of every peer that would do.
+                let rank = (!theirs.clean, theirs.lost_at, peer.as_str());
                 match out.get(key) {
                     Some((_, best)) if *best <= rank => {}
                     _ => {
@@ -179,7 +222,7 @@ impl Replicas {
             }
         }
         out.into_iter()
-            .map(|(key, (why, (_, peer)))| (peer.to_owned(), key, why))
+            .map(|(key, (why, (_, _, peer)))| (peer.to_owned(), key, why))
             .collect()
     }
 
@@ -219,7 +262,11 @@ impl Replicas {
     /// Whether this replica holds what its peers can give it: no cache waits for a clean
     /// peer's copy. `false` before any peer was heard (the caller decides how long to wait).
     pub fn warm(&self, mine: &[CacheReport], now: Instant) -> bool {
-        !self.peers.is_empty() && self.wanted(mine, now).is_empty()
+        !self.peers.is_empty()
+            && self
+                .wanted(mine, now)
+                .iter()
+                .all(|(_, _, why)| !why.takes_clean_copy())
     }
 
     /// Whether any peer was heard.
@@ -506,6 +553,70 @@ mod tests {
         theirs.clean = false;
         r.observe(from("b", vec![theirs]), &[mine.clone()], now);
         assert!(r.repairs(&[mine], now).is_empty(), "no clean peer");
+    }
+
+    /// Two copies that both lost messages for good and disagree (both replicas lost the same
+    /// message): after two intervals the one outranked (lost more lately, or the higher id)
+    /// takes the other's, which stays unclean; the other takes nothing. Neither takes an
+    /// unclean copy while a fill may still come, nor when they agree.
+    #[test]
+    fn unclean_copies_that_disagree_converge_on_one() {
+        let now = Instant::now();
+        let later = now + Duration::from_secs(4);
+        let unclean = |lost_at: u64, digest: u64| CacheReport {
+            lost_at,
+            clean: false,
+            ..report("w1", &[(5, digest)])
+        };
+        let mut a = Replicas::new("a".into(), Duration::from_secs(6));
+        let mut b = Replicas::new("b".into(), Duration::from_secs(6));
+        let (ours, theirs) = ([unclean(4, 50)], [unclean(4, 51)]);
+        for at in [now, later] {
+            a.observe(from("b", theirs.to_vec()), &ours, at);
+            b.observe(from("a", ours.to_vec()), &theirs, at);
+        }
+        assert!(a.repairs(&ours, later).is_empty(), "a's id is the lower");
+        let asked = b.repairs(&theirs, later);
+        assert_eq!(asked.len(), 1, "{asked:?}");
+        let why = asked[0].2;
+        assert!(
+            matches!(why, Why::NoCleanCopy { behind: false, .. }),
+            "{why:?}"
+        );
+        assert!(!why.takes_clean_copy());
+        // Not before two intervals; not while ours is still filling.
+        let mut c = Replicas::new("c".into(), Duration::from_secs(6));
+        c.observe(from("a", ours.to_vec()), &theirs, now);
+        assert!(c.repairs(&theirs, now).is_empty());
+        let filling = [CacheReport {
+            filling: true,
+            ..unclean(4, 51)
+        }];
+        c.observe(from("a", ours.to_vec()), &filling, later);
+        assert!(c.repairs(&filling, later).is_empty());
+        // Behind an unclean peer (our last message lost, none after it), with no clean copy
+        // anywhere: its copy, after an interval.
+        let mut d = Replicas::new("d".into(), Duration::from_secs(6));
+        let mine = [report("w1", &[(8, 80)])];
+        let ahead = || {
+            let t = CacheReport {
+                lost_at: 4,
+                clean: false,
+                ..report("w1", &[(8, 80), (9, 90)])
+            };
+            from("a", vec![t])
+        };
+        d.observe(ahead(), &mine, now);
+        assert!(
+            d.repairs(&mine, now).is_empty(),
+            "a message may be in flight"
+        );
+        d.observe(ahead(), &mine, later);
+        let asked = d.repairs(&mine, later);
+        assert!(
+            matches!(&asked[..], [(_, _, Why::NoCleanCopy { behind: true, .. })]),
+            "{asked:?}"
+        );
     }
 
     /// A cache a clean peer holds and we do not is wanted (the warm start); once ours agrees

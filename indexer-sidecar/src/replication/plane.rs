@@ -167,7 +167,10 @@ async fn execute(mut effects: Vec<Effect>, client: &async_nats::Client, state: &
                 cache,
                 why,
             } => {
-                if matches!(why, Why::Divergent { .. } | Why::Unclean) {
+                if matches!(
+                    why,
+                    Why::Divergent { .. } | Why::Unclean | Why::NoCleanCopy { .. }
+                ) {
                     tracing::warn!(%peer, worker = %cache.0, rank = cache.1, why = %why.describe(), "replica plane: taking a peer's copy of a cache");
                 }
                 let (client, state) = (client.clone(), state.clone());
@@ -178,6 +181,7 @@ async fn execute(mut effects: Vec<Effect>, client: &async_nats::Client, state: &
                                 worker: &cache.0,
                                 rank: cache.1,
                                 snapshot: &snapshot,
+                                clean: why.takes_clean_copy(),
                             };
                             state.ingest(None, input, Instant::now());
                         }
