@@ -18,6 +18,7 @@ pub type Target = fn(&[u8]);
 pub const TARGETS: &[(&str, Target)] = &[
     ("vllm_batch", vllm_batch),
     ("dynamo_message", dynamo_message),
+    ("dynamo_zmq_message", dynamo_zmq_message),
     ("hint_request", hint_request),
     ("llm_request", llm_request),
     ("chat_template", chat_template),
@@ -35,6 +36,19 @@ pub fn vllm_batch(data: &[u8]) {
 pub fn dynamo_message(data: &[u8]) {
     let _ = kvroute_protocol::dynamo::decode_message(data);
     let _ = kvroute_protocol::dynamo::decode_kv_metrics(data);
+}
+
+/// Dynamo ZMQ event-plane messages, as capture files hold them (each frame a u32 big-endian
+/// length and its bytes): the four frames, the envelope, and both payload kinds.
+pub fn dynamo_zmq_message(data: &[u8]) {
+    use kvroute_protocol::dynamo_zmq::{decode_frames, frame_payload, split_capture};
+    let _ = frame_payload(data);
+    if let Some(frames) = split_capture(data) {
+        if let Ok(m) = decode_frames(&frames) {
+            let _ = m.kv_events();
+            let _ = m.kv_metrics();
+        }
+    }
 }
 
 /// What the sidecar reads from the filter: hint requests and finished reports.

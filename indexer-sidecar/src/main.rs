@@ -289,8 +289,17 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             .spawn(move || transports::zmq::run(zmq, state))
             .context("starting a ZMQ subscriber thread")?;
     }
-    for discovery in config.dynamo_discovery.clone() {
-        tasks.spawn(observers::discovery::run(discovery, state.clone()));
+    // Dynamo's default event plane (ZMQ): its publishers are found in the discovery records.
+    let zmq_plane = match config.dynamo_discovery.is_empty() {
+        true => None,
+        false => Some(
+            transports::dynamo_zmq::start(state.clone(), config.nats.is_some())
+                .context("starting the Dynamo ZMQ event plane's thread")?,
+        ),
+    };
+    for (i, discovery) in config.dynamo_discovery.clone().into_iter().enumerate() {
+        let follow = zmq_plane.as_ref().map(|p| p.entry(i));
+        tasks.spawn(observers::discovery::run(discovery, state.clone(), follow));
     }
     tasks.spawn({
         let state = state.clone();
@@ -310,7 +319,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             }
         }
     });
-    if config.nats.is_none() && config.zmq.is_empty() {
+    if config.nats.is_none() && config.zmq.is_empty() && config.dynamo_discovery.is_empty() {
         tracing::warn!("neither [nats] nor [[zmq]] configured: no KV events will arrive, every request goes to the least loaded worker");
     }
     tokio::select! {

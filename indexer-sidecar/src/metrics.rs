@@ -45,6 +45,20 @@ label_values!(
 );
 
 label_values!(
+    /// Which part of the routing rule decided a hint ([`crate::core::policy::Rule`]).
+    HintRule {
+        /// The cheapest worker holds the longest match.
+        LongestMatch => "longest_match",
+        /// Load outweighed the longest match: a less busy worker.
+        LeastLoaded => "least_loaded",
+        /// Nothing useful matched: the prompt's home or the least loaded.
+        NoMatch => "no_match",
+        /// A popular prefix spread to one more holder.
+        Spread => "spread",
+    }
+);
+
+label_values!(
     /// A KV event's kind.
     EventType {
         /// Blocks stored.
@@ -63,6 +77,8 @@ label_values!(
         Nats => "nats",
         /// ZMQ (vLLM).
         Zmq => "zmq",
+        /// Dynamo's ZMQ event plane (publishers found in discovery).
+        DynamoZmq => "dynamo_zmq",
     }
 );
 
@@ -248,6 +264,13 @@ pub struct HintLabels {
     pub result: HintResult,
 }
 
+/// `{rule}` of `kvroute_hint_rules_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct RuleLabel {
+    /// Which part of the rule decided.
+    pub rule: HintRule,
+}
+
 /// `{subject, type}` of `kvroute_events_total`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct EventLabels {
@@ -255,6 +278,13 @@ pub struct EventLabels {
     pub subject: String,
     /// The event's kind.
     pub r#type: EventType,
+}
+
+/// `{topic}` of `kvroute_dynamo_zmq_lost_messages_total`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct TopicLabel {
+    /// `kv-events` or `kv_metrics`.
+    pub topic: String,
 }
 
 /// `{source}`: which transport.
@@ -371,6 +401,8 @@ pub struct Metrics {
     pub hints: Family<HintLabels, Counter>,
     /// Sum of matched blocks over hinted requests.
     pub hint_matched_blocks: Counter,
+    /// Hints that named a worker, by the part of the rule that chose it.
+    pub hint_rules: Family<RuleLabel, Counter>,
     /// Blocks the index holds per worker.
     pub index_blocks: Family<WorkerLabel, Gauge>,
     /// Events applied, by subject (or endpoint) and type.
@@ -381,6 +413,9 @@ pub struct Metrics {
     pub source_errors: Family<SourceLabel, Counter>,
     /// Array elements of a message that were not events we know, by source.
     pub skipped_events: Family<SourceLabel, Counter>,
+    /// Dynamo ZMQ event-plane messages lost on the way (gaps in a publisher's sequence), by
+    /// topic.
+    pub dynamo_zmq_lost_messages: Family<TopicLabel, Counter>,
     /// Events from a worker id that is not configured.
     pub unknown_worker_events: Family<PublisherLabel, Counter>,
     /// Stores whose parent block was unknown, by worker.
@@ -468,6 +503,7 @@ impl Default for Metrics {
         Metrics {
             hints: family(&mut r, "hints", "Hint requests by result"),
             hint_matched_blocks: counter(&mut r, "hint_matched_blocks", "Matched blocks summed over hinted requests"),
+            hint_rules: family(&mut r, "hint_rules", "Hints that named a worker, by the part of the routing rule that chose it"),
             index_blocks: family(&mut r, "index_blocks", "Blocks indexed per worker"),
             events: family(&mut r, "events", "KV events applied by subject and type"),
             decode_errors: family(&mut r, "decode_errors", "Messages that did not decode"),
@@ -477,6 +513,7 @@ impl Default for Metrics {
                 "Event source failures: connection attempts, handshakes, sessions",
             ),
             skipped_events: family(&mut r, "skipped_events", "Elements of a message that were not known events"),
+            dynamo_zmq_lost_messages: family(&mut r, "dynamo_zmq_lost_messages", "Dynamo ZMQ event-plane messages lost on the way here (gaps in a publisher's sequence numbers), by topic"),
             unknown_worker_events: family(&mut r, "unknown_worker_events", "Events from workers not in the configuration"),
             orphan_stores: family(&mut r, "orphan_stores", "Stored events whose parent block is unknown"),
             unknown_removals: counter(&mut r, "unknown_removals", "Removed blocks the index did not hold"),

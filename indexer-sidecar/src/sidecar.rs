@@ -51,10 +51,11 @@ use crate::event_plane::{Activity, Alarm, EventPlane};
 use crate::explain::ExplainLog;
 use crate::metrics::{
     AgreementLabel, AgreementValue, AlarmLabels, Direction, DirectionLabel, EventLabels, EventType,
-    HintLabels, HintResult, LostLabel, LostOutcome, Metrics, PredictionLabels, PredictionOutcome,
-    PublisherLabel, RejectLabels, RejectReason, RepairKind, RepairLabel, ReplicaWorkerLabels,
-    RestoreLabel, RestoreOutcome, RoleLabels, RoleValue, SequenceKind, SequenceLabels,
-    ServedLabels, SourceLabel, TicketHow, TicketLabel, Transport, UsageKind, WorkerLabel,
+    HintLabels, HintResult, HintRule, LostLabel, LostOutcome, Metrics, PredictionLabels,
+    PredictionOutcome, PublisherLabel, RejectLabels, RejectReason, RepairKind, RepairLabel,
+    ReplicaWorkerLabels, RestoreLabel, RestoreOutcome, RoleLabels, RoleValue, RuleLabel,
+    SequenceKind, SequenceLabels, ServedLabels, SourceLabel, TicketHow, TicketLabel, Transport,
+    UsageKind, WorkerLabel,
 };
 use crate::replication::brain::{Brain, Effect, Event};
 use crate::replication::peers::Change;
@@ -769,6 +770,18 @@ impl Sidecar {
             .hints
             .get_or_create(&HintLabels { result })
             .inc();
+        if resp.has_target() {
+            let rule = match hint.decision.rule {
+                Rule::LongestMatch => HintRule::LongestMatch,
+                Rule::LeastLoaded => HintRule::LeastLoaded,
+                Rule::NoMatch => HintRule::NoMatch,
+                Rule::Spread => HintRule::Spread,
+            };
+            self.metrics
+                .hint_rules
+                .get_or_create(&RuleLabel { rule })
+                .inc();
+        }
         self.explain(req, request_id, &resp, &hint.decision);
         Some(resp)
     }

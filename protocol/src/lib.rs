@@ -7,10 +7,13 @@
 //! - [`hint`]: the filter ↔ sidecar hint exchange (`POST /v1/hint`).
 //! - [`bundle`]: the model bundle the filter fetches from the sidecar (tokenizer, template, block size).
 //! - [`dynamo`]: NVIDIA Dynamo's KV-event wire format on NATS (msgpack envelope and `RouterEvent`).
+//! - [`dynamo_zmq`]: Dynamo's ZMQ event plane (the default): four-frame messages around the
+//!   same envelope.
 //! - [`vllm`]: vLLM's native KV-event stream on ZMQ (frames, batches, both event encodings).
 
 pub mod bundle;
 pub mod dynamo;
+pub mod dynamo_zmq;
 pub mod hash;
 pub mod headers;
 pub mod hint;

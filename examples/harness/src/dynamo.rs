@@ -1,5 +1,6 @@
 //! A real NVIDIA Dynamo 1.6.1 fleet on loopback: mocker workers (Dynamo's own engine simulator,
-//! publishing real KV events on NATS and real file-discovery records) behind a real Dynamo
+//! publishing real KV events on NATS, or on Dynamo's default ZMQ event plane, and real
+//! file-discovery records) behind a real Dynamo
 //! frontend, from the project's `.venv-dynamo` (`make venv-dynamo`).
 
 use std::path::Path;
@@ -34,6 +35,10 @@ pub struct DynamoOptions {
     /// Workers publish vLLM's ZMQ format with a replay socket too (`--zmq-kv-events-ports`,
     /// `--zmq-replay-ports`; Dynamo relays the events to NATS), and the sidecar reads them there.
     pub zmq_events: bool,
+    /// `--event-plane` / `DYN_EVENT_PLANE` for every Dynamo process: `Some("nats")` (the
+    /// default here, for the tests that read NATS), or `None`: Dynamo's own default, ZMQ, whose
+    /// publishers kvroute finds in the discovery records.
+    pub event_plane: Option<String>,
 }
 
 impl Default for DynamoOptions {
@@ -47,6 +52,7 @@ impl Default for DynamoOptions {
             speedup_ratio: 10.0,
             router_mode: "kv".into(),
             zmq_events: false,
+            event_plane: Some("nats".into()),
         }
     }
 }
@@ -63,13 +69,16 @@ pub struct DynamoFleet {
 }
 
 /// The environment every Dynamo process gets: the stack's NATS, file discovery under `dir`,
-/// every listener on loopback.
-fn dynamo_env(cmd: &mut Command, nats_url: &str, discovery: &Path) {
+/// the event plane `opts` asks for (none: Dynamo's default), every listener on loopback.
+fn dynamo_env(cmd: &mut Command, opts: &DynamoOptions, nats_url: &str, discovery: &Path) {
+    match &opts.event_plane {
+        Some(plane) => cmd.env("DYN_EVENT_PLANE", plane),
+        None => cmd.env_remove("DYN_EVENT_PLANE"),
+    };
     cmd.env("NATS_SERVER", nats_url)
         .env("DYN_DISCOVERY_BACKEND", "file")
         .env("DYN_FILE_KV", discovery)
         .env("DYN_REQUEST_PLANE", "tcp")
-        .env("DYN_EVENT_PLANE", "nats")
         .env("DYN_TCP_RPC_HOST", "127.0.0.1")
         .env("DYN_TCP_RESPONSE_STREAM_HOST", "127.0.0.1")
         .env("DYN_EVENT_PLANE_HOST", "127.0.0.1")
@@ -92,14 +101,8 @@ pub fn worker_command(
     cmd.args(["-m", "dynamo.mocker", "--model-path"])
         .arg(paths::model_dir())
         .args(["--model-name", MODEL])
-        .args([
-            "--discovery-backend",
-            "file",
-            "--event-plane",
-            "nats",
-            "--request-plane",
-            "tcp",
-        ])
+        .args(["--discovery-backend", "file", "--request-plane", "tcp"])
+        .args(event_plane_args(opts))
         .args(["--block-size", &opts.block_size.to_string()])
         .args([
             "--num-gpu-blocks-override",
@@ -111,9 +114,17 @@ pub fn worker_command(
         cmd.args(["--zmq-kv-events-ports", &events.to_string()])
             .args(["--zmq-replay-ports", &replay.to_string()]);
     }
-    dynamo_env(&mut cmd, nats_url, discovery);
+    dynamo_env(&mut cmd, opts, nats_url, discovery);
     cmd.env("DYN_TCP_RPC_PORT", port.to_string());
     Ok(cmd)
+}
+
+/// `--event-plane <plane>`, or nothing for Dynamo's default.
+fn event_plane_args(opts: &DynamoOptions) -> Vec<String> {
+    match &opts.event_plane {
+        Some(plane) => vec!["--event-plane".into(), plane.clone()],
+        None => Vec::new(),
+    }
 }
 
 /// Start the workers (logs in `dir`, file discovery under `discovery`), wait until each has
@@ -163,16 +174,10 @@ pub async fn start(
     cmd.args(["-m", "dynamo.frontend", "--http-host", "127.0.0.1"])
         .args(["--http-port", &port.to_string()])
         .args(["--router-mode", &opts.router_mode])
-        .args([
-            "--discovery-backend",
-            "file",
-            "--request-plane",
-            "tcp",
-            "--event-plane",
-            "nats",
-        ])
+        .args(["--discovery-backend", "file", "--request-plane", "tcp"])
+        .args(event_plane_args(opts))
         .args(["--kv-cache-block-size", &opts.block_size.to_string()]);
-    dynamo_env(&mut cmd, nats_url, discovery);
+    dynamo_env(&mut cmd, opts, nats_url, discovery);
     processes.push(Process::spawn("dynamo-frontend", cmd, dir)?);
     let frontend = format!("127.0.0.1:{port}");
     let http = reqwest::Client::new();

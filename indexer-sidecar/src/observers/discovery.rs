@@ -9,7 +9,15 @@
 //!   (`worker_kv_query_source_…`), which are not request targets;
 //! - `v1/mdc/dynamo%2Fbackend%2Fgenerate%2F<instance hex>`: the model card (`card_json`:
 //!   `display_name`, `worker_type` = `aggregated` | `prefill` | `decode`, `kv_cache_block_size`,
-//!   `runtime_config.total_kv_blocks`). Absent when the worker self-hosts its card.
+//!   `runtime_config.total_kv_blocks`). Absent when the worker self-hosts its card;
+//! - `v1/event_channels/namespace%2F<ns>%2Fcomponent%2F<comp>%2Fendpoint%2F<ep>%2Ftopic%2F<topic>%2F<id hex>`:
+//!   an `EventChannel` record per publisher and topic (`kv-events`, `kv_metrics`, …):
+//!   `{"scope": {"kind": "endpoint", "endpoint": {namespace, component, name}}, "topic",
+//!   "instance_id", "transport": {"kind": "Zmq", "config": {"endpoint": "tcp://…"}}}` on Dynamo's
+//!   default event plane (`Nats` with a `subject_prefix` under `--event-plane nats`). Its
+//!   `instance_id` is the publisher's id (the ZMQ messages' second frame), not the worker's; the
+//!   worker registers a helper endpoint `worker_kv_query_source_<publisher hex>` under its own
+//!   instance id, which ties a `kv-events` channel to its worker.
 //!
 //! Records are refreshed every few seconds and removed about 8 s after their worker dies
 //! (measured: SIGKILL to removal, 7.8 s). Nested directories (`v1/instances/<ns>/<component>/
@@ -124,6 +132,160 @@ pub fn parse_card(bytes: &[u8]) -> Result<ModelCard, String> {
     })
 }
 
+/// How an event channel's publisher can be reached.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChannelTransport {
+    /// Dynamo's default event plane: a ZMQ PUB socket bound at this endpoint (`tcp://ip:port`).
+    Zmq(String),
+    /// `--event-plane nats`: NATS subjects under this prefix.
+    Nats(String),
+    /// A transport this sidecar does not read.
+    Other(String),
+}
+
+/// One `EventChannel` record: a publisher of one topic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventChannel {
+    /// Dynamo namespace of its scope.
+    pub namespace: String,
+    /// Component of its scope (empty for a namespace-wide channel).
+    pub component: String,
+    /// `kv-events`, `kv_metrics`, `forward-pass-metrics`, …
+    pub topic: String,
+    /// The publisher id (the record's `instance_id`; the messages' second frame).
+    pub publisher_id: u64,
+    /// Where it publishes.
+    pub transport: ChannelTransport,
+    /// The worker's instance id, when a `worker_kv_query_source_<publisher hex>` record names
+    /// it (Dynamo registers one per `kv-events` channel).
+    pub worker: Option<u64>,
+}
+
+impl EventChannel {
+    /// `namespace/component`, as the core binds workers to components.
+    pub fn component_path(&self) -> String {
+        format!("{}/{}", self.namespace, self.component)
+    }
+
+    /// The ZMQ endpoint, when it publishes on ZMQ.
+    pub fn zmq_endpoint(&self) -> Option<&str> {
+        match &self.transport {
+            ChannelTransport::Zmq(endpoint) => Some(endpoint),
+            _ => None,
+        }
+    }
+}
+
+/// The prefix of the helper endpoint a worker registers for each of its `kv-events` channels;
+/// the publisher id in hex follows.
+const KV_QUERY_SOURCE: &str = "worker_kv_query_source_";
+
+/// One discovery entry's handle on an event plane that follows publishers (the Dynamo ZMQ
+/// plane, `crate::transports::dynamo_zmq`): where its scans send their channels, and how it
+/// hears that a publisher went away (its worker's request plane is then probed at once).
+#[derive(Debug, Clone)]
+pub struct Follow {
+    entry: usize,
+    tx: std::sync::mpsc::Sender<(usize, Vec<EventChannel>)>,
+    gone: tokio::sync::watch::Receiver<u64>,
+}
+
+impl Follow {
+    /// The entry's channels as its last scan found them (every topic and transport; this
+    /// transport keeps the ZMQ `kv-events` and `kv_metrics` ones).
+    pub fn publishers(&self, channels: Vec<EventChannel>) {
+        // The thread lives as long as the process: a send cannot fail but at exit.
+        let _ = self.tx.send((self.entry, channels));
+    }
+
+    /// Entry `entry`'s handle on a plane that takes channels on `tx` and bumps `gone` when a
+    /// publisher leaves.
+    pub fn new(
+        entry: usize,
+        tx: std::sync::mpsc::Sender<(usize, Vec<EventChannel>)>,
+        gone: tokio::sync::watch::Receiver<u64>,
+    ) -> Self {
+        Follow { entry, tx, gone }
+    }
+
+    /// Resolves when a `kv-events` publisher's connection closed since the last call: a
+    /// worker probably stopped.
+    pub async fn publisher_left(&mut self) {
+        if self.gone.changed().await.is_err() {
+            // The plane's thread is gone (the process ends): nothing more will leave.
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// `endpoint` (`tcp://host:port`) with a wildcard host (`0.0.0.0`, `[::]`, `*`) replaced by the
+/// host of `address` (`ip:port`, a worker's request plane); otherwise unchanged.
+pub fn reachable(endpoint: &str, address: &str) -> String {
+    let Some(rest) = endpoint.strip_prefix("tcp://") else {
+        return endpoint.to_owned();
+    };
+    let Some((host, port)) = rest.rsplit_once(':') else {
+        return endpoint.to_owned();
+    };
+    let Some((worker_host, _)) = address.rsplit_once(':') else {
+        return endpoint.to_owned();
+    };
+    match host {
+        "0.0.0.0" | "[::]" | "*" => format!("tcp://{worker_host}:{port}"),
+        _ => endpoint.to_owned(),
+    }
+}
+
+/// An event-channel record, or why the file is not one.
+pub fn parse_event_channel(bytes: &[u8]) -> Result<EventChannel, String> {
+    let v: Value = serde_json::from_slice(bytes).map_err(|e| format!("not JSON: {e}"))?;
+    if v.get("type").and_then(Value::as_str) != Some("EventChannel") {
+        return Err("not an EventChannel record".into());
+    }
+    let publisher_id = v
+        .get("instance_id")
+        .and_then(Value::as_u64)
+        .ok_or("no u64 instance_id")?;
+    let topic = v
+        .get("topic")
+        .and_then(Value::as_str)
+        .ok_or("no topic")?
+        .to_owned();
+    // `{"kind": "endpoint", "endpoint": {namespace, component, name}}`; a component scope
+    // names its component `name`.
+    let scope = v.get("scope").ok_or("no scope")?;
+    let kind = scope.get("kind").and_then(Value::as_str).unwrap_or("");
+    let inner = scope.get(kind).unwrap_or(scope);
+    let text = |name: &str| inner.get(name).and_then(Value::as_str);
+    let namespace = text("namespace").ok_or("no scope namespace")?.to_owned();
+    let component = text("component")
+        .or_else(|| (kind == "component").then(|| text("name")).flatten())
+        .unwrap_or("")
+        .to_owned();
+    let config = |name: &str| {
+        v.pointer(&format!("/transport/config/{name}"))
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_owned()
+    };
+    let transport = match v.pointer("/transport/kind").and_then(Value::as_str) {
+        Some("Zmq") => match config("endpoint") {
+            e if e.is_empty() => return Err("a Zmq channel without an endpoint".into()),
+            e => ChannelTransport::Zmq(e),
+        },
+        Some("Nats") => ChannelTransport::Nats(config("subject_prefix")),
+        other => ChannelTransport::Other(other.unwrap_or("none").to_owned()),
+    };
+    Ok(EventChannel {
+        namespace,
+        component,
+        topic,
+        publisher_id,
+        transport,
+        worker: None,
+    })
+}
+
 /// An instance kvroute may route to, or knows the frontend routes to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Instance {
@@ -151,6 +313,9 @@ pub struct Scan {
     /// `namespace/component/endpoint` of every record that did not match, with counts: what
     /// the no-instances warning shows.
     pub elsewhere: BTreeMap<String, usize>,
+    /// The entry's event channels (its namespace, and component when one is configured), by
+    /// publisher id.
+    pub channels: BTreeMap<u64, EventChannel>,
 }
 
 impl Scan {
@@ -184,9 +349,11 @@ impl Scan {
 
 /// How deep nested layouts go below a bucket (`<ns>/<component>/<endpoint>/<id>`).
 const MAX_DEPTH: usize = 4;
+/// The same for event channels (`namespace/<ns>/component/<comp>/endpoint/<ep>/topic/<t>/<id>`).
+const MAX_CHANNEL_DEPTH: usize = 10;
 
 /// Every record file under a bucket directory, flat or nested; a missing bucket holds none.
-fn record_files(bucket: &Path) -> std::io::Result<Vec<PathBuf>> {
+fn record_files(bucket: &Path, max_depth: usize) -> std::io::Result<Vec<PathBuf>> {
     let mut out = Vec::new();
     let mut dirs = vec![(bucket.to_path_buf(), 0)];
     while let Some((dir, depth)) = dirs.pop() {
@@ -202,7 +369,7 @@ fn record_files(bucket: &Path) -> std::io::Result<Vec<PathBuf>> {
             }
             let path = entry.path();
             if path.is_dir() {
-                if depth < MAX_DEPTH {
+                if depth < max_depth {
                     dirs.push((path, depth + 1));
                 }
             } else if path.is_file() {
@@ -220,7 +387,7 @@ fn record_files(bucket: &Path) -> std::io::Result<Vec<PathBuf>> {
 /// are decode workers.
 pub fn scan(root: &Path, config: &DiscoveryConfig) -> std::io::Result<Scan> {
     let mut cards: BTreeMap<u64, ModelCard> = BTreeMap::new();
-    for path in record_files(&root.join("v1/mdc"))? {
+    for path in record_files(&root.join("v1/mdc"), MAX_DEPTH)? {
         // A record being rewritten may be empty or cut: skip it this scan.
         if let Ok(card) = std::fs::read(&path)
             .map_err(|e| e.to_string())
@@ -231,7 +398,10 @@ pub fn scan(root: &Path, config: &DiscoveryConfig) -> std::io::Result<Scan> {
     }
     let mut scan = Scan::default();
     let mut found = Vec::new();
-    for path in record_files(&root.join("v1/instances"))? {
+    // Publisher id -> the worker whose `worker_kv_query_source_<publisher hex>` record it is,
+    // and that worker's request-plane address.
+    let mut query_sources: BTreeMap<u64, (u64, String)> = BTreeMap::new();
+    for path in record_files(&root.join("v1/instances"), MAX_DEPTH)? {
         let Ok(bytes) = std::fs::read(&path) else {
             continue;
         };
@@ -243,6 +413,11 @@ pub fn scan(root: &Path, config: &DiscoveryConfig) -> std::io::Result<Scan> {
             }
         };
         scan.records += 1;
+        if let Some(hex) = record.endpoint.strip_prefix(KV_QUERY_SOURCE) {
+            if let Ok(publisher) = u64::from_str_radix(hex, 16) {
+                query_sources.insert(publisher, (record.instance_id, record.address.clone()));
+            }
+        }
         let card = cards.get(&record.instance_id);
         let matches = record.namespace == config.namespace
             && record.endpoint == config.endpoint
@@ -284,6 +459,36 @@ pub fn scan(root: &Path, config: &DiscoveryConfig) -> std::io::Result<Scan> {
             },
         );
     }
+    for path in record_files(&root.join("v1/event_channels"), MAX_CHANNEL_DEPTH)? {
+        let Ok(mut channel) = std::fs::read(&path)
+            .map_err(|e| e.to_string())
+            .and_then(|b| parse_event_channel(&b))
+        else {
+            continue;
+        };
+        let ours = channel.namespace == config.namespace
+            && config
+                .component
+                .as_ref()
+                .is_none_or(|c| *c == channel.component);
+        let source = query_sources.get(&channel.publisher_id);
+        channel.worker = source.map(|(id, _)| *id);
+        // A publisher bound on every interface advertises it as such: reach it at its worker's
+        // host.
+        if let (ChannelTransport::Zmq(endpoint), Some((_, address))) =
+            (&mut channel.transport, source)
+        {
+            *endpoint = reachable(endpoint, address);
+        }
+        // A worker with a record that is not this entry's (another model) publishes for it.
+        let theirs = channel.worker.is_some_and(|w| {
+            !scan.instances.contains_key(&w)
+                && cards.get(&w).is_some_and(|c| c.model != config.model)
+        });
+        if ours && !theirs {
+            scan.channels.insert(channel.publisher_id, channel);
+        }
+    }
     Ok(scan)
 }
 
@@ -291,8 +496,13 @@ pub fn scan(root: &Path, config: &DiscoveryConfig) -> std::io::Result<Scan> {
 const PROBE_FAILURES: u32 = 2;
 
 /// Poll the directory forever, applying each scan to the registry, and probe every pinned
-/// instance's request plane between scans.
-pub async fn run(config: DiscoveryConfig, state: Arc<Sidecar>) -> anyhow::Result<()> {
+/// instance's request plane between scans. Each scan's event channels go to `channels` (the
+/// Dynamo ZMQ event plane), when given.
+pub async fn run(
+    config: DiscoveryConfig,
+    state: Arc<Sidecar>,
+    channels: Option<Follow>,
+) -> anyhow::Result<()> {
     let entry = state.plane().register_discovery(&config);
     tracing::info!(dir = %config.dir.display(), model = %config.model, namespace = %config.namespace, "reading Dynamo discovery records");
     let mut scans = tokio::time::interval(Duration::from_millis(config.poll_interval_ms.max(50)));
@@ -306,11 +516,26 @@ pub async fn run(config: DiscoveryConfig, state: Arc<Sidecar>) -> anyhow::Result
     let mut last = Scan::default();
     // Consecutive failed probes per instance id.
     let mut failed: BTreeMap<u64, u32> = BTreeMap::new();
+    let mut channels = channels;
+    let has_channels = channels.is_some() && config.probe_interval_ms > 0;
     loop {
         tokio::select! {
             _ = scans.tick() => {}
             _ = probes.tick(), if config.probe_interval_ms > 0 => {
                 if probe_all(&config, &last, &mut failed).await {
+                    apply(&state, &config, &last, &down(&failed));
+                }
+                continue;
+            }
+            // A KV-event publisher's connection closed: its worker probably stopped. Probe
+            // now, as many times as it takes to call an instance down, rather than pin
+            // requests to a dead worker until the next probes (or its record goes, ~8 s).
+            _ = async { channels.as_mut().expect("guarded").publisher_left().await }, if has_channels => {
+                let mut changed = false;
+                for _ in 0..PROBE_FAILURES {
+                    changed |= probe_all(&config, &last, &mut failed).await;
+                }
+                if changed {
                     apply(&state, &config, &last, &down(&failed));
                 }
                 continue;
@@ -335,6 +560,10 @@ pub async fn run(config: DiscoveryConfig, state: Arc<Sidecar>) -> anyhow::Result
                 state.plane().discovered(entry, found.hintable(), summary);
                 failed.retain(|id, _| found.instances.contains_key(id));
                 apply(&state, &config, &found, &down(&failed));
+                // After the instances: their workers are known when their events arrive.
+                if let Some(follow) = &channels {
+                    follow.publishers(found.channels.values().cloned().collect());
+                }
                 last = found;
             }
             Ok(Err(e)) if !failing => {
@@ -420,8 +649,15 @@ pub fn summary(config: &DiscoveryConfig, scan: &Scan) -> String {
         config.endpoint
     );
     if scan.hintable() > 0 {
+        let zmq = scan
+            .channels
+            .values()
+            .filter(|c| {
+                c.zmq_endpoint().is_some() && c.topic == kvroute_protocol::dynamo::KV_EVENTS_TOPIC
+            })
+            .count();
         return format!(
-            "Dynamo discovery for model {}: {agg} aggregated, {prefill} prefill, {decode} decode instances ({wanted})",
+            "Dynamo discovery for model {}: {agg} aggregated, {prefill} prefill, {decode} decode instances ({wanted}); {zmq} KV-event publishers on ZMQ",
             config.model
         );
     }
@@ -570,6 +806,133 @@ mod tests {
         assert_eq!(
             found.instances[&13666402953397619855].role,
             Role::Aggregated
+        );
+    }
+    /// Write `records_json` (key -> record, as the capture's README describes) into `bucket`
+    /// under `root` the way Dynamo's file backend does: one file per key, flat, percent-encoded.
+    fn write_records(root: &Path, bucket: &str, records_json: &str) -> Vec<PathBuf> {
+        let dir = root.join("v1").join(bucket);
+        std::fs::create_dir_all(&dir).unwrap();
+        let bytes = std::fs::read(captured(&format!("zmq-default-plane/{records_json}"))).unwrap();
+        let records: serde_json::Map<String, Value> = serde_json::from_slice(&bytes).unwrap();
+        records
+            .iter()
+            .map(|(key, record)| {
+                let name = key.replace('_', "%5F").replace('/', "%2F");
+                let path = dir.join(name);
+                std::fs::write(&path, record.to_string()).unwrap();
+                path
+            })
+            .collect()
+    }
+
+    /// The discovery root of a default Dynamo 1.6.1 fleet (no `--event-plane`): every
+    /// publisher is a ZMQ event channel, and each `kv-events` one is tied to its worker by the
+    /// `worker_kv_query_source_<publisher hex>` record.
+    #[test]
+    fn reads_the_zmq_event_channels_of_a_default_fleet() {
+        let root = tempfile::tempdir().unwrap();
+        write_records(root.path(), "instances", "instances_records.json");
+        write_records(root.path(), "mdc", "mdc_records.json");
+        let channels = write_records(root.path(), "event_channels", "event_channel_records.json");
+        let mut config = DiscoveryConfig::new(root.path(), "tiny");
+        let found = scan(root.path(), &config).unwrap();
+        assert_eq!(found.count(Role::Aggregated), 2, "{found:?}");
+        assert_eq!(found.channels.len(), 8, "{:?}", found.channels);
+        let kv: Vec<&EventChannel> = found
+            .channels
+            .values()
+            .filter(|c| c.topic == "kv-events")
+            .collect();
+        assert_eq!(kv.len(), 2);
+        for c in &kv {
+            let worker = c.worker.expect("tied to its worker");
+            assert!(found.instances.contains_key(&worker), "{c:?}");
+            assert_ne!(worker, c.publisher_id);
+            assert!(c.zmq_endpoint().unwrap().starts_with("tcp://127.0.0.1:"));
+            assert_eq!(c.component_path(), "dynamo/backend");
+        }
+        assert_eq!(
+            found.channels[&0x572029c44fc55].worker,
+            Some(16607851000334464958)
+        );
+        assert_eq!(
+            found.channels[&0x572029c44fc55].transport,
+            ChannelTransport::Zmq("tcp://127.0.0.1:42701".into())
+        );
+        let line = summary(&config, &found);
+        assert!(line.contains("2 KV-event publishers on ZMQ"), "{line}");
+
+        // Another model's entry does not follow these workers' KV events.
+        config.model = "another".into();
+        let theirs = scan(root.path(), &config).unwrap();
+        assert!(
+            theirs.channels.values().all(|c| c.topic != "kv-events"),
+            "{theirs:?}"
+        );
+        config.model = "tiny".into();
+
+        // Another namespace has none of them; another component neither.
+        config.namespace = "other".into();
+        assert!(scan(root.path(), &config).unwrap().channels.is_empty());
+        config.namespace = "dynamo".into();
+        config.component = Some("prefill".into());
+        assert!(scan(root.path(), &config).unwrap().channels.is_empty());
+        config.component = None;
+
+        // Records appear and vanish like instance records.
+        let gone = channels
+            .iter()
+            .find(|p| p.to_string_lossy().ends_with("572029c44fc55"))
+            .unwrap();
+        std::fs::remove_file(gone).unwrap();
+        let found = scan(root.path(), &config).unwrap();
+        assert_eq!(found.channels.len(), 7);
+        assert!(!found.channels.contains_key(&0x572029c44fc55));
+    }
+
+    #[test]
+    fn event_channel_records_of_both_planes() {
+        let nats = std::fs::read(captured("discovery_event_channel_record.json")).unwrap();
+        let c = parse_event_channel(&nats).unwrap();
+        assert_eq!(
+            c.transport,
+            ChannelTransport::Nats("namespace.dynamo.component.backend.endpoint.generate".into())
+        );
+        assert_eq!(
+            (c.topic.as_str(), c.publisher_id),
+            ("kv-events", 570174152145588)
+        );
+        assert_eq!(c.zmq_endpoint(), None);
+        let instance = std::fs::read(captured("discovery_instance_record.json")).unwrap();
+        assert!(parse_event_channel(&instance).is_err());
+        assert!(parse_event_channel(b"[").is_err());
+        let no_endpoint = br#"{"type":"EventChannel","scope":{"kind":"endpoint","endpoint":{"namespace":"d","component":"c","name":"g"}},"topic":"kv-events","instance_id":1,"transport":{"kind":"Zmq","config":{}}}"#;
+        assert!(parse_event_channel(no_endpoint).is_err());
+        let component_scope = br#"{"type":"EventChannel","scope":{"kind":"component","component":{"namespace":"d","name":"prefill"}},"topic":"kv-events","instance_id":1,"transport":{"kind":"Tcp"}}"#;
+        let c = parse_event_channel(component_scope).unwrap();
+        assert_eq!(c.component_path(), "d/prefill");
+        assert_eq!(c.transport, ChannelTransport::Other("Tcp".into()));
+    }
+
+    #[test]
+    fn wildcard_publisher_hosts_are_reached_at_their_workers_host() {
+        assert_eq!(
+            reachable("tcp://0.0.0.0:5000", "10.0.0.7:4000"),
+            "tcp://10.0.0.7:5000"
+        );
+        assert_eq!(
+            reachable("tcp://[::]:5000", "10.0.0.7:4000"),
+            "tcp://10.0.0.7:5000"
+        );
+        assert_eq!(
+            reachable("tcp://10.0.0.8:5000", "10.0.0.7:4000"),
+            "tcp://10.0.0.8:5000"
+        );
+        assert_eq!(reachable("ipc:///tmp/x", "10.0.0.7:4000"), "ipc:///tmp/x");
+        assert_eq!(
+            reachable("tcp://0.0.0.0:5000", "dynamo"),
+            "tcp://0.0.0.0:5000"
         );
     }
 }

@@ -1,0 +1,370 @@
+//! kvroute in front of real NVIDIA Dynamo 1.6.1 on Dynamo's **default** event plane: mockers
+//! and a `kv` frontend started without `--event-plane` and without `DYN_EVENT_PLANE` (ZMQ since
+//! Dynamo 1.4), kvroute in pin mode with nothing but `[[dynamo_discovery]]`. The sidecar finds
+//! each worker's `kv-events` and `kv_metrics` publishers in the discovery records and follows
+//! them as they come and go (issue 31, item 1).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvroute_harness::client::{send_streaming, Outcome};
+use kvroute_harness::process::{free_port, wait_for, Process};
+use kvroute_harness::{DynamoOptions, Mode, Stack, StackOptions};
+use serde_json::{json, Value};
+
+/// Every record under `discovery/v1/<bucket>` (Dynamo's file backend: one JSON file per key);
+/// a record being rewritten is skipped.
+fn records(discovery: &std::path::Path, bucket: &str) -> Vec<Value> {
+    let Ok(entries) = std::fs::read_dir(discovery.join("v1").join(bucket)) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| serde_json::from_slice(&std::fs::read(e.path()).ok()?).ok())
+        .collect()
+}
+
+/// The `kv-events` channels registered on ZMQ: (publisher id, the worker whose
+/// `worker_kv_query_source_<publisher hex>` record names it).
+fn zmq_kv_channels(discovery: &std::path::Path) -> Vec<(u64, Option<u64>)> {
+    let instances = records(discovery, "instances");
+    records(discovery, "event_channels")
+        .iter()
+        .filter(|c| c["topic"] == "kv-events" && c["transport"]["kind"] == "Zmq")
+        .filter_map(|c| c["instance_id"].as_u64())
+        .map(|publisher| {
+            let endpoint = format!("worker_kv_query_source_{publisher:x}");
+            let worker = instances
+                .iter()
+                .find(|r| r["endpoint"] == endpoint.as_str())
+                .and_then(|r| r["instance_id"].as_u64());
+            (publisher, worker)
+        })
+        .collect()
+}
+
+/// The instance id of the `generate` endpoint whose request plane is `address`.
+fn instance_at(discovery: &std::path::Path, address: &str) -> Option<u64> {
+    records(discovery, "instances")
+        .iter()
+        .filter(|r| r["endpoint"] == "generate")
+        .find(|r| {
+            r["transport"]["tcp"]
+                .as_str()
+                .is_some_and(|t| t.split('/').next() == Some(address))
+        })
+        .and_then(|r| r["instance_id"].as_u64())
+}
+
+/// A chat body that asks Dynamo which workers served it.
+fn dynamo_chat(system: &str, user: &str) -> Value {
+    let mut body = chat(system, user);
+    body["nvext"] = json!({"extra_fields": ["worker_id"]});
+    body
+}
+
+/// Send a streamed chat to `base` (Envoy or the frontend) with extra headers.
+async fn post_with(base: &str, body: &Value, headers: &[(&str, String)]) -> Outcome {
+    let url = format!("{base}/v1/chat/completions");
+    let headers: reqwest::header::HeaderMap = headers
+        .iter()
+        .map(|(k, v)| {
+            (
+                reqwest::header::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                reqwest::header::HeaderValue::from_str(v).unwrap(),
+            )
+        })
+        .collect();
+    let client = reqwest::Client::builder()
+        .default_headers(headers)
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    send_streaming(&client, &url, body).await
+}
+
+/// The options of a default-plane fleet: two aggregated mockers, a `kv` frontend.
+fn default_plane() -> DynamoOptions {
+    DynamoOptions {
+        event_plane: None,
+        ..DynamoOptions::default()
+    }
+}
+
+fn stack_options(name: &str) -> StackOptions {
+    let mut opts = StackOptions::new(name, Mode::Kvroute);
+    opts.dynamo = Some(default_plane());
+    opts
+}
+
+/// Pin one chat on instance `id` straight at the frontend, then wait until the sidecar indexed
+/// its prompt's blocks for `label` (the worker's pinned label).
+async fn warm(stack: &Stack, id: u64, label: &str, system: &str, seed: u64) -> Outcome {
+    let frontend = format!("http://{}", stack.frontend.as_ref().expect("a frontend"));
+    let body = dynamo_chat(system, &text(seed, 20));
+    let o = post_with(
+        &frontend,
+        &body,
+        &[("x-worker-instance-id", id.to_string())],
+    )
+    .await;
+    assert!(o.ok(), "warming request failed: {o:?}");
+    assert_eq!(o.dynamo_workers.map(|w| w.0), Some(id), "the pin holds");
+    let blocks = (o.prompt_tokens / 16) as f64;
+    let series = format!("kvroute_index_blocks{{worker=\"{label}\"}}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let text = stack.sidecar_metrics().await.unwrap_or_default();
+        if metric(&text, &series).is_some_and(|n| n >= blocks) {
+            break;
+        }
+        if Instant::now() > deadline {
+            let sources = sidecar_json(stack, "/debug/sources").await;
+            panic!(
+                "{label}: {blocks} blocks not indexed in 20 s; sources {sources}; metrics {text}; {}",
+                stack.log_tail("sidecar")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    o
+}
+
+/// The sidecar's `dynamo-zmq` source, as `/debug/sources` shows it.
+async fn zmq_source(stack: &Stack) -> Value {
+    let sources = sidecar_json(stack, "/debug/sources").await;
+    let all = sources["sources"]
+        .as_array()
+        .cloned()
+        .or_else(|| sources.as_array().cloned());
+    all.unwrap_or_default()
+        .into_iter()
+        .find(|s| s["kind"] == "dynamo-zmq")
+        .unwrap_or_else(|| panic!("no dynamo-zmq source: {sources}"))
+}
+
+/// Every worker's blocks get indexed from the default plane, and hints pin repeated prompts to
+/// the worker that holds them; nothing fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_zmq_plane_indexes_every_worker_and_pins() {
+    let stack = &Stack::start(stack_options("dynamo-zmq-plane"))
+        .await
+        .expect("stack starts");
+    // The workers' records list their publishers on ZMQ, none on NATS.
+    let kv = zmq_kv_channels(&stack.dir.join("discovery"));
+    assert_eq!(kv.len(), stack.engines.len(), "{kv:?}");
+    for e in &stack.engines {
+        assert!(
+            kv.iter().any(|(_, w)| *w == Some(e.dynamo_worker_id)),
+            "{kv:?}"
+        );
+    }
+    let mut outcomes = Vec::new();
+    for (i, engine) in stack.engines.iter().enumerate() {
+        let system = text(5000 + 100 * i as u64, 200);
+        let label = pinned_label(stack, i);
+        let warmed = warm(stack, engine.dynamo_worker_id, &label, &system, 5001).await;
+        outcomes.push(warmed);
+        // Repeated prompts through Envoy go where their prefix is, with a cache hit.
+        for turn in 0..4 {
+            let o = via_envoy(stack, &dynamo_chat(&system, &text(5010 + turn, 10))).await;
+            assert!(o.ok(), "turn {turn}: {o:?}");
+            assert_eq!(
+                o.dynamo_workers.map(|w| w.0),
+                Some(engine.dynamo_worker_id),
+                "worker {i}, turn {turn}: pinned to the holder"
+            );
+            assert!(
+                o.cached_tokens >= 16 * 8,
+                "turn {turn} hit the cache: {o:?}"
+            );
+            outcomes.push(o);
+        }
+    }
+    // Fresh conversations too: load and homes, from the plane's kv_metrics and events.
+    outcomes.extend(concurrent_conversations(stack, 4, 3).await);
+    let failed = outcomes.iter().filter(|o| !o.ok()).count();
+    let metrics = stack.sidecar_metrics().await.unwrap();
+    for i in 0..stack.engines.len() {
+        let series = format!(
+            "kvroute_index_blocks{{worker=\"{}\"}}",
+            pinned_label(stack, i)
+        );
+        let blocks = metric(&metrics, &series).unwrap_or(0.0);
+        println!("worker {i}: {blocks} blocks indexed");
+        assert!(blocks > 0.0, "{series}: {metrics}");
+    }
+    let hinted = metric(&metrics, "kvroute_hints_total{result=\"hinted\"}").unwrap_or(0.0);
+    let source = zmq_source(stack).await;
+    println!(
+        "{} requests, {failed} failed; {hinted} hinted with a match; dynamo-zmq source: {source}",
+        outcomes.len()
+    );
+    assert_eq!(failed, 0, "{outcomes:?}");
+    assert!(hinted >= 8.0, "hints named workers with matches: {metrics}");
+    assert!(source["events"].as_u64().unwrap_or(0) > 0, "{source}");
+    assert_eq!(source["decode_errors"], 0, "{source}");
+    // The load reports arrived on the plane as well (kv_metrics).
+    assert!(metrics.contains("kvroute_kv_used_blocks{"), "{metrics}");
+    assert!(
+        !metrics.contains("kvroute_decode_errors_total{source=\"dynamo_zmq\"}"),
+        "{metrics}"
+    );
+    assert!(
+        !metrics.contains("kvroute_dynamo_zmq_lost_messages_total"),
+        "nothing lost on loopback: {metrics}"
+    );
+}
+
+/// A mocker killed mid-run: its publisher's connection closes, the sidecar drops its entries at
+/// once; started again it is a new instance with a new publisher, which the sidecar follows
+/// from the next scan. The client's requests keep succeeding throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_mocker_is_followed_through_its_new_publisher() {
+    let mut stack = Stack::start(stack_options("dynamo-zmq-restart"))
+        .await
+        .expect("stack starts");
+    let victim = 1;
+    let old = stack.engines[victim].clone();
+    let old_label = pinned_label(&stack, victim);
+    let system = text(6000, 200);
+    warm(&stack, old.dynamo_worker_id, &old_label, &system, 6001).await;
+
+    // Traffic through Envoy all along: one new conversation turn after another.
+    let envoy = stack.envoy_url.clone();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let traffic = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            let mut outcomes = Vec::new();
+            let mut i = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let body = dynamo_chat(&text(6100 + i % 8, 120), &text(6200 + i, 10));
+                let sent = Instant::now();
+                let o = post_with(&envoy, &body, &[]).await;
+                outcomes.push((sent, Instant::now(), o));
+                i += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            outcomes
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    let killed = Instant::now();
+    stack.kill(&format!("dynamo-worker-{victim}"));
+    let disconnect =
+        format!("kvroute_sequence_total{{worker=\"{old_label}\",kind=\"disconnect\"}}");
+    let blocks = format!("kvroute_index_blocks{{worker=\"{old_label}\"}}");
+    let (stack_ref, disconnect_ref, blocks_ref) = (&stack, &disconnect, &blocks);
+    wait_for(
+        "the killed worker's publisher to be seen leaving",
+        Duration::from_secs(5),
+        || async move {
+            let text = stack_ref.sidecar_metrics().await.ok()?;
+            let gone = metric(&text, disconnect_ref)? >= 1.0 && metric(&text, blocks_ref)? == 0.0;
+            gone.then_some(())
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}: {}", stack.log_tail("sidecar")));
+    let detected = killed.elapsed();
+
+    // Started again: a new process, a new instance id, a new publisher.
+    let port = free_port().unwrap();
+    let discovery_dir = stack.dir.join("discovery");
+    let cmd = kvroute_harness::dynamo::worker_command(
+        &default_plane(),
+        "agg",
+        port,
+        None,
+        &stack.nats_url,
+        &discovery_dir,
+    )
+    .unwrap();
+    let _restarted = Process::spawn("dynamo-worker-restarted", cmd, &stack.dir).unwrap();
+    let address = format!("127.0.0.1:{port}");
+    let (dir_ref, address_ref) = (&discovery_dir, &address);
+    let new_id = wait_for(
+        "the restarted worker's discovery record",
+        Duration::from_secs(120),
+        || async move {
+            let id = instance_at(dir_ref, address_ref)?;
+            // Its kv-events publisher is registered too.
+            zmq_kv_channels(dir_ref)
+                .iter()
+                .any(|(_, w)| *w == Some(id))
+                .then_some(id)
+        },
+    )
+    .await
+    .unwrap();
+    assert_ne!(new_id, old.dynamo_worker_id, "a restart is a new instance");
+    let new_label = format!("{address}/{new_id:x}");
+    // Dynamo's ZMQ plane keeps no history: what the new worker publishes before the sidecar's
+    // next scan has connected to it is not seen (its stores' children would then be orphans).
+    // Nothing is sent to it until then (a few scan intervals).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // The frontend learns the new instance from the same records; give it a moment.
+    let frontend = format!("http://{}", stack.frontend.as_ref().unwrap());
+    let (frontend_ref, new_id_ref) = (&frontend, new_id);
+    wait_for(
+        "the frontend to serve the restarted instance",
+        Duration::from_secs(60),
+        || async move {
+            let body = dynamo_chat("ping", "ping");
+            let o = post_with(
+                frontend_ref,
+                &body,
+                &[("x-worker-instance-id", new_id_ref.to_string())],
+            )
+            .await;
+            o.ok().then_some(())
+        },
+    )
+    .await
+    .unwrap();
+    let system2 = text(6300, 200);
+    warm(&stack, new_id, &new_label, &system2, 6301).await;
+    for turn in 0..4 {
+        let o = via_envoy(&stack, &dynamo_chat(&system2, &text(6310 + turn, 10))).await;
+        assert!(o.ok(), "turn {turn}: {o:?}");
+        assert_eq!(o.dynamo_workers.map(|w| w.0), Some(new_id), "turn {turn}");
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let outcomes = traffic.await.unwrap();
+    // The one request the killed worker was serving when SIGKILL came cannot be saved by any
+    // router (its stream is cut: Dynamo's request migration is off by default); every request
+    // sent after the kill must succeed.
+    let in_flight = |sent: &Instant, done: &Instant| *sent <= killed && *done >= killed;
+    let failures: Vec<(bool, Duration, u16, Option<String>)> = outcomes
+        .iter()
+        .filter(|(_, _, o)| !o.ok())
+        .map(|(sent, done, o)| {
+            (
+                in_flight(sent, done),
+                sent.saturating_duration_since(killed),
+                o.status,
+                o.error.clone(),
+            )
+        })
+        .collect();
+    let after_kill = failures.iter().filter(|f| !f.0).count();
+    let source = zmq_source(&stack).await;
+    println!(
+        "kill detected in {detected:?}; {} requests during the run, {} failed ({after_kill} not in flight at the kill): {failures:?}; dynamo-zmq source: {source}",
+        outcomes.len(),
+        failures.len()
+    );
+    assert!(detected < Duration::from_secs(3), "{detected:?}");
+    assert_eq!(after_kill, 0, "failed requests: {failures:?}");
+    let text = stack.sidecar_metrics().await.unwrap();
+    assert_eq!(
+        metric(&text, &blocks),
+        Some(0.0),
+        "the old worker stays empty"
+    );
+}
