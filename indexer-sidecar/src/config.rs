@@ -30,6 +30,7 @@
 //!
 //! [[dynamo_discovery]]              # Dynamo workers behind a Dynamo frontend (pin mode)
 //! dir = "/var/lib/dynamo/discovery" # the workers' DYN_FILE_KV (holds v1/instances, v1/mdc)
+//!                                   # and v1/event_channels: ZMQ publishers are followed
 //! model = "tiny-llama"
 //! namespace = "dynamo"              # defaults: dynamo / any component / generate
 //! endpoint = "generate"
@@ -428,6 +429,18 @@ pub fn redact_url(url: &str) -> String {
     match authority.rsplit_once('@') {
         Some((_, host)) if scheme.is_empty() => format!("***@{host}{path}"),
         Some((_, host)) => format!("{scheme}://***@{host}{path}"),
+        None => url.to_owned(),
+    }
+}
+
+/// `url` without its `user:password@` or `token@`: what a client library is given, since it
+/// may print its URL (async-nats does, at debug level, on every connection attempt).
+pub fn without_credentials(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    match authority.rsplit_once('@') {
+        Some((_, host)) if scheme.is_empty() => format!("{host}{path}"),
+        Some((_, host)) => format!("{scheme}://{host}{path}"),
         None => url.to_owned(),
     }
 }
@@ -843,6 +856,20 @@ impl Default for AlarmConfig {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn credentials_are_stripped_from_urls_given_to_clients() {
+        assert_eq!(
+            without_credentials("nats://user:pa@ss@10.0.0.1:4222"),
+            "nats://10.0.0.1:4222"
+        );
+        assert_eq!(
+            without_credentials("tls://token@host:4222/x"),
+            "tls://host:4222/x"
+        );
+        assert_eq!(without_credentials("u:p@host:4222"), "host:4222");
+        assert_eq!(without_credentials("nats://host:4222"), "nats://host:4222");
+    }
+
     use super::*;
 
     const EXAMPLE: &str = r#"

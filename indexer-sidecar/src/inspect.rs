@@ -159,10 +159,12 @@ pub async fn tap(targets: TapTargets) -> anyhow::Result<()> {
 
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(String, Vec<Value>)>();
     if let Some(url) = &targets.nats {
-        let client = async_nats::ConnectOptions::new()
+        let options =
+            crate::transports::nats::url_credentials(async_nats::ConnectOptions::new(), url);
+        let client = options
             .retry_on_initial_connect()
             .name("kvroute-tap")
-            .connect(url.as_str())
+            .connect(crate::config::without_credentials(url))
             .await
             .with_context(|| format!("connecting to NATS at {url}"))?;
         let mut subs = Vec::new();

@@ -131,11 +131,23 @@ pub async fn sidecar_json(stack: &Stack, path: &str) -> Value {
 /// Start `kvroute-sidecar serve` on `config` (TOML), written to `dir/sidecar.toml`; its log is
 /// `dir/sidecar.log`.
 pub fn spawn_sidecar(dir: &std::path::Path, config: &str) -> kvroute_harness::process::Process {
+    spawn_sidecar_with(dir, config, &[])
+}
+
+/// [`spawn_sidecar`] with environment variables.
+pub fn spawn_sidecar_with(
+    dir: &std::path::Path,
+    config: &str,
+    env: &[(&str, &str)],
+) -> kvroute_harness::process::Process {
     use kvroute_harness::{paths, process::Process};
     let path = dir.join("sidecar.toml");
     std::fs::write(&path, config).unwrap();
     let mut cmd = std::process::Command::new(paths::binary("kvroute-sidecar").unwrap());
-    cmd.arg("serve").arg("--config").arg(path);
+    cmd.arg("serve")
+        .arg("--config")
+        .arg(path)
+        .envs(env.iter().copied());
     Process::spawn("sidecar", cmd, dir).unwrap()
 }
 

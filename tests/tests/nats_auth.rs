@@ -1,14 +1,14 @@
 //! kvroute on an authenticated NATS: a real nats-server that requires a user and password (and
 //! another a token); the sidecar connects with secrets read from files — or, less wisely, put in
-//! its URL — indexes the events published there, and no secret appears in its log, its metrics
-//! or its debug output.
+//! its URL — indexes the events published there, and no secret appears in its log (at
+//! `RUST_LOG=trace`), its metrics or its debug output.
 
 mod common;
 
 use std::process::Command;
 use std::time::Duration;
 
-use common::{metric, spawn_sidecar};
+use common::metric;
 use kvroute_harness::client::get_text;
 use kvroute_harness::paths;
 use kvroute_harness::process::{free_port, wait_for, Process};
@@ -43,7 +43,8 @@ async fn check(
         nats(nats_port, &dir),
         paths::model_dir().display()
     );
-    let sidecar = spawn_sidecar(&dir, &config);
+    // At the most verbose level: the client library prints its URL on every attempt.
+    let sidecar = common::spawn_sidecar_with(&dir, &config, &[("RUST_LOG", "trace")]);
     let log = dir.join("sidecar.log");
     let log_ref = &log;
     wait_for(

@@ -32,7 +32,10 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     // Our own NATS server when one is named, else the event plane's (with its authentication).
     let (url, options) = match (&config.nats_url, &nats) {
-        (Some(url), _) => (url.clone(), async_nats::ConnectOptions::new()),
+        (Some(url), _) => (
+            url.clone(),
+            crate::transports::nats::url_credentials(async_nats::ConnectOptions::new(), url),
+        ),
         (None, Some(n)) => (
             n.url.clone(),
             crate::transports::nats::connect_options(n).await?,
@@ -43,7 +46,7 @@ pub async fn run(
     let client = options
         .retry_on_initial_connect()
         .name("kvroute-replica")
-        .connect(url.as_str())
+        .connect(crate::config::without_credentials(&url))
         .await
         .with_context(|| format!("replica plane: connecting to NATS at {shown}"))?;
     let (me, subjects) = {

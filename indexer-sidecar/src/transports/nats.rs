@@ -29,7 +29,7 @@ pub async fn run(config: NatsConfig, state: Arc<Sidecar>) -> anyhow::Result<()> 
         .await?
         .retry_on_initial_connect()
         .name("kvroute-sidecar")
-        .connect(config.url.as_str())
+        .connect(crate::config::without_credentials(&config.url))
         .await
         .with_context(|| format!("connecting to NATS at {url}"))?;
     let source = state
@@ -72,6 +72,22 @@ pub async fn run(config: NatsConfig, state: Arc<Sidecar>) -> anyhow::Result<()> 
     anyhow::bail!("NATS subscription to {url} ended")
 }
 
+/// `nats://user:password@host` or `nats://token@host`: the credentials as options, since the
+/// client is given the URL without them ([`crate::config::without_credentials`]).
+pub fn url_credentials(
+    options: async_nats::ConnectOptions,
+    url: &str,
+) -> async_nats::ConnectOptions {
+    let Ok(addr) = url.parse::<async_nats::ServerAddr>() else {
+        return options;
+    };
+    match (addr.username(), addr.password()) {
+        (Some(user), Some(pass)) => options.user_and_password(user.into(), pass.into()),
+        (Some(token), None) => options.token(token.into()),
+        _ => options,
+    }
+}
+
 /// Authentication and TLS as configured; secrets are read from their files, never logged.
 pub async fn connect_options(config: &NatsConfig) -> anyhow::Result<async_nats::ConnectOptions> {
     let secret = |path: &std::path::Path, what: &str| -> anyhow::Result<String> {
@@ -95,20 +111,12 @@ pub async fn connect_options(config: &NatsConfig) -> anyhow::Result<async_nats::
     if let Some(path) = &config.token_file {
         options = options.token(secret(path, "token_file")?);
     }
-    // `nats://user:password@host` or `nats://token@host`: the client library does not read
-    // them from the URL itself.
     let explicit = config.credentials_file.is_some()
         || config.nkey_seed_file.is_some()
         || config.user.is_some()
         || config.token_file.is_some();
     if !explicit {
-        if let Ok(addr) = config.url.parse::<async_nats::ServerAddr>() {
-            options = match (addr.username(), addr.password()) {
-                (Some(user), Some(pass)) => options.user_and_password(user.into(), pass.into()),
-                (Some(token), None) => options.token(token.into()),
-                _ => options,
-            };
-        }
+        options = url_credentials(options, &config.url);
     }
     if let Some(ca) = &config.tls_ca {
         options = options.add_root_certificates(ca.clone());
