@@ -1279,3 +1279,62 @@ fn filled_caches_are_what_in_order_application_holds() {
         assert!(theirs.lost_at > 0 && ours.lost_at == 0);
     }
 }
+
+/// Two replicas each losing a tenth of the messages, different ones, hand each other what they
+/// lost: both end with every message but those both lost, which are given up on.
+#[test]
+fn replicas_that_both_lose_fill_each_other() {
+    let replica = || {
+        Core::new(
+            &config(
+                "[replicas]\ngroup = \"t\"\n\n[[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\n",
+            ),
+            7,
+        )
+    };
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let exchange = |to: &mut Core, from: &Core| {
+        for ((worker, rank), seqs) in to.wanted(Instant::now(), Duration::ZERO) {
+            let copies = from.messages(&worker, rank, &seqs);
+            let fill = Input::Fill {
+                worker: &worker,
+                rank,
+                messages: &copies,
+            };
+            to.ingest(fill, Instant::now());
+        }
+    };
+    for run in 0..30 {
+        let (mut a, mut b) = (replica(), replica());
+        let mut both = 0;
+        for seq in 0..300u64 {
+            let batch = store(None, 10_000 * (run + 1) + seq, 1);
+            let edge = seq == 0 || seq == 299;
+            let (to_a, to_b) = (edge || next() % 10 != 0, edge || next() % 10 != 0);
+            if to_a {
+                vllm(&mut a, seq, Delivery::Live, &batch);
+            }
+            if to_b {
+                vllm(&mut b, seq, Delivery::Live, &batch);
+            }
+            both += usize::from(!to_a && !to_b);
+            if seq % 5 == 4 {
+                exchange(&mut a, &b);
+                exchange(&mut b, &a);
+            }
+        }
+        exchange(&mut a, &b);
+        exchange(&mut b, &a);
+        let later = Instant::now() + Duration::from_secs(30);
+        a.ingest(Input::Tick, later);
+        b.ingest(Input::Tick, later);
+        assert_eq!(blocks(&a), 300 - both, "run {run}: a");
+        assert_eq!(blocks(&b), 300 - both, "run {run}: b");
+    }
+}

@@ -187,13 +187,17 @@ impl Replicas {
                                 });
                         let unclean = !m.clean && !m.filling;
                         if !theirs.clean {
-                            // Only to converge, ranked after every clean copy.
-                            let diverged = divergent && outranked && unclean;
-                            ((behind || diverged) && !theirs.filling).then_some(Why::NoCleanCopy {
-                                behind,
-                                ours_lost_at: m.lost_at,
-                                theirs_lost_at: theirs.lost_at,
-                            })
+                            // Only to converge, ranked after every clean copy, and only once
+                            // neither copy waits for a fill (a fill rebuilds from what ours
+                            // held when it lost the message).
+                            let diverged = divergent && outranked;
+                            ((behind || diverged) && unclean && !theirs.filling).then_some(
+                                Why::NoCleanCopy {
+                                    behind,
+                                    ours_lost_at: m.lost_at,
+                                    theirs_lost_at: theirs.lost_at,
+                                },
+                            )
                         } else if behind {
                             Some(Why::Behind)
                         } else if unclean && !agree {
@@ -594,10 +598,14 @@ mod tests {
         }];
         c.observe(from("a", ours.to_vec()), &filling, later);
         assert!(c.repairs(&filling, later).is_empty());
-        // Behind an unclean peer (our last message lost, none after it), with no clean copy
-        // anywhere: its copy, after an interval.
+        // Behind an unclean peer (our last message lost, none after it), ours unclean too: its
+        // copy, after an interval.
         let mut d = Replicas::new("d".into(), Duration::from_secs(6));
-        let mine = [report("w1", &[(8, 80)])];
+        let mine = [CacheReport {
+            lost_at: 3,
+            clean: false,
+            ..report("w1", &[(8, 80)])
+        }];
         let ahead = || {
             let t = CacheReport {
                 lost_at: 4,
