@@ -102,8 +102,9 @@ bench-routing: venv venv-peers build
 bench-routing-quick: venv build
 	target/release/kvroute-bench routing --quick
 
-# 1, 2 and 4 sidecar + Envoy pairs on one fleet, each losing 0% or 10% of the KV events,
-# repairing from each other or not (target/bench/replicas.json).
+# 1, 2, 4 and 8 sidecar + Envoy pairs on one fleet whose caches evict, each sidecar losing 10%
+# of the KV events on its transport (a lossy NATS proxy) and repairing from the others, against
+# one lossless replica and one index shared by every Envoy (target/bench/replicas.json).
 bench-replicas: venv build
 	target/release/kvroute-bench replicas
 

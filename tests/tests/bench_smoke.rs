@@ -51,23 +51,24 @@ async fn routing_benchmark_smoke() {
     }
 }
 
-/// Two Envoys + two sidecars + four engines, each sidecar losing a tenth of the events, first
-/// only comparing, then repairing from each other: the rows carry the documented fields, and
-/// with repair both sidecars name the same first worker for at least 99% of the probe prompts.
+/// The replicas benchmark on the smoke chat (8 conversations, caches that evict): one lossless
+/// replica, two Envoys + two sidecars each reading the KV events through a proxy that loses a
+/// tenth of them and repairing from each other, and two Envoys asking one shared sidecar. The
+/// rows carry the documented fields; the lossy sidecars lost messages on the transport and got
+/// them back from each other, and, asked directly from outside, both name the same first worker
+/// with the same matched blocks for at least 99% of the probe prompts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_benchmark_smoke() {
     use kvroute_harness::bench_replicas::{run, ReplicasBench, Scenario};
     let out = paths::run_dir("bench-replicas-smoke").unwrap();
-    let lossy = |reconcile| Scenario {
-        replicas: 2,
-        loss: 0.1,
-        reconcile,
-        share_load: true,
-    };
     let bench = ReplicasBench {
         engines: 4,
-        probes: 100,
-        scenarios: vec![lossy(false), lossy(true)],
+        probes: 50,
+        scenarios: vec![
+            Scenario::reference(),
+            Scenario::lossy(2, 0.1),
+            Scenario::shared_index(2),
+        ],
         workloads: vec!["multi_turn"],
         sharing: vec![],
         ..ReplicasBench::new(Scale::Smoke)
@@ -76,29 +77,52 @@ async fn replicas_benchmark_smoke() {
     let text = std::fs::read_to_string(out.join("replicas.json")).unwrap();
     let rows: serde_json::Value = serde_json::from_str(&text).unwrap();
     let rows = rows.as_array().unwrap();
-    assert_eq!(rows.len(), 2, "{text}");
+    assert_eq!(rows.len(), 3, "{text}");
     for r in rows {
-        assert_eq!(r["replicas"], 2, "{r}");
-        assert_eq!(r["loss"], 0.1, "{r}");
         assert_eq!(r["errors"], 0, "{r}");
-        for k in ["hit_rate", "agreement", "events_dropped"] {
+        for k in [
+            "hit_rate",
+            "agreement",
+            "agreement_index",
+            "loss",
+            "events_dropped",
+            "evicted_blocks",
+        ] {
             assert!(r[k].as_f64().is_some(), "{k}: {r}");
         }
+        for k in ["replicas", "reconcile", "shared_index"] {
+            assert!(!r[k].is_null(), "{k}: {r}");
+        }
         assert!(
-            r["events_dropped"].as_f64().unwrap() >= 1.0,
-            "nothing lost: {r}"
+            r["evicted_blocks"].as_f64().unwrap() >= 1.0,
+            "no eviction: {r}"
         );
     }
-    let repaired = &rows[1];
-    assert_eq!(repaired["reconcile"], true);
-    assert!(
-        repaired["messages_filled"].as_f64().unwrap() >= 1.0,
-        "{repaired}"
+    let (reference, lossy, shared) = (&rows[0], &rows[1], &rows[2]);
+    assert_eq!(reference["replicas"], 1, "{reference}");
+    assert_eq!(reference["loss"], 0.0, "{reference}");
+    assert_eq!(reference["events_dropped"], 0, "{reference}");
+    assert_eq!(lossy["replicas"], 2, "{lossy}");
+    assert_eq!(lossy["loss"], 0.1, "{lossy}");
+    assert_eq!(lossy["reconcile"], true, "{lossy}");
+    assert_eq!(
+        lossy["transport_dropped_per_replica"]
+            .as_array()
+            .unwrap()
+            .len(),
+        2,
+        "{lossy}"
     );
     assert!(
-        repaired["agreement"].as_f64().unwrap() >= 0.99,
-        "{repaired}"
+        lossy["events_dropped"].as_f64().unwrap() >= 1.0,
+        "nothing lost: {lossy}"
     );
+    assert!(lossy["messages_filled"].as_f64().unwrap() >= 1.0, "{lossy}");
+    assert!(lossy["agreement"].as_f64().unwrap() >= 0.99, "{lossy}");
+    assert_eq!(shared["shared_index"], true, "{shared}");
+    assert_eq!(shared["replicas"], 2, "{shared}");
+    assert_eq!(shared["sidecars"], 1, "{shared}");
+    assert!(lossy["hit_rate_vs_bound"].as_f64().is_some(), "{lossy}");
     assert!(std::fs::metadata(out.join("replicas.md")).unwrap().len() > 0);
 }
 

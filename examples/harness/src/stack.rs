@@ -9,6 +9,7 @@ use serde::Deserialize;
 
 use crate::dynamo::DynamoOptions;
 pub use crate::engines::{EngineInfo, MODEL};
+use crate::lossy_nats::{LossCounts, LossSpec, LossyNats};
 use crate::paths;
 use crate::process::{free_port, wait_for, Process};
 use crate::vllm::VllmOptions;
@@ -111,7 +112,8 @@ pub struct ReplicaOptions {
     /// `[replicas] interval_ms`.
     pub interval_ms: u64,
     /// `[replicas] test_drop_events` of every sidecar: each loses this fraction of the KV-event
-    /// messages, different ones.
+    /// messages, different ones, inside the product (0: the line is not written). A loss on the
+    /// transport instead: [`StackOptions::transport_loss`].
     pub loss: f64,
     /// Only this replica loses messages (`None`: every one).
     pub lossy: Option<usize>,
@@ -169,6 +171,38 @@ pub struct StackOptions {
     pub vllm: Option<VllmOptions>,
     /// More sidecar + Envoy pairs on a replica plane (kvroute mode).
     pub replicas: Option<ReplicaOptions>,
+    /// Every sidecar reads its KV events through its own [`LossyNats`] proxy in front of the
+    /// stack's nats-server (its `[nats] url`), losing this share of them; its replica plane
+    /// (`[replicas] nats_url`) stays on the real server. `None`: straight from the server.
+    pub transport_loss: Option<TransportLoss>,
+    /// Test-only arrangement, not a product mode: the Envoys of [`StackOptions::replicas`] all
+    /// ask the stack's one sidecar (one index for every Envoy; the upper bound of what separate
+    /// replicas can reach). The replicas' `sidecar_url` is then the same for all.
+    pub shared_sidecar: bool,
+}
+
+/// A lossy transport between the nats-server and each sidecar ([`StackOptions::transport_loss`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TransportLoss {
+    /// Share of the KV-event messages (subjects containing `kv-events`) each sidecar loses
+    /// (0.0: every one passes, through the proxy all the same).
+    pub loss: f64,
+    /// Seed of sidecar 0's proxy; sidecar `i`'s is `seed + i * 1_000_003`, so each loses other
+    /// messages.
+    pub seed: u64,
+}
+
+impl TransportLoss {
+    /// The proxy of sidecar `replica`.
+    fn spec(&self, replica: usize) -> LossSpec {
+        LossSpec {
+            loss: self.loss,
+            seed: self
+                .seed
+                .wrapping_add((replica as u64).wrapping_mul(1_000_003)),
+            subject_contains: kvroute_protocol::dynamo::KV_EVENTS_TOPIC.into(),
+        }
+    }
 }
 
 impl StackOptions {
@@ -190,6 +224,8 @@ impl StackOptions {
             dynamo: None,
             vllm: None,
             replicas: None,
+            transport_loss: None,
+            shared_sidecar: false,
         }
     }
 
@@ -245,6 +281,9 @@ pub struct Stack {
     /// Real vLLM engines: how they were started (to start one again).
     vllm: Option<VllmOptions>,
     processes: Vec<Process>,
+    /// [`StackOptions::transport_loss`]: each sidecar's proxy, in sidecar order; they live as
+    /// long as the stack.
+    proxies: Vec<LossyNats>,
 }
 
 /// How Envoy reaches the sidecar.
@@ -305,13 +344,23 @@ impl Stack {
 
         let sidecar_port = free_port()?;
         let (listen, admin) = (free_port()?, free_port()?);
+        let mut proxies = Vec::new();
         let sidecar_url = if opts.mode == Mode::RoundRobin {
             None
         } else {
+            let events_url = match event_proxy(&opts, &nats_url, 0).await? {
+                Some(proxy) => {
+                    let url = proxy.url();
+                    proxies.push(proxy);
+                    url
+                }
+                None => nats_url.clone(),
+            };
             let mut text = sidecar_text(
                 &opts,
                 &engines,
                 &nats_url,
+                &events_url,
                 sidecar_port,
                 admin,
                 0,
@@ -361,6 +410,7 @@ impl Stack {
             replicas,
             vllm: opts.vllm.clone(),
             processes,
+            proxies,
         };
         let (ready, http) = (&format!("{}/ready", stack.admin_url), &stack.http);
         let live = wait_for("envoy /ready", Duration::from_secs(60), || async move {
@@ -432,7 +482,8 @@ impl Stack {
         .await
     }
 
-    /// Start sidecar + Envoy pair `i` beside the stack's own, in `replica-<i>/`.
+    /// Start sidecar + Envoy pair `i` beside the stack's own, in `replica-<i>/` (with
+    /// [`StackOptions::shared_sidecar`], only the Envoy, asking the stack's sidecar).
     async fn start_replica(
         &mut self,
         opts: &StackOptions,
@@ -441,21 +492,45 @@ impl Stack {
     ) -> Result<()> {
         let dir = self.dir.join(format!("replica-{i}"));
         std::fs::create_dir_all(&dir)?;
-        let (port, listen, admin) = (free_port()?, free_port()?, free_port()?);
-        let text = sidecar_text(
-            opts,
-            &self.engines,
-            &self.nats_url,
-            port,
-            admin,
-            i,
-            &self.dir.join("discovery"),
-        );
-        std::fs::write(dir.join("sidecar.toml"), text)?;
-        let sidecar_url = format!("http://127.0.0.1:{port}");
-        let sidecar =
-            start_sidecar(&dir, &format!("sidecar-{i}"), &sidecar_url, &self.http).await?;
-        self.processes.push(sidecar);
+        let (listen, admin) = (free_port()?, free_port()?);
+        let (port, sidecar_url) = if opts.shared_sidecar {
+            let url = self
+                .sidecar_url
+                .clone()
+                .context("a shared sidecar needs the stack's own")?;
+            let port = url
+                .rsplit(':')
+                .next()
+                .and_then(|p| p.parse().ok())
+                .with_context(|| format!("no port in {url}"))?;
+            (port, url)
+        } else {
+            let port = free_port()?;
+            let events_url = match event_proxy(opts, &self.nats_url, i).await? {
+                Some(proxy) => {
+                    let url = proxy.url();
+                    self.proxies.push(proxy);
+                    url
+                }
+                None => self.nats_url.clone(),
+            };
+            let text = sidecar_text(
+                opts,
+                &self.engines,
+                &self.nats_url,
+                &events_url,
+                port,
+                admin,
+                i,
+                &self.dir.join("discovery"),
+            );
+            std::fs::write(dir.join("sidecar.toml"), text)?;
+            let sidecar_url = format!("http://127.0.0.1:{port}");
+            let sidecar =
+                start_sidecar(&dir, &format!("sidecar-{i}"), &sidecar_url, &self.http).await?;
+            self.processes.push(sidecar);
+            (port, sidecar_url)
+        };
         let config = dir.join("envoy.yaml");
         std::fs::write(
             &config,
@@ -493,6 +568,12 @@ impl Stack {
             .find(|p| p.name() == name)
             .map(Process::log_tail)
             .unwrap_or_default()
+    }
+
+    /// [`StackOptions::transport_loss`]: the KV-event messages each sidecar's proxy forwarded and
+    /// dropped so far, in sidecar order (empty without it).
+    pub fn transport_counts(&self) -> Vec<LossCounts> {
+        self.proxies.iter().map(LossyNats::counts).collect()
     }
 
     /// Fail if any process has exited.
@@ -686,6 +767,26 @@ impl Stack {
     }
 }
 
+/// Sidecar `replica`'s proxy in front of the server at `nats_url`
+/// ([`StackOptions::transport_loss`]; `None` without it).
+async fn event_proxy(
+    opts: &StackOptions,
+    nats_url: &str,
+    replica: usize,
+) -> Result<Option<LossyNats>> {
+    let Some(loss) = &opts.transport_loss else {
+        return Ok(None);
+    };
+    let upstream: std::net::SocketAddr = nats_url
+        .strip_prefix("nats://")
+        .and_then(|a| a.parse().ok())
+        .with_context(|| format!("nats url {nats_url} is not nats://ip:port"))?;
+    let proxy = LossyNats::start(upstream, loss.spec(replica))
+        .await
+        .context("starting a lossy NATS proxy")?;
+    Ok(Some(proxy))
+}
+
 /// Start the simulated engines (and, in pin mode, their Dynamo-frontend stand-in).
 fn start_sim(
     opts: &StackOptions,
@@ -770,17 +871,20 @@ fn sidecar_config(
 }
 
 /// The configuration of sidecar `replica` (0: the stack's own) on `port`, beside the Envoy
-/// whose admin port is `admin`.
+/// whose admin port is `admin`: KV events from `events_url` (`nats_url`, or a proxy in front of
+/// it), the replica plane on `nats_url`.
+#[allow(clippy::too_many_arguments)]
 fn sidecar_text(
     opts: &StackOptions,
     engines: &[EngineInfo],
     nats_url: &str,
+    events_url: &str,
     port: u16,
     admin: u16,
     replica: usize,
     discovery: &Path,
 ) -> String {
-    let mut text = sidecar_config(opts, engines, nats_url, port);
+    let mut text = sidecar_config(opts, engines, events_url, port);
     if opts.pin_mode() {
         text.push_str(&format!(
             "\n[[dynamo_discovery]]\ndir = \"{}\"\nmodel = \"{MODEL}\"\npoll_interval_ms = 100\n",
@@ -797,9 +901,15 @@ fn sidecar_text(
             0.0
         };
         text.push_str(&format!(
-            "\n[replicas]\ngroup = \"stack\"\nid = \"r{replica}\"\ninterval_ms = {}\nreconcile = {}\nshare_load = {}\nload_interval_ms = {}\ntest_drop_events = {loss}\n",
+            "\n[replicas]\ngroup = \"stack\"\nid = \"r{replica}\"\ninterval_ms = {}\nreconcile = {}\nshare_load = {}\nload_interval_ms = {}\n",
             r.interval_ms, r.reconcile, r.share_load, r.load_interval_ms
         ));
+        if loss > 0.0 {
+            text.push_str(&format!("test_drop_events = {loss}\n"));
+        }
+        if events_url != nats_url {
+            text.push_str(&format!("nats_url = \"{nats_url}\"\n"));
+        }
     }
     text.push('\n');
     text.push_str(&opts.sidecar_toml);

@@ -56,6 +56,8 @@ pub struct EngineStats {
     pub requests: AtomicU64,
     /// KV blocks used by running requests (cached but idle blocks are reusable, not used).
     pub active_blocks: AtomicU64,
+    /// Cached blocks evicted to make room (`kvroute_sim:evicted_blocks_total`).
+    pub evicted_blocks: AtomicU64,
     /// Set to make `/health` and completions fail, as an engine on its way down would.
     pub unhealthy: std::sync::atomic::AtomicBool,
     /// KV-event messages to leave out of the live stream (still replayable): a test hook.
@@ -285,6 +287,9 @@ impl Engine {
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
         let admitted = cache.admit(prefixes, total, max_hit)?;
         self.count_used(&cache);
+        self.stats
+            .evicted_blocks
+            .fetch_add(admitted.evicted.len() as u64, Ordering::Relaxed);
         let Some(events) = &self.events else {
             return Some(admitted.hit_blocks);
         };

@@ -441,6 +441,11 @@ async fn metrics(State(engine): State<Arc<Engine>>) -> Response {
         s.prefix_hits.load(Ordering::Relaxed).to_string(),
     );
     metric(
+        "kvroute_sim:evicted_blocks_total",
+        "counter",
+        s.evicted_blocks.load(Ordering::Relaxed).to_string(),
+    );
+    metric(
         "kvroute_sim:requests_failed_total",
         "counter",
         s.failed.load(Ordering::Relaxed).to_string(),

@@ -55,8 +55,10 @@ enum Command {
     },
     /// Plain Envoy vs Envoy + kvroute on an instant upstream.
     Datapath,
-    /// 1, 2 and 4 sidecar + Envoy pairs on one fleet, each losing 0% or 10% of the KV events,
-    /// repairing from each other or not: hit rate, agreement, repairs.
+    /// 1, 2, 4 and 8 sidecar + Envoy pairs on one fleet whose caches evict, each sidecar losing
+    /// 10% of the KV events on its transport (a lossy NATS proxy) and repairing from the others,
+    /// against one lossless replica and one index shared by every Envoy: hit rate, agreement
+    /// (probed from outside), repairs.
     Replicas {
         /// Simulated engines.
         #[arg(long, default_value_t = 4)]
@@ -64,13 +66,28 @@ enum Command {
         /// `[replicas] interval_ms`.
         #[arg(long, default_value_t = 1000)]
         interval_ms: u64,
-        /// Probe prompts asked of every sidecar after each run.
-        #[arg(long, default_value_t = 200)]
-        probes: usize,
-        /// Only these of the loss and repair workloads (comma-separated; `none` for none).
+        /// Probe prompts asked of every sidecar after each run (default 200; 100 with --quick).
+        #[arg(long)]
+        probes: Option<usize>,
+        /// Replica counts (comma-separated; default 1,2,4,8, with --quick 1,2,8); each runs
+        /// lossy and, from 2 on, as one index shared by as many Envoys.
+        #[arg(long, value_delimiter = ',')]
+        counts: Option<Vec<usize>>,
+        /// Share of the KV-event messages each lossy sidecar's transport drops.
+        #[arg(long, default_value_t = kvroute_harness::bench_replicas::LOSS)]
+        loss: f64,
+        /// Also run each count from 2 on without loss (default: true; false with --quick).
+        #[arg(long)]
+        lossless: Option<bool>,
+        /// Cache capacity per engine in blocks, for the loss workloads (default: each one's).
+        #[arg(long)]
+        capacity_blocks: Option<usize>,
+        /// The loss workloads (comma-separated: multi_turn, agent_loop, conversation_trace;
+        /// `none` for none; default multi_turn,agent_loop).
         #[arg(long, value_delimiter = ',')]
         workloads: Option<Vec<String>>,
-        /// Only these of the load-sharing workloads (comma-separated; `none` for none).
+        /// Load-sharing workloads to run as well (comma-separated: hot_prefix, system_prompt;
+        /// default none).
         #[arg(long, value_delimiter = ',')]
         sharing: Option<Vec<String>>,
         /// Extra sidecar configuration, e.g. `"[routing]\nspread_slack = 1e9"`.
@@ -242,11 +259,16 @@ async fn main() -> Result<()> {
             engines,
             interval_ms,
             probes,
+            counts,
+            loss,
+            lossless,
+            capacity_blocks,
             workloads,
             sharing,
             sidecar_toml,
         } => {
-            let all = kvroute_harness::bench_replicas::ReplicasBench::new(scale);
+            use kvroute_harness::bench_replicas::{scenarios, ReplicasBench, COUNTS, QUICK_COUNTS};
+            let all = ReplicasBench::new(scale);
             let only = |names: &[&'static str], keep: Option<Vec<String>>| match keep {
                 Some(keep) => names
                     .iter()
@@ -255,12 +277,34 @@ async fn main() -> Result<()> {
                     .collect(),
                 None => names.to_vec(),
             };
-            let bench = kvroute_harness::bench_replicas::ReplicasBench {
+            let bench = ReplicasBench {
                 engines,
                 interval_ms,
-                probes,
-                workloads: only(&all.workloads, workloads),
-                sharing: only(&all.sharing, sharing),
+                probes: probes.unwrap_or(all.probes),
+                scenarios: scenarios(
+                    &counts.unwrap_or_else(|| {
+                        if cli.quick {
+                            &QUICK_COUNTS[..]
+                        } else {
+                            &COUNTS[..]
+                        }
+                        .to_vec()
+                    }),
+                    loss,
+                    lossless.unwrap_or(!cli.quick),
+                ),
+                capacity_blocks,
+                workloads: match workloads {
+                    Some(keep) => only(
+                        &["multi_turn", "agent_loop", "conversation_trace"],
+                        Some(keep),
+                    ),
+                    None => all.workloads.clone(),
+                },
+                sharing: only(
+                    &["hot_prefix", "system_prompt"],
+                    Some(sharing.unwrap_or_default()),
+                ),
                 sidecar_toml: sidecar_toml.replace("\\n", "\n"),
                 ..all
             };
