@@ -309,3 +309,30 @@ pub async fn assert_load_was_the_hinted_requests(stack: &Stack, outcomes: &[Outc
         }
     }
 }
+
+/// A chat body that asks Dynamo which workers served it.
+pub fn dynamo_chat(system: &str, user: &str) -> Value {
+    let mut body = chat(system, user);
+    body["nvext"] = json!({"extra_fields": ["worker_id"]});
+    body
+}
+
+/// Send a streamed chat to `base` (Envoy or the frontend) with extra headers.
+pub async fn post_with(base: &str, body: &Value, headers: &[(&str, String)]) -> Outcome {
+    let url = format!("{base}/v1/chat/completions");
+    let headers: reqwest::header::HeaderMap = headers
+        .iter()
+        .map(|(k, v)| {
+            (
+                reqwest::header::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                reqwest::header::HeaderValue::from_str(v).unwrap(),
+            )
+        })
+        .collect();
+    let client = reqwest::Client::builder()
+        .default_headers(headers)
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    send_streaming(&client, &url, body).await
+}

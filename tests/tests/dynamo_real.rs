@@ -7,42 +7,15 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use kvroute_harness::client::{send_streaming, Outcome};
+use kvroute_harness::client::Outcome;
 use kvroute_harness::stack::MODEL;
 use kvroute_harness::{DynamoOptions, Mode, Stack, StackOptions};
-use serde_json::{json, Value};
-
-/// A chat body that asks Dynamo which workers served it.
-fn dynamo_chat(system: &str, user: &str) -> Value {
-    let mut body = chat(system, user);
-    body["nvext"] = json!({"extra_fields": ["worker_id"]});
-    body
-}
+use serde_json::Value;
 
 /// Send straight to the Dynamo frontend (not through Envoy) with extra headers.
 async fn to_frontend(stack: &Stack, body: &Value, headers: &[(&str, String)]) -> Outcome {
     let frontend = stack.frontend.as_ref().expect("a Dynamo frontend");
     post_with(&format!("http://{frontend}"), body, headers).await
-}
-
-/// Send a streamed chat to `base` (Envoy or the frontend) with extra headers.
-async fn post_with(base: &str, body: &Value, headers: &[(&str, String)]) -> Outcome {
-    let url = format!("{base}/v1/chat/completions");
-    let headers: reqwest::header::HeaderMap = headers
-        .iter()
-        .map(|(k, v)| {
-            (
-                reqwest::header::HeaderName::from_bytes(k.as_bytes()).unwrap(),
-                reqwest::header::HeaderValue::from_str(v).unwrap(),
-            )
-        })
-        .collect();
-    let client = reqwest::Client::builder()
-        .default_headers(headers)
-        .timeout(Duration::from_secs(30))
-        .build()
-        .unwrap();
-    send_streaming(&client, &url, body).await
 }
 
 /// The (prefill, decode) instances that served a successful request.

@@ -9,10 +9,10 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvroute_harness::client::{send_streaming, Outcome};
+use kvroute_harness::client::Outcome;
 use kvroute_harness::process::{free_port, wait_for, Process};
 use kvroute_harness::{DynamoOptions, Mode, Stack, StackOptions};
-use serde_json::{json, Value};
+use serde_json::Value;
 
 /// Every record under `discovery/v1/<bucket>` (Dynamo's file backend: one JSON file per key);
 /// a record being rewritten is skipped.
@@ -56,33 +56,6 @@ fn instance_at(discovery: &std::path::Path, address: &str) -> Option<u64> {
                 .is_some_and(|t| t.split('/').next() == Some(address))
         })
         .and_then(|r| r["instance_id"].as_u64())
-}
-
-/// A chat body that asks Dynamo which workers served it.
-fn dynamo_chat(system: &str, user: &str) -> Value {
-    let mut body = chat(system, user);
-    body["nvext"] = json!({"extra_fields": ["worker_id"]});
-    body
-}
-
-/// Send a streamed chat to `base` (Envoy or the frontend) with extra headers.
-async fn post_with(base: &str, body: &Value, headers: &[(&str, String)]) -> Outcome {
-    let url = format!("{base}/v1/chat/completions");
-    let headers: reqwest::header::HeaderMap = headers
-        .iter()
-        .map(|(k, v)| {
-            (
-                reqwest::header::HeaderName::from_bytes(k.as_bytes()).unwrap(),
-                reqwest::header::HeaderValue::from_str(v).unwrap(),
-            )
-        })
-        .collect();
-    let client = reqwest::Client::builder()
-        .default_headers(headers)
-        .timeout(Duration::from_secs(30))
-        .build()
-        .unwrap();
-    send_streaming(&client, &url, body).await
 }
 
 /// The options of a default-plane fleet: two aggregated mockers, a `kv` frontend.
