@@ -545,7 +545,7 @@ impl Sidecar {
                 };
                 m.replica_repairs.get_or_create(&RepairLabel { kind }).inc();
                 if *installed {
-                    tracing::warn!(%worker, rank, blocks, "cache repaired from a clean peer's snapshot");
+                    tracing::warn!(%worker, rank, blocks, "cache repaired from a peer's snapshot");
                 } else {
                     tracing::warn!(%worker, rank, blocks, "peer snapshot refused: the events since it are no longer kept here (or the worker is unknown); asking again later");
                 }

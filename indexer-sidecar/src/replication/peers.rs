@@ -187,17 +187,20 @@ impl Replicas {
                                 });
                         let unclean = !m.clean && !m.filling;
                         if !theirs.clean {
-                            // Only to converge, ranked after every clean copy, and only once
+                            // Only to converge when no peer holds a clean copy, and only once
                             // neither copy waits for a fill (a fill rebuilds from what ours
                             // held when it lost the message).
                             let diverged = divergent && outranked;
-                            ((behind || diverged) && unclean && !theirs.filling).then_some(
-                                Why::NoCleanCopy {
+                            let none_clean = !self
+                                .peers
+                                .values()
+                                .any(|q| q.caches.get(key).is_some_and(|c| c.clean));
+                            ((behind || diverged) && unclean && none_clean && !theirs.filling)
+                                .then_some(Why::NoCleanCopy {
                                     behind,
                                     ours_lost_at: m.lost_at,
                                     theirs_lost_at: theirs.lost_at,
-                                },
-                            )
+                                })
                         } else if behind {
                             Some(Why::Behind)
                         } else if unclean && !agree {
@@ -625,6 +628,13 @@ mod tests {
             matches!(&asked[..], [(_, _, Why::NoCleanCopy { behind: true, .. })]),
             "{asked:?}"
         );
+        // Not while a peer holds a clean copy (here one that agrees with ours).
+        let mut e = Replicas::new("e".into(), Duration::from_secs(6));
+        for at in [now, later] {
+            e.observe(from("a", ours.to_vec()), &theirs, at);
+            e.observe(from("f", vec![report("w1", &[(5, 51)])]), &theirs, at);
+        }
+        assert!(e.repairs(&theirs, later).is_empty());
     }
 
     /// A cache a clean peer holds and we do not is wanted (the warm start); once ours agrees
