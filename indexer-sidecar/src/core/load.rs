@@ -244,7 +244,7 @@ impl WorkerLoad {
     /// against its traffic; low where queued requests find their prefixes evicted.
     ///
     /// Pooled over the replicas that share load: the mean of this replica's estimate and each
-    /// peer's latest, in steps of [`SURVIVAL_STEP`]. Every replica then weighs a worker alike
+    /// peer's latest, in steps of `SURVIVAL_STEP`. Every replica then weighs a worker alike
     /// once the estimates have been shared (at most a load interval after they change), so the
     /// replicas agree on where a prompt goes; each estimate alone comes from a share of the
     /// requests, and a hair between two replicas' estimates sent one prompt two ways.
