@@ -135,6 +135,9 @@ pub struct WorkerLoad {
     peers: BTreeMap<String, (u32, Instant)>,
     /// Per peer replica: its own survival estimate here, and when it said so.
     peer_survival: BTreeMap<String, (f64, Instant)>,
+    /// [`WorkerLoad::survival`], pooled again whenever an estimate changes (every hint reads
+    /// it); `None` without any estimate.
+    pooled: Option<f64>,
     /// When the latest reports closed open tickets, oldest first (at most [`RECENT_CLOSES`],
     /// none older than the last scrape asked for).
     closed_at: VecDeque<Instant>,
@@ -249,18 +252,22 @@ impl WorkerLoad {
     /// replicas agree on where a prompt goes; each estimate alone comes from a share of the
     /// requests, and a hair between two replicas' estimates sent one prompt two ways.
     pub fn survival(&self) -> f64 {
+        self.pooled.unwrap_or(1.0)
+    }
+
+    /// Pool the estimates again after one changed.
+    fn repool(&mut self) {
         let mut all: Vec<f64> = self
             .survival
             .into_iter()
             .chain(self.peer_survival.values().map(|&(s, _)| s))
             .collect();
-        if all.is_empty() {
-            return 1.0;
-        }
         // Summed in value order: the same set gives the same bits on every replica.
         all.sort_by(f64::total_cmp);
-        let mean = all.iter().sum::<f64>() / all.len() as f64;
-        ((mean / SURVIVAL_STEP).round() * SURVIVAL_STEP).clamp(0.0, 1.0)
+        self.pooled = (!all.is_empty()).then(|| {
+            let mean = all.iter().sum::<f64>() / all.len() as f64;
+            ((mean / SURVIVAL_STEP).round() * SURVIVAL_STEP).clamp(0.0, 1.0)
+        });
     }
 
     /// This replica's own estimate, learnt from the requests it routed (`None` before any):
@@ -280,6 +287,7 @@ impl WorkerLoad {
                 self.peer_survival.remove(peer);
             }
         }
+        self.repool();
     }
 
     /// The engine reported `cached` tokens for a request hinted with `expected`.
@@ -293,6 +301,7 @@ impl WorkerLoad {
             None => survived,
             Some(s) => s + SURVIVAL_WEIGHT * (survived - s),
         });
+        self.repool();
     }
 
     /// Request `seq` was reported finished at `now`: how its ticket stood (`None`: reported
@@ -349,8 +358,12 @@ impl WorkerLoad {
         let before = self.peers.len();
         self.peers
             .retain(|_, (_, at)| now.saturating_duration_since(*at) < ttl);
+        let estimates = self.peer_survival.len();
         self.peer_survival
             .retain(|_, (_, at)| now.saturating_duration_since(*at) < ttl);
+        if self.peer_survival.len() != estimates {
+            self.repool();
+        }
         self.peers.len() != before
     }
 
