@@ -7,7 +7,7 @@ VENV   := .venv
 WASM   := target/wasm32-wasip1/release/kvroute_filter.wasm
 
 .PHONY: all build venv venv-peers venv-dynamo venv-vllm toolchain check test test-live lint demo clean \
-	bench-routing bench-routing-quick bench-replicas bench-replicas-quick bench-datapath bench-dynamo bench-vllm bench-index bench-hint bench-prepare bench-usage fuzz \
+	bench-routing bench-routing-quick bench-replicas bench-replicas-quick bench-storm bench-datapath bench-dynamo bench-vllm bench-index bench-hint bench-prepare bench-usage fuzz \
 	precision-fixtures
 
 all: build
@@ -95,6 +95,12 @@ venv-peers: .venv-peers/.installed
 	.venv-peers/bin/pip install --quiet --disable-pip-version-check -r requirements-peers.txt \
 		|| echo "warning: some peer routers did not install; they will be reported as unavailable"
 	@touch $@
+
+# Dynamo KV events on NATS at a ladder of rates and in a burst, one event per message and eight
+# (about 2 minutes): what one sidecar keeps, against what was published.
+bench-storm: venv build
+	target/release/kvroute-bench storm
+	target/release/kvroute-bench storm --batch 8 --rates 400000,600000,800000,900000 --burst 1200000
 
 bench-routing: venv venv-peers build
 	target/release/kvroute-bench routing

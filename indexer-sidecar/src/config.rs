@@ -348,6 +348,12 @@ pub struct NatsConfig {
     /// Subjects to subscribe to (wildcards allowed).
     #[serde(default = "default_subjects")]
     pub subjects: Vec<String>,
+    /// Messages the NATS client keeps per subscription while the sidecar is busy; past this the
+    /// client drops them ("slow consumer": counted in `kvroute_source_dropped_messages_total`,
+    /// then seen as gaps). A burst of this many messages is kept whole; memory is spent only
+    /// while they wait (~0.4 KB each).
+    #[serde(default = "default_buffer_messages")]
+    pub buffer_messages: usize,
     /// A `.creds` file (JWT and NKey seed), as `nsc` writes it.
     #[serde(default)]
     pub credentials_file: Option<PathBuf>,
@@ -418,6 +424,9 @@ impl NatsConfig {
         if self.tls_cert.is_some() != self.tls_key.is_some() {
             bail!("[nats]: tls_cert and tls_key go together");
         }
+        if self.buffer_messages < 1024 {
+            bail!("[nats] buffer_messages: at least 1024 (a burst of one step of a small fleet)");
+        }
         Ok(())
     }
 }
@@ -443,6 +452,11 @@ pub fn without_credentials(url: &str) -> String {
         Some((_, host)) => format!("{scheme}://{host}{path}"),
         None => url.to_owned(),
     }
+}
+
+/// Room for a 256-worker fleet's burst of 1,000 messages each.
+fn default_buffer_messages() -> usize {
+    262_144
 }
 
 /// KV events in both Dynamo subject layouts (1.2 and 1.6), and 1.6's per-worker KV usage;

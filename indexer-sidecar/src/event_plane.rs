@@ -54,6 +54,14 @@ pub struct SourceStatus {
     pub bus: BTreeMap<String, u64>,
     /// Seconds since that probe (`None`: never probed).
     pub bus_probe_age_s: Option<f64>,
+    /// Times the connection to the server was lost (NATS).
+    pub disconnects: u64,
+    /// How long the last outage lasted, or has lasted so far, in seconds.
+    pub last_outage_s: Option<f64>,
+    /// Messages the client library dropped before the sidecar read them (buffer full).
+    pub client_dropped: u64,
+    #[serde(skip)]
+    down: Option<(Instant, Option<Instant>)>,
     #[serde(skip)]
     last_event: Option<Instant>,
     #[serde(skip)]
@@ -149,6 +157,10 @@ impl EventPlane {
             last_event_age_s: None,
             bus: BTreeMap::new(),
             bus_probe_age_s: None,
+            disconnects: 0,
+            last_outage_s: None,
+            client_dropped: 0,
+            down: None,
             last_event: None,
             bus_probed: None,
         });
@@ -183,6 +195,40 @@ impl EventPlane {
     pub fn disconnected(&mut self, source: usize) {
         if let Some(s) = self.sources.get_mut(source) {
             s.state = "disconnected";
+        }
+    }
+
+    /// The connection to the source's server was lost at `now` (it reconnects by itself).
+    pub fn connection_lost(&mut self, source: usize, now: Instant) {
+        if let Some(s) = self.sources.get_mut(source) {
+            s.state = "disconnected";
+            s.disconnects += 1;
+            s.down = Some((now, None));
+        }
+    }
+
+    /// The connection is back at `now`: how long it was down, if it was.
+    pub fn connection_back(&mut self, source: usize, now: Instant) -> Option<Duration> {
+        let s = self.sources.get_mut(source)?;
+        let (since, None) = s.down? else {
+            return None;
+        };
+        s.down = Some((since, Some(now)));
+        s.state = "subscribed";
+        Some(now.saturating_duration_since(since))
+    }
+
+    /// Whether the source's connection is lost and not back yet.
+    pub fn is_down(&self, source: usize) -> bool {
+        self.sources
+            .get(source)
+            .is_some_and(|s| matches!(s.down, Some((_, None))))
+    }
+
+    /// The source's client dropped a message before the sidecar read it.
+    pub fn client_dropped(&mut self, source: usize) {
+        if let Some(s) = self.sources.get_mut(source) {
+            s.client_dropped += 1;
         }
     }
 
@@ -259,6 +305,9 @@ impl EventPlane {
             .map(|s| SourceStatus {
                 last_event_age_s: s.last_event.map(|t| (now - t).as_secs_f64()),
                 bus_probe_age_s: s.bus_probed.map(|t| (now - t).as_secs_f64()),
+                last_outage_s: s
+                    .down
+                    .map(|(from, to)| (to.unwrap_or(now) - from).as_secs_f64()),
                 ..s.clone()
             })
             .collect()

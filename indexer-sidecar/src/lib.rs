@@ -6,6 +6,7 @@
 //! - [`sidecar`]: [`sidecar::Sidecar`], the core behind its lock plus what the edges share;
 //!   the one place where what happened becomes metrics and log lines. The lock model is there.
 //! - [`event_plane`]: per-source counters (`/debug/sources`) and the event-plane alarms.
+//! - [`streaks`]: losses said once per streak (a line when one starts, one when it ends).
 //! - [`truth_watch`]: the alarms on what the engines reported against what was predicted
 //!   (`stale_index`, `replica_skew`).
 //! - [`transports`]: where KV events come from: NATS (Dynamo), ZMQ (vLLM).
@@ -34,6 +35,7 @@ pub mod metrics;
 pub mod observers;
 pub mod replication;
 pub mod sidecar;
+pub mod streaks;
 pub mod transports;
 pub mod truth_watch;
 

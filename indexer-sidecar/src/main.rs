@@ -109,7 +109,7 @@ async fn main() -> anyhow::Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,tk_encode=warn".into()),
+                .unwrap_or_else(|_| "info,tk_encode=warn,async_nats=warn".into()),
         )
         .init();
     match Cli::parse().command {

@@ -416,6 +416,15 @@ pub struct Metrics {
     /// Dynamo ZMQ event-plane messages lost on the way (gaps in a publisher's sequence), by
     /// topic.
     pub dynamo_zmq_lost_messages: Family<TopicLabel, Counter>,
+    /// Events missing from a worker's sequence numbers (the sizes of live gaps), by worker: lost
+    /// on the way here, whatever lost them.
+    pub lost_events: Family<WorkerLabel, Counter>,
+    /// Messages a source's client library dropped before the sidecar read them (its buffer was
+    /// full: NATS's "slow consumer"), by transport. A lower bound: the library reports drops on
+    /// a bounded channel of its own.
+    pub source_dropped_messages: Family<SourceLabel, Counter>,
+    /// Connections to an event source's server lost, by transport.
+    pub source_disconnects: Family<SourceLabel, Counter>,
     /// Events from a worker id that is not configured.
     pub unknown_worker_events: Family<PublisherLabel, Counter>,
     /// Stores whose parent block was unknown, by worker.
@@ -514,6 +523,9 @@ impl Default for Metrics {
             ),
             skipped_events: family(&mut r, "skipped_events", "Elements of a message that were not known events"),
             dynamo_zmq_lost_messages: family(&mut r, "dynamo_zmq_lost_messages", "Dynamo ZMQ event-plane messages lost on the way here (gaps in a publisher's sequence numbers), by topic"),
+            lost_events: family(&mut r, "lost_events", "Events missing from a worker's sequence numbers: lost on the way here"),
+            source_dropped_messages: family(&mut r, "source_dropped_messages", "Messages an event source's client library dropped before the sidecar read them (buffer full)"),
+            source_disconnects: family(&mut r, "source_disconnects", "Connections to an event source's server lost"),
             unknown_worker_events: family(&mut r, "unknown_worker_events", "Events from workers not in the configuration"),
             orphan_stores: family(&mut r, "orphan_stores", "Stored events whose parent block is unknown"),
             unknown_removals: counter(&mut r, "unknown_removals", "Removed blocks the index did not hold"),

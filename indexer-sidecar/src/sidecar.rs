@@ -59,6 +59,7 @@ use crate::metrics::{
 };
 use crate::replication::brain::{Brain, Effect, Event};
 use crate::replication::peers::Change;
+use crate::streaks::Streaks;
 use crate::truth_watch::{Totals, TruthWatch};
 use kvroute_protocol::hint::Usage;
 
@@ -91,6 +92,7 @@ pub struct Sidecar {
     explained: Mutex<ExplainLog>,
     replication: Mutex<Brain>,
     truth: Mutex<TruthWatch>,
+    streaks: Mutex<Streaks>,
     /// Tests only (`[replicas] test_drop_events`): this fraction of KV-event messages is
     /// dropped before the core sees it; which ones depends on the replica's id, so two lossy
     /// replicas lose different messages.
@@ -157,6 +159,7 @@ impl Sidecar {
                 replicas,
             )),
             truth: Mutex::new(TruthWatch::default()),
+            streaks: Mutex::new(Streaks::default()),
             test_drop_events: replicas.map_or(0.0, |r| r.test_drop_events),
             test_drop_seed: replica_id
                 .as_ref()
@@ -375,7 +378,28 @@ impl Sidecar {
         if matches!(input, Input::Discovery { .. } | Input::Tick) {
             self.restore_pending(now);
         }
+        if matches!(input, Input::Tick) {
+            self.say_ended_streaks(now);
+        }
         happened
+    }
+
+    /// `lost` messages or events on `stream` (of `worker`): the first of a streak is said at
+    /// once, the rest when the streak ends ([`crate::streaks`]).
+    /// `counter` is the metric that counts every one.
+    pub fn lost(&self, stream: &str, counter: &str, worker: Option<&str>, lost: u64, now: Instant) {
+        if lock(&self.streaks).lost(stream, worker, lost, now) {
+            tracing::warn!(worker = worker.unwrap_or(""), lost, "losses started on {stream}: {counter} counts every one, one line says how many once none for {} s; peer replicas fill lost KV events when [replicas] is set, else a few index entries may be stale until evicted", crate::streaks::QUIET.as_secs());
+        }
+    }
+
+    fn say_ended_streaks(&self, now: Instant) {
+        let ended = lock(&self.streaks).ended(now);
+        for (stream, s) in ended {
+            let workers = s.workers.len();
+            let lasted = (s.last - s.started).as_secs_f64();
+            tracing::warn!(lost = s.lost, times = s.times, workers, lasted_s = lasted, "losses ended on {stream}: {} lost in {} gaps or drops over {lasted:.1} s, {workers} workers", s.lost, s.times);
+        }
     }
 
     /// Turn one thing that happened into metrics and log lines.
@@ -415,15 +439,14 @@ impl Sidecar {
                     tracing::warn!(worker = %worker.address, "index full: more than 65535 caches; event dropped");
                 }
                 if outcome.orphan {
-                    let counter = m.orphan_stores.get_or_create(&worker_label(worker));
-                    // One line per worker, then the counter: a sidecar that started late sees
-                    // many, and each says the same.
-                    if counter.get() == 0 {
-                        tracing::warn!(worker = %worker.address, "stored event whose parent block is unknown here dropped (events lost, or stored before this sidecar listened); kvroute_orphan_stores_total counts the rest");
-                    } else {
-                        tracing::debug!(worker = %worker.address, "stored event with unknown parent dropped");
-                    }
-                    counter.inc();
+                    m.orphan_stores.get_or_create(&worker_label(worker)).inc();
+                    self.lost(
+                        "stored events whose parent block is unknown here (events lost before them, or stored before this sidecar listened)",
+                        "kvroute_orphan_stores_total",
+                        Some(&worker.address),
+                        1,
+                        now,
+                    );
                 }
                 if outcome.unknown_removals > 0 {
                     m.unknown_removals.inc_by(outcome.unknown_removals as u64);
@@ -450,7 +473,17 @@ impl Sidecar {
                 Verdict::Gap { from, to } => {
                     sequence(&worker.address, SequenceKind::Gap);
                     if *delivery == Delivery::Live {
-                        tracing::warn!(worker = %worker.address, %subject, from, to, "event sequence gap: events lost on the way here; asked of peer replicas when [replicas] is set, else a few entries may be stale until evicted");
+                        let lost = to - from;
+                        m.lost_events
+                            .get_or_create(&worker_label(worker))
+                            .inc_by(lost);
+                        self.lost(
+                            &format!("KV events on {subject}"),
+                            "kvroute_lost_events_total",
+                            Some(&worker.address),
+                            lost,
+                            now,
+                        );
                     }
                 }
                 Verdict::Restarted => {

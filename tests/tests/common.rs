@@ -336,3 +336,65 @@ pub async fn post_with(base: &str, body: &Value, headers: &[(&str, String)]) -> 
         .unwrap();
     send_streaming(&client, &url, body).await
 }
+
+/// Dynamo 1.6's KV-event subject of component `backend`, endpoint `generate`.
+pub const DYNAMO_SUBJECT: &str = "namespace.dynamo.component.backend.endpoint.generate.kv-events";
+
+/// A nats-server on `port`, its log in `dir`.
+pub fn nats_server(dir: &std::path::Path, port: u16) -> kvroute_harness::process::Process {
+    use kvroute_harness::{paths, process::Process};
+    let mut server = std::process::Command::new(paths::venv_tool("nats-server").unwrap());
+    server.args(["-a", "127.0.0.1", "-p", &port.to_string()]);
+    Process::spawn("nats", server, dir).unwrap()
+}
+
+/// The own hash of event `id`'s block in [`one_block_event`]: its node in the index.
+pub fn one_block_hash(id: u64) -> u64 {
+    id.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+/// Event `id` of Dynamo worker `worker`: one root block.
+pub fn one_block_event(worker: u64, id: u64) -> kvroute_protocol::dynamo::RouterEvent {
+    use kvroute_protocol::dynamo::{
+        KvCacheEvent, KvCacheEventData, RouterEvent, StoredBlock, StoredBlocks,
+    };
+    RouterEvent {
+        worker_id: worker,
+        storage_tier: "device".into(),
+        residency_domain: None,
+        event: KvCacheEvent {
+            event_id: id,
+            data: KvCacheEventData::Stored(StoredBlocks {
+                parent_hash: None,
+                start_position: None,
+                blocks: vec![StoredBlock {
+                    block_hash: 1_000_000 + id,
+                    tokens_hash: one_block_hash(id),
+                    mm_extra_info: None,
+                }],
+            }),
+            dp_rank: 0,
+        },
+    }
+}
+
+/// Publish `worker`'s [`one_block_event`]s `from..to` on [`DYNAMO_SUBJECT`], one per message.
+pub async fn publish_one_block_events(
+    client: &async_nats::Client,
+    worker: u64,
+    from: u64,
+    to: u64,
+) {
+    use kvroute_protocol::dynamo::{encode_v16, EnvelopeHeader, KV_EVENTS_TOPIC};
+    for id in from..to {
+        let header = EnvelopeHeader {
+            publisher_id: 1,
+            sequence: id,
+            published_at: 0,
+            topic: KV_EVENTS_TOPIC,
+        };
+        let body = encode_v16(header, &[one_block_event(worker, id)]);
+        client.publish(DYNAMO_SUBJECT, body.into()).await.unwrap();
+    }
+    client.flush().await.unwrap();
+}

@@ -7,46 +7,13 @@ mod common;
 
 use std::time::Duration;
 
-use common::{metric, spawn_sidecar};
+use common::{metric, nats_server, one_block_hash as tokens_hash, spawn_sidecar};
 use kvroute_harness::client::get_text;
 use kvroute_harness::paths;
 use kvroute_harness::process::{free_port, wait_for, Process};
-use kvroute_protocol::dynamo::{
-    encode_v16, EnvelopeHeader, KvCacheEvent, KvCacheEventData, RouterEvent, StoredBlock,
-    StoredBlocks, KV_EVENTS_TOPIC,
-};
-
-const SUBJECT: &str = "namespace.dynamo.component.backend.endpoint.generate.kv-events";
 const WORKER: u64 = 7_000_001;
 /// Digests are published this often here.
 const INTERVAL_MS: u64 = 500;
-
-/// Event `id` of the worker: one root block.
-fn event(id: u64) -> RouterEvent {
-    RouterEvent {
-        worker_id: WORKER,
-        storage_tier: "device".into(),
-        residency_domain: None,
-        event: KvCacheEvent {
-            event_id: id,
-            data: KvCacheEventData::Stored(StoredBlocks {
-                parent_hash: None,
-                start_position: None,
-                blocks: vec![StoredBlock {
-                    block_hash: 1_000_000 + id,
-                    tokens_hash: tokens_hash(id),
-                    mm_extra_info: None,
-                }],
-            }),
-            dp_rank: 0,
-        },
-    }
-}
-
-/// The own hash of event `id`'s block: its node in the index (a root block).
-fn tokens_hash(id: u64) -> u64 {
-    id.wrapping_mul(0x9e37_79b9_7f4a_7c15)
-}
 
 /// A sidecar named `id` in group `t` on NATS `nats_port`, dropping `drop` of its events.
 fn sidecar(dir: &std::path::Path, id: &str, nats_port: u16, drop: f64) -> (Process, String) {
@@ -125,25 +92,9 @@ async fn pair(dir: &std::path::Path, nats_port: u16, drop: f64) -> Pair {
     Pair { a, b, client }
 }
 
-fn nats_server(dir: &std::path::Path, port: u16) -> Process {
-    let mut server = std::process::Command::new(paths::venv_tool("nats-server").unwrap());
-    server.args(["-a", "127.0.0.1", "-p", &port.to_string()]);
-    Process::spawn("nats", server, dir).unwrap()
-}
-
 /// Publish the worker's events `from..to`, one per message.
 async fn publish(client: &async_nats::Client, from: u64, to: u64) {
-    for id in from..to {
-        let header = EnvelopeHeader {
-            publisher_id: 1,
-            sequence: id,
-            published_at: 0,
-            topic: KV_EVENTS_TOPIC,
-        };
-        let body = encode_v16(header, &[event(id)]);
-        client.publish(SUBJECT, body.into()).await.unwrap();
-    }
-    client.flush().await.unwrap();
+    common::publish_one_block_events(client, WORKER, from, to).await;
 }
 
 fn index_blocks(text: &str) -> Option<f64> {

@@ -26,6 +26,7 @@
 pub mod bench;
 pub mod bench_dynamo;
 pub mod bench_replicas;
+pub mod bench_storm;
 pub mod bench_vllm;
 pub mod client;
 pub mod datapath;

@@ -25,16 +25,24 @@ const NATS: SourceLabel = SourceLabel {
 /// A plain subscription (no queue group): every sidecar replica must see every event.
 pub async fn run(config: NatsConfig, state: Arc<Sidecar>) -> anyhow::Result<()> {
     let url = config.redacted_url();
+    let source = state
+        .plane()
+        .register("nats", &url, config.subjects.clone());
     let client = connect_options(&config)
         .await?
         .retry_on_initial_connect()
         .name("kvroute-sidecar")
+        .subscription_capacity(config.buffer_messages)
+        .event_callback({
+            let (state, url) = (state.clone(), url.clone());
+            move |event| {
+                connection_event(&state, source, &url, event, Instant::now());
+                async {}
+            }
+        })
         .connect(crate::config::without_credentials(&config.url))
         .await
         .with_context(|| format!("connecting to NATS at {url}"))?;
-    let source = state
-        .plane()
-        .register("nats", &url, config.subjects.clone());
     let mut subscriptions = Vec::new();
     for subject in &config.subjects {
         let sub = client
@@ -70,6 +78,56 @@ pub async fn run(config: NatsConfig, state: Arc<Sidecar>) -> anyhow::Result<()> 
         handle(&state, source, msg.subject.as_str(), &msg.payload);
     }
     anyhow::bail!("NATS subscription to {url} ended")
+}
+
+/// What the NATS client reports about its connection, said in kvroute's own lines and counted.
+/// (The library's own line per event is silenced by the default log filter: under a storm it
+/// wrote one per dropped message.)
+fn connection_event(
+    state: &Sidecar,
+    source: usize,
+    url: &str,
+    event: async_nats::Event,
+    now: Instant,
+) {
+    use async_nats::Event;
+    match event {
+        Event::Disconnected => {
+            state.plane().connection_lost(source, now);
+            state.metrics.source_disconnects.get_or_create(&NATS).inc();
+            tracing::warn!(%url, "NATS connection lost: KV events published until it is back are lost (Dynamo replays nothing on NATS); reconnecting. Each worker's next event shows its loss in kvroute_lost_events_total; peer replicas fill it when [replicas] is set");
+        }
+        Event::Connected => {
+            if let Some(down) = state.plane().connection_back(source, now) {
+                tracing::warn!(%url, down_s = down.as_secs_f64(), "NATS connection back after {:.1} s; subscriptions restored. What each worker published meanwhile is counted as lost when its next event arrives", down.as_secs_f64());
+            }
+        }
+        Event::SlowConsumer(_) => {
+            state.plane().client_dropped(source);
+            state
+                .metrics
+                .source_dropped_messages
+                .get_or_create(&NATS)
+                .inc();
+            state.lost(
+                &format!("the NATS client's buffer ([nats] buffer_messages) at {url}"),
+                "kvroute_source_dropped_messages_total",
+                None,
+                1,
+                now,
+            );
+        }
+        Event::ServerError(e) => tracing::warn!(%url, error = %e, "NATS server error"),
+        // While the connection is down every reconnection attempt fails: said once, above.
+        Event::ClientError(e) if state.plane().is_down(source) => {
+            tracing::debug!(%url, error = %e, "NATS client error while reconnecting")
+        }
+        Event::ClientError(e) => tracing::warn!(%url, error = %e, "NATS client error"),
+        Event::LameDuckMode => {
+            tracing::warn!(%url, "NATS server entering lame duck mode: it will close this connection soon")
+        }
+        Event::Draining | Event::Closed => tracing::info!(%url, "NATS connection {event}"),
+    }
 }
 
 /// `nats://user:password@host` or `nats://token@host`: the credentials as options, since the

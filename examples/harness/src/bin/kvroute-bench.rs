@@ -55,6 +55,28 @@ enum Command {
     },
     /// Plain Envoy vs Envoy + kvroute on an instant upstream.
     Datapath,
+    /// Dynamo KV events on a real nats-server at a ladder of rates, then a burst: what one
+    /// sidecar applies and indexes, against what was published.
+    Storm {
+        /// Dynamo workers the publisher plays.
+        #[arg(long, default_value_t = 256)]
+        workers: usize,
+        /// Sustained rates, events per second (comma-separated).
+        #[arg(long, value_delimiter = ',')]
+        rates: Option<Vec<u64>>,
+        /// Seconds each rate is held.
+        #[arg(long, default_value_t = 4.0)]
+        seconds: f64,
+        /// Events in the final burst.
+        #[arg(long, default_value_t = 200_000)]
+        burst: u64,
+        /// Events per message (one worker's, as Dynamo 1.6 batches a step's).
+        #[arg(long, default_value_t = 1)]
+        batch: u64,
+        /// Extra `[nats]` lines, e.g. `"buffer_messages = 65536"`.
+        #[arg(long, default_value = "")]
+        nats_toml: String,
+    },
     /// 1, 2, 4 and 8 sidecar + Envoy pairs on one fleet whose caches evict, each sidecar losing
     /// 10% of the KV events on its transport (a lossy NATS proxy) and repairing from the others,
     /// against one lossless replica and one index shared by every Envoy: hit rate, agreement
@@ -313,6 +335,33 @@ async fn main() -> Result<()> {
                 kvroute_harness::bench_replicas::run(&bench, &out).await?
             );
             println!("written to {}", out.join("replicas.{json,md}").display());
+        }
+        Command::Storm {
+            workers,
+            rates,
+            seconds,
+            burst,
+            batch,
+            nats_toml,
+        } => {
+            use kvroute_harness::bench_storm::{run, StormBench};
+            let full = StormBench::full();
+            let bench = StormBench {
+                workers,
+                rates: rates.unwrap_or(full.rates),
+                seconds,
+                burst,
+                batch: batch.max(1),
+                nats_toml: nats_toml.replace("\\n", "\n"),
+                ..full
+            };
+            let doc = run(&bench, &out).await?;
+            println!("\n{}", kvroute_harness::bench_storm::markdown(&doc));
+            let stem = kvroute_harness::bench_storm::file_stem(bench.batch);
+            println!(
+                "written to {}",
+                out.join(format!("{stem}.{{json,md}}")).display()
+            );
         }
         Command::Datapath => {
             datapath::run(scale, &out).await?;
