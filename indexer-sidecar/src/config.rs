@@ -81,6 +81,9 @@ pub struct Config {
     /// Optional Unix socket serving the same API.
     #[serde(default)]
     pub unix_socket: Option<PathBuf>,
+    /// The API's connections: how many, how long idle.
+    #[serde(default)]
+    pub api: ApiConfig,
     /// Bytes of recent decisions `GET /debug/explain` keeps (about 1–3 KB each with a few
     /// workers: 16 MiB is a minute at a few hundred requests a second).
     #[serde(default = "default_explain_bytes")]
@@ -118,6 +121,37 @@ pub struct Config {
     /// A copy of the index on local disk, to start from after a restart.
     #[serde(default)]
     pub snapshot: Option<SnapshotConfig>,
+}
+
+/// The API's connections (docs/operations.md, "Connections").
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiConfig {
+    /// Connections open at once (each Envoy worker thread keeps a few); at the bound the one
+    /// idle longest is closed for a new one. Kept below three quarters of the descriptor limit.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// A connection that moves no byte for this long is closed (Envoy's pool closes its idle
+    /// ones at 30 s in the shipped configs, first).
+    #[serde(default = "default_idle_timeout_s")]
+    pub idle_timeout_s: u64,
+}
+
+impl Default for ApiConfig {
+    fn default() -> Self {
+        ApiConfig {
+            max_connections: default_max_connections(),
+            idle_timeout_s: default_idle_timeout_s(),
+        }
+    }
+}
+
+fn default_max_connections() -> usize {
+    4096
+}
+
+fn default_idle_timeout_s() -> u64 {
+    60
 }
 
 /// The index kept on local disk (docs/operations.md, "A snapshot on disk"): written every
@@ -674,6 +708,9 @@ impl Config {
 
     /// Reject configurations that could only route wrongly.
     pub fn validate(&self) -> anyhow::Result<()> {
+        if self.api.max_connections == 0 || self.api.idle_timeout_s == 0 {
+            bail!("[api] max_connections and idle_timeout_s must be positive");
+        }
         let mut names = std::collections::HashSet::new();
         for m in &self.models {
             if m.block_size == 0 {

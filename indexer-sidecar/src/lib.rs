@@ -16,7 +16,8 @@
 //!   snapshot and load share, the peers' state, the wire messages, the NATS loop that only
 //!   executes, and the index saved on local disk.
 //! - [`explain`]: the recent decisions `/debug/explain` shows, joined to their requests.
-//! - [`http_api`]: the HTTP API (`/v1/hint`, bundles, `/metrics`, `/debug/*`).
+//! - [`http_api`]: the HTTP API (`/v1/hint`, bundles, `/metrics`, `/debug/*`);
+//!   [`connections`]: its connections, bounded and timed out.
 //! - [`metrics`]: the Prometheus metrics served on `/metrics`.
 //! - [`config`]: the TOML configuration.
 //! - [`inspect`], [`envoy_config`]: the `tap`, `decode`, `tokenize` and `envoy-config` commands.
@@ -25,6 +26,7 @@
 //! (tested: no module imports one that imports it back).
 
 pub mod config;
+pub mod connections;
 pub mod core;
 pub mod envoy_config;
 pub mod event_plane;

@@ -9,7 +9,7 @@ use clap::{Parser, Subcommand};
 use kvroute_sidecar::config::Config;
 use kvroute_sidecar::core::Input;
 use kvroute_sidecar::sidecar::Sidecar;
-use kvroute_sidecar::{envoy_config, http_api, inspect, observers, transports};
+use kvroute_sidecar::{connections, envoy_config, http_api, inspect, observers, transports};
 
 #[derive(Parser)]
 #[command(
@@ -217,16 +217,20 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         "bundles loaded"
     );
     let app = http_api::router(state.clone());
+    let descriptors = connections::raise_descriptor_limit();
+    let max_connections = connections::cap(config.api.max_connections, descriptors);
+    let idle = std::time::Duration::from_secs(config.api.idle_timeout_s);
     let tcp = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding {}", config.listen))?;
-    tracing::info!(listen = %tcp.local_addr()?, "serving the hint API");
+    tracing::info!(listen = %tcp.local_addr()?, max_connections, idle_timeout_s = config.api.idle_timeout_s, "serving the hint API");
     // Hints are small request/response exchanges on the request path: send each answer at once.
     let tcp = tcp.tap_io(|stream| {
         if let Err(e) = stream.set_nodelay(true) {
             tracing::debug!(error = %e, "cannot set TCP_NODELAY on a hint connection");
         }
     });
+    let tcp = connections::Bounded::new(tcp, max_connections, idle);
     let mut tasks = tokio::task::JoinSet::new();
     if let Some(snapshot) = config.snapshot.clone() {
         // Before any source starts: a vLLM replay then continues the restored caches.
@@ -248,6 +252,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             .with_context(|| format!("binding unix socket {}", path.display()))?;
         tracing::info!(socket = %path.display(), "serving the hint API on a Unix socket");
         let app = http_api::router(state.clone());
+        let uds = connections::Bounded::new(uds, max_connections, idle);
         tasks.spawn(async move { axum::serve(uds, app).await.map_err(anyhow::Error::from) });
     }
     tasks.spawn({
