@@ -269,6 +269,20 @@ pub async fn engine_admin(stack: &Stack, address: &str, action: &str) {
     assert!(resp.status().is_success(), "{url}: {}", resp.status());
 }
 
+/// `POST /admin/<action>` with `body` on the simulated engine at `address` (`health`: `up`
+/// or `down`); panics unless it succeeds.
+pub async fn engine_admin_body(stack: &Stack, address: &str, action: &str, body: &str) {
+    let url = format!("http://{address}/admin/{action}");
+    let resp = stack
+        .http
+        .post(&url)
+        .body(body.to_owned())
+        .send()
+        .await
+        .unwrap();
+    assert!(resp.status().is_success(), "{url}: {}", resp.status());
+}
+
 /// `users` conversations of `turns` turns each, all at once, through Envoy; every outcome.
 pub async fn concurrent_conversations(stack: &Stack, users: u64, turns: u64) -> Vec<Outcome> {
     let conversations = (0..users).map(|u| async move {

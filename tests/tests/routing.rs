@@ -340,6 +340,69 @@ async fn ejected_worker_is_never_hinted() {
     );
 }
 
+/// Envoy's outlier ejection ends on a timer (2 s here) whether the engine is back or not. A
+/// worker whose engine still fails its health check when the ejection ends is not hinted
+/// again (the sidecar asks it `GET /health` and says why in a line); once it answers, it is
+/// usable and hinted again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_envoy_stops_ejecting_is_hinted_only_once_it_answers() {
+    let mut opts = StackOptions::new("revived", Mode::Kvroute);
+    opts.ejection_s = Some(2);
+    let stack = Stack::start(opts).await.expect("stack starts");
+    // Prompts only engine 1 holds: each is hinted to it first (a retry stores it elsewhere, so
+    // each is sent once while the engine fails).
+    let prompts: Vec<String> = (0..9).map(|i| text(700 + i, 200)).collect();
+    let kept = text(799, 200);
+    for system in prompts.iter().chain([&kept]) {
+        let warmed = direct(&stack, 1, &chat(system, "warm")).await;
+        wait_indexed(&stack, 1, (warmed.prompt_tokens / 16) as f64).await;
+    }
+    let addr = stack.engines[1].address.clone();
+    let series = format!("kvroute_worker_usable{{worker=\"{addr}\"}}");
+    let usable = || async { metric(&stack.sidecar_metrics().await.unwrap(), &series) };
+    engine_admin_body(&stack, &addr, "health", "down").await;
+    for system in &prompts[1..] {
+        let o = via_envoy(&stack, &chat(system, "more")).await;
+        assert!(
+            o.ok(),
+            "Envoy retries a failed engine's 500s elsewhere: {o:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+        if usable().await == Some(0.0) {
+            break;
+        }
+    }
+    assert_eq!(usable().await, Some(0.0), "the sidecar saw the ejection");
+    // The ejection ends (2 s, checked every 1 s); the engine still fails its health check.
+    tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+    assert_eq!(usable().await, Some(0.0), "hinted again while down");
+    let line = "Envoy no longer ejects this worker, but it does not answer GET /health";
+    assert!(
+        stack.log_tail("sidecar").contains(line),
+        "{}",
+        stack.log_tail("sidecar")
+    );
+    for i in 0..4 {
+        let o = via_envoy(&stack, &chat(&prompts[0], &text(720 + i, 5))).await;
+        assert_ne!(
+            served_by(&o),
+            1,
+            "request {i} went to the engine that is down"
+        );
+    }
+    // It answers again: usable and hinted again.
+    engine_admin_body(&stack, &addr, "health", "up").await;
+    wait_for(
+        "usable again",
+        std::time::Duration::from_secs(5),
+        || async { (usable().await == Some(1.0)).then_some(()) },
+    )
+    .await
+    .unwrap();
+    let o = via_envoy(&stack, &chat(&kept, "again")).await;
+    assert_eq!(served_by(&o), 1, "its cache is the only one: {o:?}");
+}
+
 /// When the best worker fails a request, Envoy's retry goes to the second-best cache, not to a
 /// random host: the hint is an ordered list and override_host walks it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -179,6 +179,9 @@ pub struct StackOptions {
     /// ask the stack's one sidecar (one index for every Envoy; the upper bound of what separate
     /// replicas can reach). The replicas' `sidecar_url` is then the same for all.
     pub shared_sidecar: bool,
+    /// Envoy's outlier `base_ejection_time` in seconds, in place of the shipped configuration's
+    /// 30 (tests of what happens when an ejection ends).
+    pub ejection_s: Option<u64>,
 }
 
 /// A lossy transport between the nats-server and each sidecar ([`StackOptions::transport_loss`]).
@@ -226,6 +229,7 @@ impl StackOptions {
             replicas: None,
             transport_loss: None,
             shared_sidecar: false,
+            ejection_s: None,
         }
     }
 
@@ -995,7 +999,18 @@ pub fn render_envoy(
         wasm: paths::filter_wasm()?,
         stream_idle_timeout: opts.stream_idle_timeout,
     };
-    envoy_config::render(template.text(), &params)
+    let text = envoy_config::render(template.text(), &params)?;
+    match opts.ejection_s {
+        Some(s) => {
+            const SHIPPED: &str = "base_ejection_time: 30s";
+            anyhow::ensure!(
+                text.contains(SHIPPED),
+                "the Envoy config has no `{SHIPPED}`"
+            );
+            Ok(text.replace(SHIPPED, &format!("base_ejection_time: {s}s")))
+        }
+        None => Ok(text),
+    }
 }
 
 /// Whether every thread of process `pid` is stopped (state `T` in `/proc/PID/task/*/stat`).

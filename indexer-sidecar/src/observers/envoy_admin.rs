@@ -1,9 +1,11 @@
 //! Envoy's own view of the `workers` cluster, polled from its admin `/clusters?format=json`:
 //! which hosts exist, which Envoy considers healthy (active health checks, outlier ejection), and
 //! how many requests each has in flight. `override_host` does not check health, so the sidecar
-//! must never hint a host Envoy would not use.
+//! must never hint a host Envoy would not use. Nor one Envoy would use but that is down: an
+//! outlier ejection ends on a timer whether the engine is back or not, so a host Envoy
+//! failed is hinted again only once it answers its health check ([`Revivals`], [`answers`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -48,6 +50,69 @@ pub fn parse_clusters(doc: &Value, cluster: &str) -> Option<HashMap<String, Host
     Some(hosts)
 }
 
+/// Hosts Envoy failed (ejected, failed a health check), until each answers its health check.
+#[derive(Debug, Default)]
+pub struct Revivals {
+    /// Failed by Envoy, not answered since.
+    down: HashSet<String>,
+    /// Of those, the ones Envoy calls healthy again while they do not answer (said once).
+    refusing: HashSet<String>,
+}
+
+impl Revivals {
+    /// Note Envoy's view; the hosts to probe now: healthy to Envoy again, not answered yet.
+    pub fn to_probe(&mut self, hosts: &HashMap<String, HostView>) -> Vec<String> {
+        self.down.retain(|h| hosts.contains_key(h));
+        self.refusing.retain(|h| self.down.contains(h));
+        let mut probe = Vec::new();
+        for (host, view) in hosts {
+            if !view.healthy {
+                self.down.insert(host.clone());
+            } else if self.down.contains(host) {
+                probe.push(host.clone());
+            }
+        }
+        probe.sort();
+        probe
+    }
+
+    /// Apply the probes' results (`host`, answered) to `hosts`: a host Envoy calls healthy that
+    /// did not answer stays unhealthy. The hosts that started refusing (to say so, once).
+    pub fn settle(
+        &mut self,
+        hosts: &mut HashMap<String, HostView>,
+        probes: &[(String, bool)],
+    ) -> Vec<String> {
+        let mut newly = Vec::new();
+        for (host, answered) in probes {
+            if *answered {
+                self.down.remove(host);
+                self.refusing.remove(host);
+                continue;
+            }
+            if let Some(view) = hosts.get_mut(host) {
+                view.healthy = false;
+            }
+            if self.refusing.insert(host.clone()) {
+                newly.push(host.clone());
+            }
+        }
+        newly
+    }
+}
+
+/// Whether the engine at `host` (`ip:port`) answers `GET /health` (vLLM's, SGLang's and
+/// Dynamo's frontend's) within `timeout` with anything but a server error: a 404 is a server
+/// without that route, alive; a refused connection, a timeout or a 503 is not.
+pub async fn answers(http: &reqwest::Client, host: &str, timeout: Duration) -> bool {
+    let response = http
+        .get(format!("http://{host}/health"))
+        .timeout(timeout)
+        .send()
+        .await;
+    matches!(response, Ok(r) if !r.status().is_server_error())
+}
+
 /// Poll Envoy's admin endpoint forever and feed the result to the state.
 pub async fn run(config: EnvoyConfig, state: Arc<Sidecar>) {
     let every = Duration::from_millis(config.poll_interval_ms.max(10));
@@ -64,6 +129,8 @@ pub async fn run(config: EnvoyConfig, state: Arc<Sidecar>) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut warned = false;
+    let mut revivals = Revivals::default();
+    let probe_timeout = Duration::from_millis(250);
     loop {
         tick.tick().await;
         let doc = async {
@@ -79,7 +146,20 @@ pub async fn run(config: EnvoyConfig, state: Arc<Sidecar>) {
             .ok()
             .and_then(|d| parse_clusters(&d, &config.cluster));
         match hosts {
-            Some(hosts) => {
+            Some(mut hosts) => {
+                let probe = revivals.to_probe(&hosts);
+                let results: Vec<(String, bool)> =
+                    futures::future::join_all(probe.into_iter().map(|host| {
+                        let http = &http;
+                        async move {
+                            let up = answers(http, &host, probe_timeout).await;
+                            (host, up)
+                        }
+                    }))
+                    .await;
+                for host in revivals.settle(&mut hosts, &results) {
+                    tracing::warn!(worker = %host, "Envoy no longer ejects this worker, but it does not answer GET /health: not hinted until it does");
+                }
                 if warned {
                     tracing::info!(%url, cluster = %config.cluster, "reading Envoy's view of the workers cluster again");
                 }
@@ -129,5 +209,54 @@ mod tests {
         assert_eq!(hosts.len(), 3);
         assert!(parse_clusters(&doc, "missing").is_none());
         assert!(parse_clusters(&serde_json::json!({}), "workers").is_none());
+    }
+
+    #[test]
+    fn a_host_envoy_failed_is_healthy_again_only_once_it_answers() {
+        let view = |healthy: bool| {
+            HashMap::from([(
+                "10.0.0.1:8000".to_string(),
+                HostView {
+                    healthy,
+                    rq_active: 0.0,
+                },
+            )])
+        };
+        let host = "10.0.0.1:8000".to_string();
+        let mut r = Revivals::default();
+        assert!(
+            r.to_probe(&view(true)).is_empty(),
+            "never failed: not probed"
+        );
+        assert!(
+            r.to_probe(&view(false)).is_empty(),
+            "ejected: Envoy says so"
+        );
+        // The ejection ends; the engine is still down.
+        let mut hosts = view(true);
+        let probe = r.to_probe(&hosts);
+        assert_eq!(probe, vec![host.clone()]);
+        assert_eq!(
+            r.settle(&mut hosts, &[(host.clone(), false)]),
+            vec![host.clone()]
+        );
+        assert!(!hosts[&host].healthy);
+        let mut hosts = view(true);
+        r.to_probe(&hosts);
+        assert!(
+            r.settle(&mut hosts, &[(host.clone(), false)]).is_empty(),
+            "said once"
+        );
+        assert!(!hosts[&host].healthy);
+        // It answers: healthy, and no longer probed.
+        let mut hosts = view(true);
+        r.to_probe(&hosts);
+        assert!(r.settle(&mut hosts, &[(host.clone(), true)]).is_empty());
+        assert!(hosts[&host].healthy);
+        assert!(r.to_probe(&view(true)).is_empty());
+        // A host removed from the cluster is forgotten.
+        r.to_probe(&view(false));
+        assert!(r.to_probe(&HashMap::new()).is_empty());
+        assert!(r.to_probe(&view(true)).is_empty());
     }
 }
