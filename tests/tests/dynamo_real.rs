@@ -175,6 +175,16 @@ async fn disaggregated_dynamo_pins_the_prefill_worker_and_alarms_stay_quiet() {
         .map(|(s, _)| s)
         .collect();
     assert!(on.is_empty(), "alarms on: {on:?}");
+    // The decode worker's load reports are a known worker's, not an unknown publisher's.
+    assert!(
+        !text.contains("kvroute_unknown_worker_events_total{"),
+        "{text}"
+    );
+    let log = std::fs::read_to_string(stack.dir.join("sidecar.log")).unwrap();
+    assert!(
+        !log.contains("neither in [[workers]] nor discovered"),
+        "{log}"
+    );
 }
 
 /// A sidecar outage behind a `kv`-mode frontend fails no request: unpinned requests are the

@@ -377,11 +377,8 @@ async fn a_worker_envoy_stops_ejecting_is_hinted_only_once_it_answers() {
     tokio::time::sleep(std::time::Duration::from_secs(5)).await;
     assert_eq!(usable().await, Some(0.0), "hinted again while down");
     let line = "Envoy no longer ejects this worker, but it does not answer GET /health";
-    assert!(
-        stack.log_tail("sidecar").contains(line),
-        "{}",
-        stack.log_tail("sidecar")
-    );
+    let log = std::fs::read_to_string(stack.dir.join("sidecar.log")).unwrap();
+    assert!(log.contains(line), "{log}");
     for i in 0..4 {
         let o = via_envoy(&stack, &chat(&prompts[0], &text(720 + i, 5))).await;
         assert_ne!(

@@ -577,6 +577,9 @@ pub struct Core {
     read_over_zmq: HashSet<String>,
     /// The prefixes recent hints matched up to, and how their requests went on.
     shared_prefixes: shared_prefix::SharedPrefixes,
+    /// Decode instances discovery found, per model: never hinted, but known — their load
+    /// reports and KV events are theirs, not an unknown publisher's.
+    decode_instances: HashMap<String, HashSet<u64>>,
 }
 
 impl Core {
@@ -617,6 +620,7 @@ impl Core {
                 .map_or(Duration::ZERO, |r| r.peer_load_ttl()),
             read_over_zmq: config.zmq.iter().filter_map(|z| z.worker.clone()).collect(),
             shared_prefixes: shared_prefix::SharedPrefixes::default(),
+            decode_instances: HashMap::new(),
         }
     }
 
@@ -760,7 +764,13 @@ impl Core {
         out: &mut Vec<Happened>,
     ) -> Option<WorkerId> {
         let Some(id) = self.resolve(from) else {
-            out.push(Happened::UnknownPublisher { name: from.name() });
+            let decode = match from {
+                Publisher::Instance(i) => self.decode_instances.values().any(|d| d.contains(&i)),
+                Publisher::Address(_) => false,
+            };
+            if !decode {
+                out.push(Happened::UnknownPublisher { name: from.name() });
+            }
             return None;
         };
         let name = self.name(id);
@@ -1043,6 +1053,14 @@ impl Core {
         out: &mut Vec<Happened>,
     ) {
         let count = |role| instances.iter().filter(|i| i.role == role).count();
+        self.decode_instances.insert(
+            model.to_owned(),
+            instances
+                .iter()
+                .filter(|i| i.role == Role::Decode)
+                .map(|i| i.instance_id)
+                .collect(),
+        );
         out.push(Happened::Scanned {
             model: model.to_owned(),
             roles: [Role::Aggregated, Role::Prefill, Role::Decode].map(|r| (r, count(r))),

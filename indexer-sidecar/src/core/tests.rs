@@ -1338,3 +1338,52 @@ fn replicas_that_both_lose_fill_each_other() {
         assert_eq!(blocks(&b), 300 - both, "run {run}: b");
     }
 }
+
+/// A disaggregated fleet's decode workers are never hinted, but they are known: their load
+/// reports (and KV events) are not an unknown publisher's, which the `no_events` alarm would
+/// tell the user to add to `[[workers]]`.
+#[test]
+fn decode_workers_load_reports_are_not_unknown_publishers() {
+    let (mut core, _, _) = pin_fixture();
+    let now = Instant::now();
+    let (prefill, decode) = (11, 12);
+    discover(
+        &mut core,
+        &instances(&[
+            (prefill, 40061, Role::Prefill),
+            (decode, 40062, Role::Decode),
+        ]),
+        &[],
+        now,
+    );
+    let report = |worker_id| kvroute_protocol::dynamo::KvMetrics {
+        worker_id,
+        dp_rank: 0,
+        active_decode_blocks: Some(3),
+        active_prefill_tokens: None,
+        kv_used_blocks: Some(4),
+    };
+    let unknown = |core: &mut Core, worker_id| {
+        let metrics = report(worker_id);
+        core.ingest(
+            Input::DynamoLoad {
+                metrics: &metrics,
+                component: None,
+            },
+            now,
+        )
+        .iter()
+        .any(|h| matches!(h, Happened::UnknownPublisher { .. }))
+    };
+    assert!(!unknown(&mut core, decode));
+    assert!(!unknown(&mut core, prefill));
+    assert!(
+        unknown(&mut core, 13),
+        "an id discovery never listed is unknown"
+    );
+    assert_eq!(
+        core.fleet().len(),
+        1,
+        "the decode worker is not in the fleet"
+    );
+}
