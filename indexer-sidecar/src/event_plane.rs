@@ -82,6 +82,8 @@ pub struct EventPlane {
     unknown_workers: BTreeMap<String, u64>,
     /// Subjects (or endpoints) events were applied from, as metrics label them.
     event_subjects: BTreeSet<String>,
+    /// Event fields kvroute does not know that were seen (bounded), each said once.
+    unknown_fields: BTreeSet<String>,
 }
 
 /// Distinct subjects `kvroute_events_total` names; events on any further subject share
@@ -133,6 +135,7 @@ impl EventPlane {
             discovery: Vec::new(),
             unknown_workers: BTreeMap::new(),
             event_subjects: BTreeSet::new(),
+            unknown_fields: BTreeSet::new(),
         }
     }
 
@@ -262,6 +265,15 @@ impl EventPlane {
             return true;
         }
         false
+    }
+
+    /// An event field kvroute does not know was seen: whether for the first time (of the first
+    /// 64 names: fields come from the network).
+    pub fn unknown_field(&mut self, name: &str) -> bool {
+        if self.unknown_fields.len() >= 64 || self.unknown_fields.contains(name) {
+            return false;
+        }
+        self.unknown_fields.insert(name.to_owned())
     }
 
     /// A KV event arrived from a publisher (Dynamo worker id, vLLM topic) no configured or

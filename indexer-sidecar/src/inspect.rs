@@ -113,6 +113,8 @@ fn vllm_json(e: &VllmEvent) -> Value {
             lora_name,
             medium,
             has_extra_keys,
+            group,
+            kind,
         } => json!({
             "type": "BlockStored",
             "block_hashes": block_hashes.iter().map(|h| h.0).collect::<Vec<_>>(),
@@ -122,14 +124,18 @@ fn vllm_json(e: &VllmEvent) -> Value {
             "lora_name": lora_name,
             "medium": medium,
             "blocks_with_extra_keys": has_extra_keys.iter().filter(|&&x| x).count(),
+            "group_idx": group,
+            "kv_cache_spec_kind": kind,
         }),
         VllmEvent::BlockRemoved {
             block_hashes,
             medium,
+            group,
         } => json!({
             "type": "BlockRemoved",
             "block_hashes": block_hashes.iter().map(|h| h.0).collect::<Vec<_>>(),
             "medium": medium,
+            "group_idx": group,
         }),
         VllmEvent::AllBlocksCleared => json!({"type": "AllBlocksCleared"}),
     }

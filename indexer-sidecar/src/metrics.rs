@@ -416,6 +416,11 @@ pub struct Metrics {
     /// Dynamo ZMQ event-plane messages lost on the way (gaps in a publisher's sequence), by
     /// topic.
     pub dynamo_zmq_lost_messages: Family<TopicLabel, Counter>,
+    /// Event fields kvroute does not know, by source: one per field per batch.
+    pub unknown_event_fields: Family<SourceLabel, Counter>,
+    /// Events of an engine's cache group that is not a prefix cache (a hybrid model's
+    /// sliding-window or state-space layers): not indexed.
+    pub other_group_events: Family<SourceLabel, Counter>,
     /// Events missing from a worker's sequence numbers (the sizes of live gaps), by worker: lost
     /// on the way here, whatever lost them.
     pub lost_events: Family<WorkerLabel, Counter>,
@@ -523,6 +528,8 @@ impl Default for Metrics {
             ),
             skipped_events: family(&mut r, "skipped_events", "Elements of a message that were not known events"),
             dynamo_zmq_lost_messages: family(&mut r, "dynamo_zmq_lost_messages", "Dynamo ZMQ event-plane messages lost on the way here (gaps in a publisher's sequence numbers), by topic"),
+            unknown_event_fields: family(&mut r, "unknown_event_fields", "Event fields kvroute does not know (one per field per batch)"),
+            other_group_events: family(&mut r, "other_group_events", "Events of a cache group that is not a prefix cache (sliding window, state space): not indexed"),
             lost_events: family(&mut r, "lost_events", "Events missing from a worker's sequence numbers: lost on the way here"),
             source_dropped_messages: family(&mut r, "source_dropped_messages", "Messages an event source's client library dropped before the sidecar read them (buffer full)"),
             source_disconnects: family(&mut r, "source_disconnects", "Connections to an event source's server lost"),

@@ -1022,6 +1022,8 @@ pub(crate) mod tests {
                 lora_name: None,
                 medium: None,
                 has_extra_keys: vec![],
+                group: None,
+                kind: None,
             }],
             ..EventBatch::default()
         };

@@ -48,6 +48,11 @@ pub enum VllmEvent {
         medium: Option<String>,
         /// Per block: whether extra keys (multimodal inputs, cache salt) went into its hash.
         has_extra_keys: Vec<bool>,
+        /// The engine's KV-cache group (hybrid models have several; absent: one).
+        group: Option<u32>,
+        /// The group's kind (`full_attention`, `sliding_window`, `mamba`, …; absent in older
+        /// vLLM).
+        kind: Option<String>,
     },
     /// Blocks evicted.
     BlockRemoved {
@@ -55,6 +60,8 @@ pub enum VllmEvent {
         block_hashes: Vec<EngineBlockHash>,
         /// Storage tier.
         medium: Option<String>,
+        /// The engine's KV-cache group.
+        group: Option<u32>,
     },
     /// The whole cache was reset.
     AllBlocksCleared,
@@ -71,6 +78,61 @@ pub struct EventBatch {
     pub dp_rank: u32,
     /// Elements of `events` that were not events kvroute knows.
     pub skipped: usize,
+    /// Field names of the events that kvroute does not know (distinct, in order seen): newer
+    /// engines add fields; the events are applied without them.
+    pub unknown_fields: Vec<String>,
+}
+
+/// Fields of vLLM's events as of its `kv_events.py` today (`BlockStored`, `BlockRemoved`,
+/// `AllBlocksCleared`, tagged by `type`); any other is counted as unknown.
+pub const KNOWN_FIELDS: &[&str] = &[
+    "type",
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+];
+
+/// Kinds of KV-cache group whose blocks are a prefix cache as kvroute models it: every block of
+/// a prompt kept until evicted. A sliding-window group drops a prompt's early blocks at once and
+/// a state-space (mamba) group keeps no per-block prefix: their events say nothing about which
+/// prefixes a request can reuse, and applied as if they did they would remove blocks the
+/// full-attention group still holds.
+pub const PREFIX_CACHE_KINDS: &[&str] = &["full_attention", "mla_attention", "sink_full_attention"];
+
+/// Which events of a hybrid model's engine feed the index: those of its prefix-cache groups
+/// ([`PREFIX_CACHE_KINDS`]). A group's kind is learned from its stored events; a group not
+/// learned yet counts as a prefix cache when it is group 0 or unnamed (engines before groups
+/// were named had one group).
+#[derive(Debug, Default, Clone)]
+pub struct GroupFilter {
+    prefix_cache: std::collections::HashMap<u32, bool>,
+}
+
+impl GroupFilter {
+    /// Whether `event` feeds the index.
+    pub fn keep(&mut self, event: &VllmEvent) -> bool {
+        let (group, kind) = match event {
+            VllmEvent::BlockStored { group, kind, .. } => (*group, kind.as_deref()),
+            VllmEvent::BlockRemoved { group, .. } => (*group, None),
+            VllmEvent::AllBlocksCleared => return true,
+        };
+        let Some(group) = group else {
+            return true;
+        };
+        if let Some(kind) = kind {
+            let prefix = PREFIX_CACHE_KINDS.contains(&kind);
+            self.prefix_cache.insert(group, prefix);
+        }
+        self.prefix_cache.get(&group).copied().unwrap_or(group == 0)
+    }
 }
 
 /// Why a payload could not be decoded.
@@ -127,6 +189,15 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, VllmDecodeError> {
         ..EventBatch::default()
     };
     for e in events {
+        if let Value::Map(fields) = e {
+            for (k, _) in fields {
+                let name = k.as_str().unwrap_or("?");
+                if !KNOWN_FIELDS.contains(&name) && !batch.unknown_fields.iter().any(|f| f == name)
+                {
+                    batch.unknown_fields.push(name.to_owned());
+                }
+            }
+        }
         match decode_event(e) {
             Some(event) => batch.events.push(event),
             None => batch.skipped += 1,
@@ -150,16 +221,18 @@ fn decode_event(value: &Value) -> Option<VllmEvent> {
         Value::Map(_) => {
             let get = |name| field(value, name);
             match get("type")?.as_str()? {
-                "BlockStored" => stored(
-                    get("block_hashes"),
-                    get("parent_block_hash"),
-                    get("token_ids"),
-                    get("block_size"),
-                    get("lora_name"),
-                    get("medium"),
-                    get("extra_keys"),
-                ),
-                "BlockRemoved" => removed(get("block_hashes"), get("medium")),
+                "BlockStored" => stored(StoredFields {
+                    hashes: get("block_hashes"),
+                    parent: get("parent_block_hash"),
+                    tokens: get("token_ids"),
+                    block_size: get("block_size"),
+                    lora_name: get("lora_name"),
+                    medium: get("medium"),
+                    extra_keys: get("extra_keys"),
+                    group: get("group_idx"),
+                    kind: get("kv_cache_spec_kind"),
+                }),
+                "BlockRemoved" => removed(get("block_hashes"), get("medium"), get("group_idx")),
                 "AllBlocksCleared" => Some(VllmEvent::AllBlocksCleared),
                 _ => None,
             }
@@ -167,8 +240,20 @@ fn decode_event(value: &Value) -> Option<VllmEvent> {
         Value::Array(items) => {
             let at = |i: usize| items.get(i);
             match at(0)?.as_str()? {
-                "BlockStored" => stored(at(1), at(2), at(3), at(4), at(7), at(6), None),
-                "BlockRemoved" => removed(at(1), at(2)),
+                // Declaration order: block_hashes, parent_block_hash, token_ids, block_size,
+                // lora_id, medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind, ….
+                "BlockStored" => stored(StoredFields {
+                    hashes: at(1),
+                    parent: at(2),
+                    tokens: at(3),
+                    block_size: at(4),
+                    lora_name: at(7),
+                    medium: at(6),
+                    extra_keys: at(8),
+                    group: at(9),
+                    kind: at(10),
+                }),
+                "BlockRemoved" => removed(at(1), at(2), at(3)),
                 "AllBlocksCleared" => Some(VllmEvent::AllBlocksCleared),
                 _ => None,
             }
@@ -177,15 +262,31 @@ fn decode_event(value: &Value) -> Option<VllmEvent> {
     }
 }
 
-fn stored(
-    hashes: Option<&Value>,
-    parent: Option<&Value>,
-    tokens: Option<&Value>,
-    block_size: Option<&Value>,
-    lora_name: Option<&Value>,
-    medium: Option<&Value>,
-    extra_keys: Option<&Value>,
-) -> Option<VllmEvent> {
+/// A stored event's fields, as either encoding places them.
+struct StoredFields<'a> {
+    hashes: Option<&'a Value>,
+    parent: Option<&'a Value>,
+    tokens: Option<&'a Value>,
+    block_size: Option<&'a Value>,
+    lora_name: Option<&'a Value>,
+    medium: Option<&'a Value>,
+    extra_keys: Option<&'a Value>,
+    group: Option<&'a Value>,
+    kind: Option<&'a Value>,
+}
+
+fn stored(f: StoredFields<'_>) -> Option<VllmEvent> {
+    let StoredFields {
+        hashes,
+        parent,
+        tokens,
+        block_size,
+        lora_name,
+        medium,
+        extra_keys,
+        group,
+        kind,
+    } = f;
     let block_hashes = hash_list(hashes?)?;
     let parent = match parent {
         None | Some(Value::Nil) => None,
@@ -209,14 +310,26 @@ fn stored(
         lora_name: lora_name.and_then(Value::as_str).map(str::to_owned),
         medium: medium.and_then(Value::as_str).map(str::to_owned),
         has_extra_keys,
+        group: group_of(group),
+        kind: kind.and_then(Value::as_str).map(str::to_owned),
     })
 }
 
-fn removed(hashes: Option<&Value>, medium: Option<&Value>) -> Option<VllmEvent> {
+fn removed(
+    hashes: Option<&Value>,
+    medium: Option<&Value>,
+    group: Option<&Value>,
+) -> Option<VllmEvent> {
     Some(VllmEvent::BlockRemoved {
         block_hashes: hash_list(hashes?)?,
         medium: medium.and_then(Value::as_str).map(str::to_owned),
+        group: group_of(group),
     })
+}
+
+fn group_of(v: Option<&Value>) -> Option<u32> {
+    v.and_then(Value::as_u64)
+        .and_then(|g| u32::try_from(g).ok())
 }
 
 fn hash_list(v: &Value) -> Option<Vec<EngineBlockHash>> {
@@ -274,42 +387,60 @@ fn encode_event(event: &VllmEvent, encoding: EventEncoding) -> Value {
             lora_name,
             medium,
             has_extra_keys,
+            group,
+            kind,
         } => (
             "BlockStored",
-            vec![
-                ("block_hashes", hashes(block_hashes)),
-                (
-                    "parent_block_hash",
-                    parent.map_or(Value::Nil, |p| Value::from(p.0)),
-                ),
-                (
-                    "token_ids",
-                    Value::Array(token_ids.iter().map(|&t| Value::from(t)).collect()),
-                ),
-                ("block_size", Value::from(*block_size)),
-                ("lora_id", Value::Nil),
-                ("medium", text(medium)),
-                ("lora_name", text(lora_name)),
-                (
-                    "extra_keys",
-                    Value::Array(
-                        has_extra_keys
-                            .iter()
-                            .map(|&x| if x { Value::from("extra") } else { Value::Nil })
-                            .collect(),
+            [
+                vec![
+                    ("block_hashes", hashes(block_hashes)),
+                    (
+                        "parent_block_hash",
+                        parent.map_or(Value::Nil, |p| Value::from(p.0)),
                     ),
-                ),
-            ],
+                    (
+                        "token_ids",
+                        Value::Array(token_ids.iter().map(|&t| Value::from(t)).collect()),
+                    ),
+                    ("block_size", Value::from(*block_size)),
+                    ("lora_id", Value::Nil),
+                    ("medium", text(medium)),
+                    ("lora_name", text(lora_name)),
+                    (
+                        "extra_keys",
+                        Value::Array(
+                            has_extra_keys
+                                .iter()
+                                .map(|&x| if x { Value::from("extra") } else { Value::Nil })
+                                .collect(),
+                        ),
+                    ),
+                ],
+                // Newer vLLM's fields, only when set: older consumers see older shapes.
+                match group {
+                    Some(g) => vec![
+                        ("group_idx", Value::from(*g)),
+                        ("kv_cache_spec_kind", text(kind)),
+                    ],
+                    None => vec![],
+                },
+            ]
+            .concat(),
         ),
         VllmEvent::BlockRemoved {
             block_hashes,
             medium,
+            group,
         } => (
             "BlockRemoved",
-            vec![
-                ("block_hashes", hashes(block_hashes)),
-                ("medium", text(medium)),
-            ],
+            [
+                vec![
+                    ("block_hashes", hashes(block_hashes)),
+                    ("medium", text(medium)),
+                ],
+                group.map_or(vec![], |g| vec![("group_idx", Value::from(g))]),
+            ]
+            .concat(),
         ),
         VllmEvent::AllBlocksCleared => ("AllBlocksCleared", vec![]),
     };
@@ -322,10 +453,11 @@ fn encode_event(event: &VllmEvent, encoding: EventEncoding) -> Value {
         // Older vLLM had no extra_keys field: positional arrays end at lora_name.
         EventEncoding::Array => {
             let mut items = vec![Value::from(kind)];
+            // The positional form is older vLLM's: fields up to `lora_name`.
             items.extend(
                 fields
                     .into_iter()
-                    .filter(|(k, _)| *k != "extra_keys")
+                    .filter(|(k, _)| !["extra_keys", "group_idx", "kv_cache_spec_kind"].contains(k))
                     .map(|(_, v)| v),
             );
             Value::Array(items)
@@ -430,7 +562,6 @@ mod tests {
         let batch = EventBatch {
             ts: 1.5,
             dp_rank: 2,
-            skipped: 0,
             events: vec![
                 VllmEvent::BlockStored {
                     block_hashes: vec![EngineBlockHash(7), EngineBlockHash(u64::MAX)],
@@ -439,23 +570,144 @@ mod tests {
                     block_size: 4,
                     lora_name: Some("adapter".into()),
                     medium: Some("GPU".into()),
-                    has_extra_keys: vec![false, false],
+                    has_extra_keys: vec![false, true],
+                    group: None,
+                    kind: None,
+                },
+                VllmEvent::BlockStored {
+                    block_hashes: vec![EngineBlockHash(8)],
+                    parent: None,
+                    token_ids: (0..4).collect(),
+                    block_size: 4,
+                    lora_name: None,
+                    medium: None,
+                    has_extra_keys: vec![false],
+                    group: Some(1),
+                    kind: Some("sliding_window".into()),
                 },
                 VllmEvent::BlockRemoved {
                     block_hashes: vec![EngineBlockHash(7)],
                     medium: None,
+                    group: None,
+                },
+                VllmEvent::BlockRemoved {
+                    block_hashes: vec![EngineBlockHash(8)],
+                    medium: None,
+                    group: Some(1),
                 },
                 VllmEvent::AllBlocksCleared,
             ],
+            ..EventBatch::default()
         };
         assert_eq!(
             decode_batch(&encode_batch(&batch, EventEncoding::Map)).unwrap(),
             batch
         );
+        // The positional form is older vLLM's: no extra keys, no groups.
+        let mut legacy = batch.clone();
+        for e in &mut legacy.events {
+            match e {
+                VllmEvent::BlockStored {
+                    has_extra_keys,
+                    group,
+                    kind,
+                    ..
+                } => {
+                    has_extra_keys.iter_mut().for_each(|x| *x = false);
+                    (*group, *kind) = (None, None);
+                }
+                VllmEvent::BlockRemoved { group, .. } => *group = None,
+                VllmEvent::AllBlocksCleared => {}
+            }
+        }
         assert_eq!(
             decode_batch(&encode_batch(&batch, EventEncoding::Array)).unwrap(),
-            batch
+            legacy
         );
+    }
+
+    /// A batch as vLLM's `kv_events.py` encodes it today (msgspec: the batch and each event a
+    /// map, events tagged by `type`) for a hybrid model — group 0 full attention, group 1 a
+    /// sliding window — with fields and an event type kvroute does not know (as forks and
+    /// later versions add them): every known event is decoded with its group, the unknown type
+    /// is skipped and counted, the unknown fields are named; the group filter keeps group 0's
+    /// events and drops group 1's, removals included.
+    #[test]
+    fn newer_vllm_events_decode_and_hybrid_groups_are_told_apart() {
+        let map = |fields: Vec<(&str, Value)>| {
+            Value::Map(
+                fields
+                    .into_iter()
+                    .map(|(k, v)| (Value::from(k), v))
+                    .collect(),
+            )
+        };
+        let stored = |hash: u64, group: u32, kind: &str| {
+            map(vec![
+                ("type", Value::from("BlockStored")),
+                ("block_hashes", Value::Array(vec![Value::from(hash)])),
+                ("parent_block_hash", Value::Nil),
+                ("token_ids", Value::Array((0..4).map(Value::from).collect())),
+                ("block_size", Value::from(4)),
+                ("lora_id", Value::Nil),
+                ("medium", Value::from("GPU")),
+                ("lora_name", Value::Nil),
+                ("extra_keys", Value::Array(vec![Value::Nil])),
+                ("group_idx", Value::from(group)),
+                ("kv_cache_spec_kind", Value::from(kind)),
+                ("kv_cache_spec_sliding_window", Value::Nil),
+                ("component_id", Value::from("attn")),
+                ("snapshot_version", Value::from(3)),
+            ])
+        };
+        let removed = |hash: u64, group: u32| {
+            map(vec![
+                ("type", Value::from("BlockRemoved")),
+                ("block_hashes", Value::Array(vec![Value::from(hash)])),
+                ("medium", Value::from("GPU")),
+                ("group_idx", Value::from(group)),
+                ("remaining_copy_counts", Value::Nil),
+            ])
+        };
+        let batch = map(vec![
+            ("ts", Value::F64(2.0)),
+            (
+                "events",
+                Value::Array(vec![
+                    stored(10, 0, "full_attention"),
+                    stored(10, 1, "sliding_window"),
+                    map(vec![
+                        ("type", Value::from("BlockInactive")),
+                        ("block_hashes", Value::Array(vec![Value::from(10)])),
+                    ]),
+                    removed(10, 1),
+                    removed(11, 2),
+                ]),
+            ),
+            ("data_parallel_rank", Value::from(1)),
+        ]);
+        let mut bytes = Vec::new();
+        rmpv::encode::write_value(&mut bytes, &batch).unwrap();
+        let decoded = decode_batch(&bytes).unwrap();
+        assert_eq!(decoded.dp_rank, 1);
+        assert_eq!(decoded.skipped, 1, "BlockInactive");
+        assert_eq!(decoded.events.len(), 4);
+        assert_eq!(
+            decoded.unknown_fields,
+            ["component_id", "snapshot_version", "remaining_copy_counts"]
+        );
+        assert!(matches!(
+            &decoded.events[1],
+            VllmEvent::BlockStored { group: Some(1), kind: Some(k), .. } if k == "sliding_window"
+        ));
+        let mut filter = GroupFilter::default();
+        let kept: Vec<bool> = decoded.events.iter().map(|e| filter.keep(e)).collect();
+        assert_eq!(
+            kept,
+            [true, false, false, false],
+            "group 2 was never named: not group 0, not kept"
+        );
+        assert!(filter.keep(&VllmEvent::AllBlocksCleared));
     }
 
     #[test]

@@ -134,7 +134,7 @@ impl VllmPublisher {
                 ts,
                 events,
                 dp_rank: 0,
-                skipped: 0,
+                ..EventBatch::default()
             };
             let payload = Bytes::from(encode_batch(&batch, self.encoding));
             {
@@ -192,6 +192,8 @@ impl VllmPublisher {
                     lora_name: lora,
                     medium: Some("GPU".into()),
                     has_extra_keys,
+                    group: None,
+                    kind: None,
                 }
             }
             CacheChange::Removed(hashes) => VllmEvent::BlockRemoved {
@@ -201,6 +203,7 @@ impl VllmPublisher {
                     .map(|full| EngineBlockHash(vllm_hash::event_value(&full)))
                     .collect(),
                 medium: Some("GPU".into()),
+                group: None,
             },
             // A new process does not announce itself: its sequence restarts at 0.
             CacheChange::Restarted => return None,

@@ -147,6 +147,7 @@ impl KvEvent {
                 lora_name,
                 medium,
                 has_extra_keys,
+                ..
             } => {
                 gpu(medium)?;
                 if *engine != block_size {
@@ -181,6 +182,7 @@ impl KvEvent {
             VllmEvent::BlockRemoved {
                 block_hashes,
                 medium,
+                ..
             } => {
                 gpu(medium)?;
                 KvEventKind::Removed {
@@ -208,6 +210,8 @@ mod tests {
             lora_name: None,
             medium: Some("GPU".into()),
             has_extra_keys: extra,
+            group: None,
+            kind: None,
         }
     }
 
@@ -244,6 +248,7 @@ mod tests {
         let cpu = VllmEvent::BlockRemoved {
             block_hashes: vec![],
             medium: Some("CPU".into()),
+            group: None,
         };
         assert!(matches!(
             KvEvent::from_vllm(&cpu, 0, 4),

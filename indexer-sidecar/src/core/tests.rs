@@ -274,6 +274,8 @@ fn store(parent: Option<u64>, first: u64, blocks: u64) -> EventBatch {
             lora_name: None,
             medium: None,
             has_extra_keys: vec![],
+            group: None,
+            kind: None,
         }],
         ..EventBatch::default()
     }
@@ -915,6 +917,7 @@ fn a_lost_message_filled_by_a_peer_is_applied_in_its_place() {
         events: vec![VllmEvent::BlockRemoved {
             block_hashes: vec![EngineBlockHash(10), EngineBlockHash(11)],
             medium: None,
+            group: None,
         }],
         ..EventBatch::default()
     };
@@ -1209,6 +1212,7 @@ fn filled_caches_are_what_in_order_application_holds() {
                     events: vec![VllmEvent::BlockRemoved {
                         block_hashes: gone,
                         medium: None,
+                        group: None,
                     }],
                     ..EventBatch::default()
                 }

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use kvroute_protocol::vllm::{decode_batch, decode_seq, EventBatch, REPLAY_END};
+use kvroute_protocol::vllm::{decode_batch, decode_seq, EventBatch, GroupFilter, REPLAY_END};
 
 use crate::config::ZmqConfig;
 use crate::core::{Delivery, Happened, Input, Message, Publisher};
@@ -89,6 +89,7 @@ pub fn run(config: ZmqConfig, state: Arc<Sidecar>) {
         seen: BTreeSet::new(),
         handshaken: false,
         warm_start_waits: false,
+        groups: GroupFilter::default(),
     };
     let mut delay = RETRY_DELAY;
     loop {
@@ -120,6 +121,8 @@ struct Subscriber<'a> {
     /// The last warm start named a worker not known yet (a Dynamo instance whose discovery
     /// record has not been read): it runs again once the worker is known.
     warm_start_waits: bool,
+    /// A hybrid model's cache groups: only its prefix-cache groups' events are indexed.
+    groups: GroupFilter,
 }
 
 impl Subscriber<'_> {
@@ -355,15 +358,30 @@ impl Subscriber<'_> {
 
     /// A payload's batch; one that does not decode is counted and applied as empty, so its
     /// sequence number still counts.
-    fn decode(&self, payload: &[u8]) -> EventBatch {
+    fn decode(&mut self, payload: &[u8]) -> EventBatch {
         match decode_batch(payload) {
-            Ok(batch) => {
+            Ok(mut batch) => {
+                let m = &self.state.metrics;
                 if batch.skipped > 0 {
-                    self.state
-                        .metrics
-                        .skipped_events
+                    m.skipped_events
                         .get_or_create(&ZMQ)
                         .inc_by(batch.skipped as u64);
+                }
+                for field in &batch.unknown_fields {
+                    m.unknown_event_fields.get_or_create(&ZMQ).inc();
+                    if self.state.plane().unknown_field(field) {
+                        tracing::info!(endpoint = %self.config.endpoint, %field, "vLLM event field kvroute does not know: the events are applied without it (kvroute_unknown_event_fields_total counts batches carrying one)");
+                    }
+                }
+                let before = batch.events.len();
+                batch.events.retain(|e| self.groups.keep(e));
+                let other = (before - batch.events.len()) as u64;
+                if other > 0 {
+                    let counter = m.other_group_events.get_or_create(&ZMQ);
+                    if counter.get() == 0 {
+                        tracing::info!(endpoint = %self.config.endpoint, "events of a cache group that is not a prefix cache (a hybrid model's sliding-window or state-space layers): not indexed; kvroute_other_group_events_total counts them");
+                    }
+                    counter.inc_by(other);
                 }
                 batch
             }
