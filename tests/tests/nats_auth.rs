@@ -11,7 +11,8 @@ use std::time::Duration;
 use common::metric;
 use kvroute_harness::client::get_text;
 use kvroute_harness::paths;
-use kvroute_harness::process::{free_port, wait_for, Process};
+use kvroute_harness::process::{free_port, wait_for, wait_log, Process};
+use kvroute_harness::stack::SIDECAR_SUBSCRIBED;
 
 const SECRET: &str = "s3cret-Pa55-kvroute";
 const SUBJECT: &str = "namespace.dynamo.component.backend.endpoint.generate.kv-events";
@@ -46,19 +47,9 @@ async fn check(
     // At the most verbose level: the client library prints its URL on every attempt.
     let sidecar = common::spawn_sidecar_with(&dir, &config, &[("RUST_LOG", "trace")]);
     let log = dir.join("sidecar.log");
-    let log_ref = &log;
-    wait_for(
-        "sidecar subscribed",
-        Duration::from_secs(20),
-        || async move {
-            std::fs::read_to_string(log_ref)
-                .ok()?
-                .contains("subscribed to Dynamo KV events")
-                .then_some(())
-        },
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}: {}", sidecar.log_tail()));
+    wait_log(&log, SIDECAR_SUBSCRIBED, Duration::from_secs(20))
+        .await
+        .unwrap_or_else(|e| panic!("{e}: {}", sidecar.log_tail()));
 
     let client = publisher
         .connect(format!("nats://127.0.0.1:{nats_port}"))

@@ -9,7 +9,8 @@ use std::time::Duration;
 use common::{metric, nats_server, publish_one_block_events, spawn_sidecar};
 use kvroute_harness::client::get_text;
 use kvroute_harness::paths;
-use kvroute_harness::process::{free_port, wait_for};
+use kvroute_harness::process::{free_port, wait_for, wait_log};
+use kvroute_harness::stack::SIDECAR_SUBSCRIBED;
 
 const WORKER: u64 = 7_100_001;
 
@@ -33,13 +34,8 @@ async fn an_outage_is_said_and_what_it_cost_is_counted() {
     let base = format!("http://127.0.0.1:{port}");
     let log = dir.join("sidecar.log");
     let read_log = || std::fs::read_to_string(&log).unwrap_or_default();
-    wait_for("subscribed", Duration::from_secs(20), || async {
-        read_log()
-            .contains("subscribed to Dynamo KV events")
-            .then_some(())
-    })
-    .await
-    .unwrap();
+    let said = |text: &'static str| wait_log(&log, text, Duration::from_secs(30));
+    said(SIDECAR_SUBSCRIBED).await.unwrap();
     let client = async_nats::connect(format!("nats://127.0.0.1:{nats_port}"))
         .await
         .unwrap();
@@ -58,22 +54,12 @@ async fn an_outage_is_said_and_what_it_cost_is_counted() {
     .unwrap();
 
     drop(nats);
-    wait_for("the loss said", Duration::from_secs(10), || async {
-        read_log().contains("NATS connection lost").then_some(())
-    })
-    .await
-    .unwrap();
+    said("NATS connection lost").await.unwrap();
     let sources = sidecar_json_at(&http, &base).await;
     assert_eq!(sources[0]["state"], "disconnected", "{sources}");
     tokio::time::sleep(Duration::from_secs(2)).await;
     let _nats = nats_server(&dir, nats_port);
-    wait_for("the return said", Duration::from_secs(30), || async {
-        read_log()
-            .contains("NATS connection back after")
-            .then_some(())
-    })
-    .await
-    .unwrap();
+    said("NATS connection back after").await.unwrap();
     // Events 50..70 were published while the server was down: lost. The worker goes on at 70
     // (sent until the sidecar's subscription is back; a copy is dropped as a duplicate).
     let client = async_nats::connect(format!("nats://127.0.0.1:{nats_port}"))

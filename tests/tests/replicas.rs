@@ -11,6 +11,7 @@ use common::{metric, nats_server, one_block_hash as tokens_hash, spawn_sidecar};
 use kvroute_harness::client::get_text;
 use kvroute_harness::paths;
 use kvroute_harness::process::{free_port, wait_for, Process};
+use kvroute_harness::stack::SIDECAR_SUBSCRIBED;
 const WORKER: u64 = 7_000_001;
 /// Digests are published this often here.
 const INTERVAL_MS: u64 = 500;
@@ -40,8 +41,7 @@ async fn wait_subscribed(dir: &std::path::Path) {
         Duration::from_secs(20),
         || async move {
             let log = std::fs::read_to_string(dir.join("sidecar.log")).ok()?;
-            (log.contains("subscribed to Dynamo KV events") && log.contains("replica plane:"))
-                .then_some(())
+            (log.contains(SIDECAR_SUBSCRIBED) && log.contains("replica plane:")).then_some(())
         },
     )
     .await

@@ -21,8 +21,9 @@ use kvroute_protocol::dynamo::{
 use serde_json::{json, Value};
 
 use crate::paths;
-use crate::process::{free_port, wait_for, Process};
+use crate::process::{free_port, wait_for, wait_log, Process};
 use crate::prometheus;
+use crate::stack::SIDECAR_SUBSCRIBED;
 
 /// The benchmark's inputs.
 #[derive(Debug, Clone)]
@@ -224,18 +225,7 @@ async fn step(
     cmd.arg("serve").arg("--config").arg(&config);
     let mut sidecar = Process::spawn("sidecar", cmd, &dir)?;
     let log = dir.join("sidecar.log");
-    let log_ref = &log;
-    wait_for(
-        "sidecar subscribed",
-        Duration::from_secs(20),
-        || async move {
-            std::fs::read_to_string(log_ref)
-                .ok()?
-                .contains("subscribed to Dynamo KV events")
-                .then_some(())
-        },
-    )
-    .await?;
+    wait_log(&log, SIDECAR_SUBSCRIBED, Duration::from_secs(20)).await?;
 
     let client = async_nats::connect(format!("nats://127.0.0.1:{nats_port}")).await?;
     let mut workers: Vec<Worker> = (0..bench.workers as u64)

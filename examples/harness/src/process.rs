@@ -176,3 +176,18 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Wait (up to `timeout`) until the log file at `path` says `text`.
+pub async fn wait_log(path: &Path, text: &str, timeout: Duration) -> Result<()> {
+    wait_for(
+        &format!("`{text}` in {}", path.display()),
+        timeout,
+        || async move {
+            std::fs::read_to_string(path)
+                .ok()?
+                .contains(text)
+                .then_some(())
+        },
+    )
+    .await
+}

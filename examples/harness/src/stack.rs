@@ -9,6 +9,9 @@ use serde::Deserialize;
 
 use crate::dynamo::DynamoOptions;
 pub use crate::engines::{EngineInfo, MODEL};
+
+/// What the sidecar logs once its NATS subscriptions are in place.
+pub const SIDECAR_SUBSCRIBED: &str = "subscribed to Dynamo KV events";
 use crate::lossy_nats::{LossCounts, LossSpec, LossyNats};
 use crate::paths;
 use crate::process::{free_port, wait_for, Process};
