@@ -82,6 +82,17 @@ pub struct SourceRef<'a> {
     pub subject: &'a str,
 }
 
+/// What an event source's client reports about its connection ([`Sidecar::connection`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Connection {
+    /// The connection to the server is lost (the client reconnects by itself).
+    Lost,
+    /// It is back.
+    Back,
+    /// The client dropped a message before the sidecar read it (its buffer was full).
+    Dropped,
+}
+
 /// A cache read from the disk snapshot: the worker's address, the rank, its entries.
 pub type Saved = (String, u32, crate::core::digest::Snapshot);
 
@@ -391,6 +402,55 @@ impl Sidecar {
         if lock(&self.streaks).lost(stream, worker, lost, now) {
             tracing::warn!(worker = worker.unwrap_or(""), lost, "losses started on {stream}: {counter} counts every one, one line says how many once none for {} s; peer replicas fill lost KV events when [replicas] is set, else a few index entries may be stale until evicted", crate::streaks::QUIET.as_secs());
         }
+    }
+
+    /// What an event source's client said about its connection to its server (`name`, as
+    /// shown): counted, said in kvroute's own line, shown in `/debug/sources`.
+    pub fn connection(
+        &self,
+        source: usize,
+        transport: Transport,
+        name: &str,
+        what: Connection,
+        now: Instant,
+    ) {
+        let label = SourceLabel { source: transport };
+        let transport = match transport {
+            Transport::Nats => "NATS",
+            Transport::Zmq => "ZMQ",
+            Transport::DynamoZmq => "Dynamo ZMQ",
+        };
+        match what {
+            Connection::Lost => {
+                self.plane().connection_lost(source, now);
+                self.metrics.source_disconnects.get_or_create(&label).inc();
+                tracing::warn!(source = %name, "{transport} connection lost: KV events published until it is back are lost (Dynamo replays nothing on NATS); reconnecting. Each worker's next event shows its loss in kvroute_lost_events_total; peer replicas fill it when [replicas] is set");
+            }
+            Connection::Back => {
+                if let Some(down) = self.plane().connection_back(source, now) {
+                    tracing::warn!(source = %name, down_s = down.as_secs_f64(), "{transport} connection back after {:.1} s; subscriptions restored. What each worker published meanwhile is counted as lost when its next event arrives", down.as_secs_f64());
+                }
+            }
+            Connection::Dropped => {
+                self.plane().client_dropped(source);
+                self.metrics
+                    .source_dropped_messages
+                    .get_or_create(&label)
+                    .inc();
+                self.lost(
+                    &format!("the {transport} client's buffer at {name}"),
+                    "kvroute_source_dropped_messages_total",
+                    None,
+                    1,
+                    now,
+                );
+            }
+        }
+    }
+
+    /// Whether `source`'s connection is lost and not back yet.
+    pub fn connection_down(&self, source: usize) -> bool {
+        self.plane().is_down(source)
     }
 
     fn say_ended_streaks(&self, now: Instant) {

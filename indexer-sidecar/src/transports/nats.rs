@@ -14,7 +14,7 @@ use kvroute_protocol::dynamo::{
 use crate::config::NatsConfig;
 use crate::core::{Input, Message};
 use crate::metrics::{SourceLabel, Transport};
-use crate::sidecar::{Sidecar, SourceRef};
+use crate::sidecar::{Connection, Sidecar, SourceRef};
 
 const NATS: SourceLabel = SourceLabel {
     source: Transport::Nats,
@@ -80,7 +80,7 @@ pub async fn run(config: NatsConfig, state: Arc<Sidecar>) -> anyhow::Result<()> 
     anyhow::bail!("NATS subscription to {url} ended")
 }
 
-/// What the NATS client reports about its connection, said in kvroute's own lines and counted.
+/// What the NATS client reports about its connection, handed to the sidecar to count and say.
 /// (The library's own line per event is silenced by the default log filter: under a storm it
 /// wrote one per dropped message.)
 fn connection_event(
@@ -91,43 +91,22 @@ fn connection_event(
     now: Instant,
 ) {
     use async_nats::Event;
-    match event {
-        Event::Disconnected => {
-            state.plane().connection_lost(source, now);
-            state.metrics.source_disconnects.get_or_create(&NATS).inc();
-            tracing::warn!(%url, "NATS connection lost: KV events published until it is back are lost (Dynamo replays nothing on NATS); reconnecting. Each worker's next event shows its loss in kvroute_lost_events_total; peer replicas fill it when [replicas] is set");
-        }
-        Event::Connected => {
-            if let Some(down) = state.plane().connection_back(source, now) {
-                tracing::warn!(%url, down_s = down.as_secs_f64(), "NATS connection back after {:.1} s; subscriptions restored. What each worker published meanwhile is counted as lost when its next event arrives", down.as_secs_f64());
-            }
-        }
-        Event::SlowConsumer(_) => {
-            state.plane().client_dropped(source);
-            state
-                .metrics
-                .source_dropped_messages
-                .get_or_create(&NATS)
-                .inc();
-            state.lost(
-                &format!("the NATS client's buffer ([nats] buffer_messages) at {url}"),
-                "kvroute_source_dropped_messages_total",
-                None,
-                1,
-                now,
-            );
-        }
-        Event::ServerError(e) => tracing::warn!(%url, error = %e, "NATS server error"),
+    let what = match event {
+        Event::Disconnected => Connection::Lost,
+        Event::Connected => Connection::Back,
+        Event::SlowConsumer(_) => Connection::Dropped,
+        Event::ServerError(e) => return tracing::warn!(%url, error = %e, "NATS server error"),
         // While the connection is down every reconnection attempt fails: said once, above.
-        Event::ClientError(e) if state.plane().is_down(source) => {
-            tracing::debug!(%url, error = %e, "NATS client error while reconnecting")
+        Event::ClientError(e) if state.connection_down(source) => {
+            return tracing::debug!(%url, error = %e, "NATS client error while reconnecting")
         }
-        Event::ClientError(e) => tracing::warn!(%url, error = %e, "NATS client error"),
+        Event::ClientError(e) => return tracing::warn!(%url, error = %e, "NATS client error"),
         Event::LameDuckMode => {
-            tracing::warn!(%url, "NATS server entering lame duck mode: it will close this connection soon")
+            return tracing::warn!(%url, "NATS server entering lame duck mode: it will close this connection soon")
         }
-        Event::Draining | Event::Closed => tracing::info!(%url, "NATS connection {event}"),
-    }
+        Event::Draining | Event::Closed => return tracing::info!(%url, "NATS connection {event}"),
+    };
+    state.connection(source, Transport::Nats, url, what, now);
 }
 
 /// `nats://user:password@host` or `nats://token@host`: the credentials as options, since the
