@@ -84,7 +84,12 @@ pub struct EventPlane {
     event_subjects: BTreeSet<String>,
     /// Event fields kvroute does not know that were seen (bounded), each said once.
     unknown_fields: BTreeSet<String>,
+    /// Per (source, Dynamo publisher): the number its next message should carry.
+    stamps: std::collections::HashMap<(usize, u64), u64>,
 }
+
+/// Dynamo publishers whose numbering is followed (publisher ids come from the network).
+const MAX_STAMPED: usize = 65_536;
 
 /// Distinct subjects `kvroute_events_total` names; events on any further subject share
 /// `subject="other"`.
@@ -136,6 +141,7 @@ impl EventPlane {
             unknown_workers: BTreeMap::new(),
             event_subjects: BTreeSet::new(),
             unknown_fields: BTreeSet::new(),
+            stamps: std::collections::HashMap::new(),
         }
     }
 
@@ -265,6 +271,21 @@ impl EventPlane {
             return true;
         }
         false
+    }
+
+    /// A Dynamo publisher's message numbered `sequence` arrived on `source`: how many messages
+    /// its numbering skipped since the last one (0 for its first, a copy, or a number that went
+    /// back: a new process).
+    pub fn stamp(&mut self, source: usize, publisher: u64, sequence: u64) -> u64 {
+        let key = (source, publisher);
+        if self.stamps.len() >= MAX_STAMPED && !self.stamps.contains_key(&key) {
+            return 0;
+        }
+        let next = self.stamps.insert(key, sequence.saturating_add(1));
+        match next {
+            Some(next) if sequence > next => sequence - next,
+            _ => 0,
+        }
     }
 
     /// An event field kvroute does not know was seen: whether for the first time (of the first
@@ -492,6 +513,19 @@ mod tests {
             last_request: Some(now),
             workers: Vec::new(),
         }
+    }
+
+    #[test]
+    fn a_publishers_skipped_numbers_are_its_lost_messages() {
+        let mut plane = EventPlane::new(Instant::now());
+        assert_eq!(plane.stamp(0, 7, 0), 0, "its first");
+        assert_eq!(plane.stamp(0, 7, 1), 0);
+        assert_eq!(plane.stamp(0, 7, 5), 3, "2, 3, 4 lost");
+        assert_eq!(plane.stamp(0, 7, 5), 0, "a copy");
+        assert_eq!(plane.stamp(0, 8, 9), 0, "another publisher's first");
+        assert_eq!(plane.stamp(1, 7, 9), 0, "the same id on another source");
+        assert_eq!(plane.stamp(0, 7, 0), 0, "went back: a new process");
+        assert_eq!(plane.stamp(0, 7, 2), 1);
     }
 
     #[test]

@@ -280,10 +280,12 @@ pub struct EventLabels {
     pub r#type: EventType,
 }
 
-/// `{topic}` of `kvroute_dynamo_zmq_lost_messages_total`.
+/// `{source,topic}` of `kvroute_lost_messages_total`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct TopicLabel {
-    /// `kv-events` or `kv_metrics`.
+    /// The transport.
+    pub source: Transport,
+    /// `kv-events` or `kv_metrics` (a known topic; others are `other`).
     pub topic: String,
 }
 
@@ -413,9 +415,10 @@ pub struct Metrics {
     pub source_errors: Family<SourceLabel, Counter>,
     /// Array elements of a message that were not events we know, by source.
     pub skipped_events: Family<SourceLabel, Counter>,
-    /// Dynamo ZMQ event-plane messages lost on the way (gaps in a publisher's sequence), by
-    /// topic.
-    pub dynamo_zmq_lost_messages: Family<TopicLabel, Counter>,
+    /// Dynamo messages lost on the way (gaps in a publisher's own numbering of its messages),
+    /// by transport and topic: whatever they carried — events, load reports, or a worker no one
+    /// knows.
+    pub lost_messages: Family<TopicLabel, Counter>,
     /// Event fields kvroute does not know, by source: one per field per batch.
     pub unknown_event_fields: Family<SourceLabel, Counter>,
     /// Events of an engine's cache group that is not a prefix cache (a hybrid model's
@@ -527,7 +530,7 @@ impl Default for Metrics {
                 "Event source failures: connection attempts, handshakes, sessions",
             ),
             skipped_events: family(&mut r, "skipped_events", "Elements of a message that were not known events"),
-            dynamo_zmq_lost_messages: family(&mut r, "dynamo_zmq_lost_messages", "Dynamo ZMQ event-plane messages lost on the way here (gaps in a publisher's sequence numbers), by topic"),
+            lost_messages: family(&mut r, "lost_messages", "Dynamo messages lost on the way here (gaps in a publisher's own numbering), by transport and topic"),
             unknown_event_fields: family(&mut r, "unknown_event_fields", "Event fields kvroute does not know (one per field per batch)"),
             other_group_events: family(&mut r, "other_group_events", "Events of a cache group that is not a prefix cache (sliding window, state space): not indexed"),
             lost_events: family(&mut r, "lost_events", "Events missing from a worker's sequence numbers: lost on the way here"),

@@ -54,13 +54,14 @@ use crate::metrics::{
     HintLabels, HintResult, HintRule, LostLabel, LostOutcome, Metrics, PredictionLabels,
     PredictionOutcome, PublisherLabel, RejectLabels, RejectReason, RepairKind, RepairLabel,
     ReplicaWorkerLabels, RestoreLabel, RestoreOutcome, RoleLabels, RoleValue, RuleLabel,
-    SequenceKind, SequenceLabels, ServedLabels, SourceLabel, TicketHow, TicketLabel, Transport,
-    UsageKind, WorkerLabel,
+    SequenceKind, SequenceLabels, ServedLabels, SourceLabel, TicketHow, TicketLabel, TopicLabel,
+    Transport, UsageKind, WorkerLabel,
 };
 use crate::replication::brain::{Brain, Effect, Event};
 use crate::replication::peers::Change;
 use crate::streaks::Streaks;
 use crate::truth_watch::{Totals, TruthWatch};
+use kvroute_protocol::dynamo::{KV_EVENTS_TOPIC, KV_METRICS_TOPIC};
 use kvroute_protocol::hint::Usage;
 
 /// Model bundles, serialized once at start.
@@ -80,6 +81,15 @@ pub struct SourceRef<'a> {
     pub index: usize,
     /// Subject or endpoint.
     pub subject: &'a str,
+}
+
+/// How log lines name a transport.
+fn transport_name(transport: Transport) -> &'static str {
+    match transport {
+        Transport::Nats => "NATS",
+        Transport::Zmq => "ZMQ",
+        Transport::DynamoZmq => "Dynamo ZMQ",
+    }
 }
 
 /// What an event source's client reports about its connection ([`Sidecar::connection`]).
@@ -415,11 +425,7 @@ impl Sidecar {
         now: Instant,
     ) {
         let label = SourceLabel { source: transport };
-        let transport = match transport {
-            Transport::Nats => "NATS",
-            Transport::Zmq => "ZMQ",
-            Transport::DynamoZmq => "Dynamo ZMQ",
-        };
+        let transport = transport_name(transport);
         match what {
             Connection::Lost => {
                 self.plane().connection_lost(source, now);
@@ -445,6 +451,51 @@ impl Sidecar {
                     now,
                 );
             }
+        }
+    }
+
+    /// A Dynamo publisher's numbering skipped `lost` messages on `topic`: counted, said once
+    /// per streak. (The events among them show again, per worker, in the events' own gaps.)
+    pub fn messages_lost(&self, transport: Transport, topic: &str, lost: u64, now: Instant) {
+        let topic = if [KV_EVENTS_TOPIC, KV_METRICS_TOPIC].contains(&topic) {
+            topic
+        } else {
+            "other"
+        };
+        self.metrics
+            .lost_messages
+            .get_or_create(&TopicLabel {
+                source: transport,
+                topic: topic.to_owned(),
+            })
+            .inc_by(lost);
+        self.lost(
+            &format!(
+                "Dynamo messages on {} topic {topic}",
+                transport_name(transport)
+            ),
+            "kvroute_lost_messages_total",
+            None,
+            lost,
+            now,
+        );
+    }
+
+    /// A Dynamo message stamped `stamp` arrived from `source`: what its publisher's numbering
+    /// says was lost before it is counted ([`Sidecar::messages_lost`]).
+    pub fn stamped(
+        &self,
+        source: usize,
+        transport: Transport,
+        topic: &str,
+        stamp: kvroute_protocol::dynamo::Stamp,
+        now: Instant,
+    ) {
+        let lost = self
+            .plane()
+            .stamp(source, stamp.publisher_id, stamp.sequence);
+        if lost > 0 {
+            self.messages_lost(transport, topic, lost, now);
         }
     }
 

@@ -150,6 +150,28 @@ pub struct DecodedEvents {
     pub events: Vec<RouterEvent>,
     /// Array elements that did not decode as a RouterEvent (unknown variants, bad types).
     pub skipped: usize,
+    /// The envelope's publisher and number (absent for JetStream JSON bodies).
+    pub stamp: Option<Stamp>,
+}
+
+/// Who published an envelope and its number in that publisher's sequence: a gap is lost
+/// messages, whatever they carried (events, load reports, a worker no one knows).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stamp {
+    /// Random id of the publishing process.
+    pub publisher_id: u64,
+    /// Per-publisher message counter.
+    pub sequence: u64,
+}
+
+impl Envelope {
+    /// Its publisher and number.
+    pub fn stamp(&self) -> Stamp {
+        Stamp {
+            publisher_id: self.publisher_id,
+            sequence: self.sequence,
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -167,10 +189,12 @@ pub fn decode_message(body: &[u8]) -> Result<DecodedEvents, DecodeError> {
             topic: String::new(),
             events: vec![event],
             skipped: 0,
+            stamp: None,
         });
     }
     let envelope: Envelope = rmp_serde::from_slice(body).map_err(DecodeError::Envelope)?;
     let mut out = decode_payload(&envelope.payload)?;
+    out.stamp = Some(envelope.stamp());
     out.topic = envelope.topic;
     Ok(out)
 }
@@ -187,6 +211,7 @@ pub fn decode_payload(payload: &[u8]) -> Result<DecodedEvents, DecodeError> {
                 topic: String::new(),
                 events,
                 skipped: 0,
+                stamp: None,
             });
         }
         let items: Vec<MaybeEvent> =
@@ -205,17 +230,24 @@ pub fn decode_payload(payload: &[u8]) -> Result<DecodedEvents, DecodeError> {
             topic: String::new(),
             events: vec![event],
             skipped: 0,
+            stamp: None,
         })
     }
 }
 
 /// Decode a worker's `kv_metrics` message (msgpack envelope around one [`KvMetrics`] map).
 pub fn decode_kv_metrics(body: &[u8]) -> Result<KvMetrics, DecodeError> {
+    decode_kv_metrics_stamped(body).map(|(m, _)| m)
+}
+
+/// [`decode_kv_metrics`], with the envelope's [`Stamp`].
+pub fn decode_kv_metrics_stamped(body: &[u8]) -> Result<(KvMetrics, Stamp), DecodeError> {
     let envelope: Envelope = rmp_serde::from_slice(body).map_err(DecodeError::Envelope)?;
     if envelope.topic != KV_METRICS_TOPIC {
         return Err(DecodeError::Topic(envelope.topic));
     }
-    rmp_serde::from_slice(&envelope.payload).map_err(DecodeError::Payload)
+    let metrics = rmp_serde::from_slice(&envelope.payload).map_err(DecodeError::Payload)?;
+    Ok((metrics, envelope.stamp()))
 }
 
 /// Encode events the way Dynamo 1.6 publishes them: envelope around an array.

@@ -186,7 +186,7 @@ async fn the_default_zmq_plane_indexes_every_worker_and_pins() {
         "{metrics}"
     );
     assert!(
-        !metrics.contains("kvroute_dynamo_zmq_lost_messages_total"),
+        !metrics.contains("kvroute_lost_messages_total{source=\"dynamo_zmq\""),
         "nothing lost on loopback: {metrics}"
     );
 }

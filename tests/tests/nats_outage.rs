@@ -92,6 +92,14 @@ async fn an_outage_is_said_and_what_it_cost_is_counted() {
         Some(20.0),
         "events 50..70"
     );
+    assert_eq!(
+        metric(
+            &text,
+            "kvroute_lost_messages_total{source=\"nats\",topic=\"kv-events\"}"
+        ),
+        Some(20.0),
+        "their messages, by the publisher's numbering"
+    );
     let sources = sidecar_json_at(&http, &base).await;
     let nats_source = &sources[0];
     assert_eq!(nats_source["disconnects"], 1, "{sources}");

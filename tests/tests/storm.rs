@@ -26,10 +26,11 @@ async fn a_burst_is_kept_whole() {
     assert_eq!(step["lost"], 0.0, "{step}");
     assert_eq!(step["workers_wrong"], 0, "{step}");
     assert_eq!(step["sidecar_says"]["lost_events"], 0.0, "{step}");
+    assert_eq!(step["sidecar_says"]["lost_messages"], 0.0, "{step}");
 }
 
-/// With a buffer far too small for it the NATS client drops messages. The sidecar's own count
-/// of lost events equals what the outside sees lost (published minus applied: every loss shows
+/// With a buffer far too small for it the NATS client drops messages. The sidecar's own counts
+/// of lost events and of lost messages equal what the outside sees lost (published minus applied: every loss shows
 /// as a gap, since each worker publishes once more afterwards), it counts the client's drops,
 /// and it says so in a line where a streak of losses starts and one where it ends, per kind of
 /// loss — not one per message.
@@ -46,8 +47,11 @@ async fn a_loss_is_counted_as_the_outside_sees_it_and_said_once() {
     let says = &step["sidecar_says"];
     assert_eq!(says["lost_events"].as_f64(), Some(lost), "{step}");
     assert!(says["client_dropped"].as_f64().unwrap() > 0.0, "{step}");
-    // Client buffer, KV-event gaps, stores whose parent was lost: a start and an end each.
-    assert!(step["sidecar_loss_lines"].as_u64().unwrap() <= 6, "{step}");
+    // One event a message: the publishers' own numbering says the same.
+    assert_eq!(says["lost_messages"].as_f64(), Some(lost), "{step}");
+    // Client buffer, messages, KV-event gaps, stores whose parent was lost: a start and an end
+    // each.
+    assert!(step["sidecar_loss_lines"].as_u64().unwrap() <= 8, "{step}");
     let lines = step["sidecar_log_lines"].as_u64().unwrap();
     assert!(
         lines < 200,

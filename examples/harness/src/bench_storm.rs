@@ -71,9 +71,22 @@ struct Worker {
     chain: Vec<u64>,
     /// A counter making every block hash unique.
     next_block: u64,
+    /// Messages published (the envelope's number of the next).
+    sent: u64,
 }
 
 impl Worker {
+    /// The envelope of its next message.
+    fn header(&mut self) -> EnvelopeHeader<'static> {
+        self.sent += 1;
+        EnvelopeHeader {
+            publisher_id: self.id,
+            sequence: self.sent - 1,
+            published_at: 0,
+            topic: KV_EVENTS_TOPIC,
+        }
+    }
+
     /// The next event: extend the chain by one block, or remove the whole chain once full.
     fn next(&mut self, chain: u64) -> RouterEvent {
         self.event_id += 1;
@@ -143,10 +156,8 @@ async fn publish(
             .map(|_| worker.next(chain))
             .collect();
         let header = EnvelopeHeader {
-            publisher_id: worker.id,
-            sequence: n / workers.len() as u64,
             published_at,
-            topic: KV_EVENTS_TOPIC,
+            ..worker.header()
         };
         client
             .publish(subject.clone(), encode_v16(header, &events).into())
@@ -169,12 +180,7 @@ async fn publish_tail(
     let subject = subject_v16(SUBJECT_NAMESPACE, SUBJECT_COMPONENT, "generate");
     for worker in workers.iter_mut() {
         let event = worker.next(chain);
-        let header = EnvelopeHeader {
-            publisher_id: worker.id,
-            sequence: u64::MAX / 2 + worker.event_id,
-            published_at: 0,
-            topic: KV_EVENTS_TOPIC,
-        };
+        let header = worker.header();
         client
             .publish(subject.clone(), encode_v16(header, &[event]).into())
             .await
@@ -234,6 +240,7 @@ async fn step(
             event_id: 0,
             chain: Vec::new(),
             next_block: 0,
+            sent: 0,
         })
         .collect();
     let took = publish(&client, &mut workers, bench.chain, bench.batch, total, rate).await?;
@@ -298,6 +305,7 @@ async fn step(
         "sidecar_says": {
             "lost_events": own("kvroute_lost_events_total{"),
             "client_dropped": own("kvroute_source_dropped_messages_total{"),
+            "lost_messages": own("kvroute_lost_messages_total{"),
             "gaps": prometheus::sum_where(&text, |l| l.starts_with("kvroute_sequence_total{") && l.contains("kind=\"gap\"")),
         },
         "sidecar_log_lines": std::fs::read_to_string(&log).map(|s| s.lines().count()).unwrap_or(0),

@@ -10,7 +10,7 @@
 //! Sequence numbers: each publisher numbers its messages from 0. The core checks each worker's
 //! `event_id`s per rank; here the publisher's own numbers tell messages lost on the way (a
 //! slow subscriber past its high-water mark): counted in
-//! `kvroute_dynamo_zmq_lost_messages_total{topic}`. The first message of a publisher starts
+//! `kvroute_lost_messages_total{source="dynamo_zmq",topic}`. The first message of a publisher starts
 //! where it is (what it sent before the connection was never for us).
 //!
 //! Publishers that leave: the connection of a `kv-events` publisher closing after its handshake
@@ -30,7 +30,7 @@ use kvroute_protocol::dynamo::{KV_EVENTS_TOPIC, KV_METRICS_TOPIC};
 use kvroute_protocol::dynamo_zmq::decode_frames;
 
 use crate::core::{Input, Message, Publisher};
-use crate::metrics::{SourceLabel, TopicLabel, Transport};
+use crate::metrics::{SourceLabel, Transport};
 use crate::observers::discovery::{ChannelTransport, EventChannel, Follow};
 use crate::sidecar::{Sidecar, SourceRef};
 
@@ -549,14 +549,8 @@ impl Subscriber<'_> {
         match self.following.message(id, &message.topic, message.sequence) {
             Sequence::Duplicate => return,
             Sequence::Gap { lost } => {
-                tracing::warn!(publisher = format!("{id:x}"), topic = %message.topic, lost, seq = message.sequence, "Dynamo ZMQ messages lost on the way here (slow subscriber); the core counts the events' own gaps");
                 self.state
-                    .metrics
-                    .dynamo_zmq_lost_messages
-                    .get_or_create(&TopicLabel {
-                        topic: message.topic.clone(),
-                    })
-                    .inc_by(lost);
+                    .messages_lost(Transport::DynamoZmq, &message.topic, lost, now);
             }
             Sequence::First => {
                 tracing::info!(publisher = format!("{id:x}"), topic = %message.topic, seq = message.sequence, "first message from a Dynamo event publisher");
@@ -851,7 +845,11 @@ mod tests {
             .unwrap();
         wait(
             "lost counted",
-            &|t| t.contains("kvroute_dynamo_zmq_lost_messages_total{topic=\"kv-events\"} 2"),
+            &|t| {
+                t.contains(
+                    "kvroute_lost_messages_total{source=\"dynamo_zmq\",topic=\"kv-events\"} 2",
+                )
+            },
             &|| {},
         );
         publisher

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use futures::StreamExt;
 use kvroute_protocol::dynamo::{
-    decode_kv_metrics, decode_message, parse_subject, subject_component, KV_METRICS_TOPIC,
+    decode_kv_metrics_stamped, decode_message, parse_subject, subject_component, KV_METRICS_TOPIC,
 };
 
 use crate::config::NatsConfig;
@@ -302,10 +302,17 @@ pub fn handle(state: &Sidecar, source: usize, subject: &str, body: &[u8]) {
         state.plane().message(source, subject, decoded);
     };
     if subject.rsplit('.').next() == Some(KV_METRICS_TOPIC) {
-        let decoded = decode_kv_metrics(body);
+        let decoded = decode_kv_metrics_stamped(body);
         seen(decoded.is_ok());
         match decoded {
-            Ok(m) => {
+            Ok((m, stamp)) => {
+                state.stamped(
+                    source,
+                    Transport::Nats,
+                    KV_METRICS_TOPIC,
+                    stamp,
+                    Instant::now(),
+                );
                 let component = subject_component(subject);
                 let input = Input::DynamoLoad {
                     metrics: &m,
@@ -329,6 +336,15 @@ pub fn handle(state: &Sidecar, source: usize, subject: &str, body: &[u8]) {
     seen(decoded.is_ok());
     match decoded {
         Ok(decoded) => {
+            if let Some(stamp) = decoded.stamp {
+                state.stamped(
+                    source,
+                    Transport::Nats,
+                    KV_EVENTS_TOPIC,
+                    stamp,
+                    Instant::now(),
+                );
+            }
             if decoded.skipped > 0 {
                 state
                     .metrics
