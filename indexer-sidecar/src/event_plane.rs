@@ -91,6 +91,36 @@ pub struct EventPlane {
 /// Dynamo publishers whose numbering is followed (publisher ids come from the network).
 const MAX_STAMPED: usize = 65_536;
 
+/// What a publisher's number for its message says, given the one expected next (Dynamo's
+/// envelopes, on NATS and on the ZMQ event plane).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sequence {
+    /// Its first message here.
+    First,
+    /// The one expected.
+    Next,
+    /// `lost` messages were skipped.
+    Gap {
+        /// How many.
+        lost: u64,
+    },
+    /// One already received: skipped.
+    Duplicate,
+    /// Smaller than one already received: the publisher started over under the same id.
+    Back,
+}
+
+/// Judge sequence number `seq` when `next` was expected.
+pub fn judge(next: Option<u64>, seq: u64) -> Sequence {
+    match next {
+        None => Sequence::First,
+        Some(n) if seq == n => Sequence::Next,
+        Some(n) if seq > n => Sequence::Gap { lost: seq - n },
+        Some(n) if seq.checked_add(1) == Some(n) => Sequence::Duplicate,
+        Some(_) => Sequence::Back,
+    }
+}
+
 /// Distinct subjects `kvroute_events_total` names; events on any further subject share
 /// `subject="other"`.
 const MAX_EVENT_SUBJECTS: usize = 256;
@@ -278,12 +308,16 @@ impl EventPlane {
     /// back: a new process).
     pub fn stamp(&mut self, source: usize, publisher: u64, sequence: u64) -> u64 {
         let key = (source, publisher);
-        if self.stamps.len() >= MAX_STAMPED && !self.stamps.contains_key(&key) {
+        let next = self.stamps.get(&key).copied();
+        if next.is_none() && self.stamps.len() >= MAX_STAMPED {
             return 0;
         }
-        let next = self.stamps.insert(key, sequence.saturating_add(1));
-        match next {
-            Some(next) if sequence > next => sequence - next,
+        let verdict = judge(next, sequence);
+        if verdict != Sequence::Duplicate {
+            self.stamps.insert(key, sequence.saturating_add(1));
+        }
+        match verdict {
+            Sequence::Gap { lost } => lost,
             _ => 0,
         }
     }

@@ -30,6 +30,7 @@ use kvroute_protocol::dynamo::{KV_EVENTS_TOPIC, KV_METRICS_TOPIC};
 use kvroute_protocol::dynamo_zmq::decode_frames;
 
 use crate::core::{Input, Message, Publisher};
+use crate::event_plane::{judge, Sequence};
 use crate::metrics::{SourceLabel, Transport};
 use crate::observers::discovery::{ChannelTransport, EventChannel, Follow};
 use crate::sidecar::{Sidecar, SourceRef};
@@ -109,35 +110,6 @@ pub struct PublisherState {
     pub messages: u64,
     /// Messages lost (gaps in its sequence).
     pub lost: u64,
-}
-
-/// What a publisher's sequence number says.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Sequence {
-    /// Its first message here.
-    First,
-    /// The one expected.
-    Next,
-    /// `lost` messages were skipped.
-    Gap {
-        /// How many.
-        lost: u64,
-    },
-    /// One already received: skipped.
-    Duplicate,
-    /// Smaller than one already received: the publisher started over under the same id.
-    Back,
-}
-
-/// Judge sequence number `seq` when `next` was expected.
-pub fn judge(next: Option<u64>, seq: u64) -> Sequence {
-    match next {
-        None => Sequence::First,
-        Some(n) if seq == n => Sequence::Next,
-        Some(n) if seq > n => Sequence::Gap { lost: seq - n },
-        Some(n) if seq.checked_add(1) == Some(n) => Sequence::Duplicate,
-        Some(_) => Sequence::Back,
-    }
 }
 
 /// The endpoints to connect and to disconnect after an update.
