@@ -118,9 +118,9 @@ impl<L: Listener> Listener for Bounded<L> {
         if open.len() >= self.max {
             // Make room: close the connection idle longest (a hint exchange takes
             // microseconds, so it is one that sends nothing, or sends slowly).
+            // A closed connection leaves the table as it is closed: every one here is open.
             let oldest = open
                 .iter()
-                .filter(|(_, c)| !c.closed.load(Ordering::Relaxed))
                 .min_by_key(|(_, c)| c.last_ms.load(Ordering::Relaxed))
                 .map(|(id, c)| (*id, Arc::clone(c)));
             if let Some((id, conn)) = oldest {
