@@ -42,6 +42,13 @@
 //! poll_interval_ms = 200
 //! grace_period_ms = 30000           # then their index entries are dropped
 //!
+//! [[envoy.members]]                 # optional: a model's workers are a cluster's hosts (EDS)
+//! cluster = "workers"               # default: [envoy] cluster
+//! model = "tiny-llama"
+//! events = "tcp://{host}:5557"      # each host's vLLM KV-event endpoint ({host}, {port},
+//! replay = "tcp://{host}:5558"      # {address}, {port+N}); replay: optional
+//! topic = "kv-events"
+//!
 //! [alarms]                          # see docs/operations.md, "Event sources"
 //! silence_s = 30                    # no KV events this long while hints are served: alarm
 //! min_hints = 20                    # a worker hinted this often without events: alarm
@@ -350,6 +357,41 @@ pub struct EnvoyConfig {
     /// How long a worker may stay unhealthy or absent before its index entries are dropped.
     #[serde(default = "default_grace_ms")]
     pub grace_period_ms: u64,
+    /// Models whose workers are an Envoy cluster's hosts, as EDS lists them.
+    #[serde(default)]
+    pub members: Vec<MembersConfig>,
+}
+
+/// A model served by the hosts of an Envoy cluster (`[[envoy.members]]`): each host Envoy lists
+/// is a worker, hinted by its address, its KV events read from the endpoints the templates give
+/// for it; hosts EDS adds and removes are followed without a restart.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MembersConfig {
+    /// The cluster (default: `[envoy] cluster`).
+    #[serde(default)]
+    pub cluster: Option<String>,
+    /// The model its hosts serve.
+    pub model: String,
+    /// Each host's vLLM KV-event endpoint: `{host}` (its IP), `{port}`, `{address}`
+    /// (`ip:port`), `{port+N}` / `{port-N}`; e.g. `tcp://{host}:5557`.
+    pub events: String,
+    /// Each host's replay endpoint, the same way (optional: fills gaps, warm start).
+    #[serde(default)]
+    pub replay: Option<String>,
+    /// Topic prefix to subscribe to (vLLM's `topic`; empty: everything).
+    #[serde(default)]
+    pub topic: String,
+    /// Larger messages close the connection instead of being read.
+    #[serde(default = "default_max_message_bytes")]
+    pub max_message_bytes: u64,
+}
+
+impl EnvoyConfig {
+    /// The cluster a `[[envoy.members]]` entry reads.
+    pub fn members_cluster<'a>(&'a self, m: &'a MembersConfig) -> &'a str {
+        m.cluster.as_deref().unwrap_or(&self.cluster)
+    }
 }
 
 fn default_cluster() -> String {
@@ -805,6 +847,28 @@ impl Config {
                     d.dir.display(),
                     d.model
                 );
+            }
+        }
+        if let Some(envoy) = &self.envoy {
+            let mut clusters = std::collections::HashSet::new();
+            for m in &envoy.members {
+                let cluster = envoy.members_cluster(m);
+                if !names.contains(m.model.as_str()) {
+                    bail!(
+                        "[[envoy.members]] {cluster} serves model {}, which is not configured",
+                        m.model
+                    );
+                }
+                if !clusters.insert(cluster) {
+                    bail!("[[envoy.members]] cluster {cluster} is listed twice");
+                }
+                for t in std::iter::once(&m.events).chain(&m.replay) {
+                    crate::endpoint_template::EndpointTemplate::parse(t)
+                        .with_context(|| format!("[[envoy.members]] {cluster}"))?;
+                }
+                if m.max_message_bytes == 0 {
+                    bail!("[[envoy.members]] {cluster}: max_message_bytes must be positive");
+                }
             }
         }
         for z in &self.zmq {

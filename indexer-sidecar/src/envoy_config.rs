@@ -4,8 +4,9 @@
 //!
 //! Placeholders (`${NAME}` in the templates):
 //! - `LISTEN_PORT`, `ADMIN_PORT`: Envoy's listener and admin ports on 127.0.0.1;
-//! - `WORKER_ENDPOINTS`: the `workers` cluster's endpoints (engines, or Dynamo frontends in pin
-//!   mode), one `- endpoint:` line each;
+//! - `WORKERS_TYPE`, `WORKERS_SOURCE`: where the `workers` cluster's endpoints (engines, or
+//!   Dynamo frontends in pin mode) come from: listed (`STATIC`, a `load_assignment`), or an EDS
+//!   file Envoy watches (`EDS`, filesystem xDS: what a control plane pushes, see [`eds_file`]);
 //! - `SIDECAR_ADDRESS`: the sidecar's address (`socket_address` or `pipe`);
 //! - `FILTER_CONFIG`: the filter's JSON configuration (`filter/src/config.rs`);
 //! - `WASM_PATH`: the filter module (`kvroute_filter.wasm`);
@@ -52,6 +53,32 @@ pub enum SidecarAddress {
     Unix(PathBuf),
 }
 
+/// Where the `workers` cluster's endpoints come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Workers {
+    /// Listed in the configuration: `ip:port` of each engine (or Dynamo frontend).
+    Listed(Vec<SocketAddr>),
+    /// An EDS file (a `DiscoveryResponse`, [`eds_file`]) that Envoy reloads whenever a new
+    /// version is moved into place, as a control plane would push it.
+    EdsFile(PathBuf),
+}
+
+/// The text of an EDS file listing `endpoints` for `cluster`: write it beside the watched path
+/// and rename it over it (Envoy reloads on the move, never reads half a file).
+pub fn eds_file(cluster: &str, version: u64, endpoints: &[SocketAddr]) -> String {
+    let mut out = format!(
+        "version_info: \"{version}\"\nresources:\n- \"@type\": type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment\n  cluster_name: {cluster}\n  endpoints:\n  - lb_endpoints:\n"
+    );
+    for a in endpoints {
+        out.push_str(&format!(
+            "    - endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }}\n",
+            a.ip(),
+            a.port()
+        ));
+    }
+    out
+}
+
 /// Everything a template needs.
 #[derive(Debug, Clone)]
 pub struct EnvoyParams {
@@ -59,8 +86,8 @@ pub struct EnvoyParams {
     pub listen_port: u16,
     /// Envoy's admin port.
     pub admin_port: u16,
-    /// The `workers` cluster: `ip:port` of each engine (or Dynamo frontend).
-    pub workers: Vec<SocketAddr>,
+    /// The `workers` cluster's endpoints.
+    pub workers: Workers,
     /// The sidecar.
     pub sidecar: SidecarAddress,
     /// The filter's configuration (JSON object).
@@ -76,26 +103,45 @@ pub const STREAM_IDLE_TIMEOUT: std::time::Duration = std::time::Duration::from_s
 
 /// Fill `template`'s placeholders; fails if one is left.
 pub fn render(template: &str, p: &EnvoyParams) -> anyhow::Result<String> {
-    if p.workers.is_empty() {
-        bail!("the workers cluster needs at least one endpoint");
-    }
+    let (workers_type, workers_source) = match &p.workers {
+        Workers::Listed(list) if list.is_empty() => {
+            bail!("the workers cluster needs at least one endpoint")
+        }
+        Workers::Listed(list) => {
+            let endpoints: Vec<String> = list
+                .iter()
+                .map(|a| {
+                    format!(
+                        "        - endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }}",
+                        a.ip(),
+                        a.port()
+                    )
+                })
+                .collect();
+            let block = format!(
+                "    load_assignment:\n      cluster_name: workers\n      endpoints:\n      - lb_endpoints:\n{}",
+                endpoints.join("\n")
+            );
+            ("STATIC", block)
+        }
+        Workers::EdsFile(path) => {
+            let (Some(dir), Some(_)) = (path.parent(), path.file_name()) else {
+                bail!("EDS file {} has no directory", path.display());
+            };
+            let block = format!(
+                "    eds_cluster_config:\n      eds_config:\n        resource_api_version: V3\n        # Reloaded when a new file is moved into place (a rename, never a write in place).\n        path_config_source: {{ path: {}, watched_directory: {{ path: {} }} }}",
+                path.display(),
+                dir.display()
+            );
+            ("EDS", block)
+        }
+    };
     if p.stream_idle_timeout.as_millis() == 0 {
         bail!("the stream idle timeout must be positive (0 is no timeout in Envoy)");
     }
     if !p.filter_config.is_object() {
         bail!("the filter configuration must be a JSON object");
     }
-    let endpoints: Vec<String> = p
-        .workers
-        .iter()
-        .map(|a| {
-            format!(
-                "        - endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }}",
-                a.ip(),
-                a.port()
-            )
-        })
-        .collect();
     let sidecar = match &p.sidecar {
         SidecarAddress::Tcp(a) => format!(
             "{{ socket_address: {{ address: {}, port_value: {} }} }}",
@@ -137,7 +183,8 @@ pub fn render(template: &str, p: &EnvoyParams) -> anyhow::Result<String> {
         .replace("${ADMIN_PORT}", &p.admin_port.to_string())
         .replace("${LISTEN_PORT}", &p.listen_port.to_string())
         .replace("${SIDECAR_ADDRESS}", &sidecar)
-        .replace("${WORKER_ENDPOINTS}", &endpoints.join("\n"))
+        .replace("${WORKERS_TYPE}", workers_type)
+        .replace("${WORKERS_SOURCE}", &workers_source)
         .replace("${FILTER_CONFIG}", &filter_config)
         .replace("${WASM_PATH}", &p.wasm.display().to_string())
         .replace(
@@ -174,7 +221,7 @@ mod tests {
         EnvoyParams {
             listen_port: 10000,
             admin_port: 9901,
-            workers: parse_workers("127.0.0.1:8001, 10.0.0.7:8000").unwrap(),
+            workers: Workers::Listed(parse_workers("127.0.0.1:8001, 10.0.0.7:8000").unwrap()),
             sidecar: SidecarAddress::Tcp("127.0.0.1:9100".parse().unwrap()),
             filter_config: serde_json::json!({"hint_timeout_ms": 50, "x": "it's"}),
             wasm: "/opt/kvroute/kvroute_filter.wasm".into(),
@@ -245,9 +292,32 @@ mod tests {
     }
 
     #[test]
+    fn workers_from_an_eds_file() {
+        let mut p = params();
+        p.workers = Workers::EdsFile("/run/kvroute/eds/workers.yaml".into());
+        for t in [
+            Template::Kvroute,
+            Template::KvrouteMaglev,
+            Template::RoundRobin,
+        ] {
+            let yaml = render(t.text(), &p).unwrap();
+            assert!(yaml.contains("type: EDS"), "{t:?}");
+            assert!(!yaml.contains("cluster_name: workers"), "{t:?}");
+            assert!(
+                yaml.contains("path_config_source: { path: /run/kvroute/eds/workers.yaml, watched_directory: { path: /run/kvroute/eds } }"),
+                "{t:?}"
+            );
+        }
+        let eds = eds_file("workers", 3, &parse_workers("10.0.0.7:8000").unwrap());
+        assert!(eds.starts_with("version_info: \"3\"\n"), "{eds}");
+        assert!(eds.contains("cluster_name: workers"), "{eds}");
+        assert!(eds.contains("address: 10.0.0.7, port_value: 8000"), "{eds}");
+    }
+
+    #[test]
     fn refuses_what_cannot_run() {
         let mut none = params();
-        none.workers.clear();
+        none.workers = Workers::Listed(Vec::new());
         assert!(render(Template::Kvroute.text(), &none).is_err());
         let mut forever = params();
         forever.stream_idle_timeout = std::time::Duration::ZERO;

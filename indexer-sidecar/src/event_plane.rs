@@ -33,7 +33,8 @@ pub struct SourceStatus {
     /// What it subscribes to.
     pub subscriptions: Vec<String>,
     /// `connecting`, `subscribed`, `receiving`, `disconnected` (ZMQ: the publisher went away),
-    /// `retrying` (the connection or the subscription keeps failing; see `last_error`).
+    /// `retrying` (the connection or the subscription keeps failing; see `last_error`),
+    /// `closed` (its host left Envoy's cluster).
     pub state: &'static str,
     /// Failures so far (connection attempts, handshakes, sessions).
     pub errors: u64,
@@ -175,14 +176,15 @@ impl EventPlane {
         }
     }
 
-    /// Register a source; the returned index names it in later calls.
+    /// Register a source; the returned index names it in later calls. A retired source's slot
+    /// is taken again: hosts that come and go under Envoy's membership must not grow the list.
     pub fn register(
         &mut self,
         kind: &'static str,
         name: &str,
         subscriptions: Vec<String>,
     ) -> usize {
-        self.sources.push(SourceStatus {
+        let status = SourceStatus {
             kind,
             name: name.to_owned(),
             subscriptions,
@@ -202,8 +204,25 @@ impl EventPlane {
             down: None,
             last_event: None,
             bus_probed: None,
-        });
-        self.sources.len() - 1
+        };
+        match self.sources.iter().position(|s| s.state == "closed") {
+            Some(slot) => {
+                self.sources[slot] = status;
+                slot
+            }
+            None => {
+                self.sources.push(status);
+                self.sources.len() - 1
+            }
+        }
+    }
+
+    /// The source was closed for good (its host left Envoy's cluster): shown as `closed` until
+    /// its slot is taken again.
+    pub fn retire(&mut self, source: usize) {
+        if let Some(s) = self.sources.get_mut(source) {
+            s.state = "closed";
+        }
     }
 
     /// The source's subscriptions are in place.
@@ -602,6 +621,24 @@ mod tests {
         plane.event(src, "a.kv-events", now);
         assert!(plane.alarms(&quiet, &hinting(now), now).is_empty());
         assert_eq!(plane.sources(now)[0].state, "receiving");
+    }
+
+    /// Hosts that come and go under Envoy's membership take the slots of those that left.
+    #[test]
+    fn closed_sources_give_their_slot_to_new_ones() {
+        let now = Instant::now();
+        let mut plane = EventPlane::new(now);
+        let a = plane.register("zmq", "tcp://10.0.0.5:5557", vec![]);
+        let b = plane.register("zmq", "tcp://10.0.0.6:5557", vec![]);
+        plane.retire(a);
+        assert_eq!(plane.sources(now)[a].state, "closed");
+        let c = plane.register("zmq", "tcp://10.0.0.7:5557", vec![]);
+        assert_eq!(c, a);
+        assert_ne!(c, b);
+        let sources = plane.sources(now);
+        assert_eq!(sources.len(), 2);
+        assert_eq!(sources[c].name, "tcp://10.0.0.7:5557");
+        assert_eq!(sources[c].state, "connecting");
     }
 
     /// A ZMQ-only sidecar's line names each endpoint and suggests the ZMQ tap, not the NATS one.

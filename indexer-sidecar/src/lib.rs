@@ -10,8 +10,8 @@
 //! - [`truth_watch`]: the alarms on what the engines reported against what was predicted
 //!   (`stale_index`, `replica_skew`).
 //! - [`transports`]: where KV events come from: NATS (Dynamo), ZMQ (vLLM).
-//! - [`observers`]: what else feeds the fleet: Dynamo discovery, Envoy's admin view, engine
-//!   `/metrics` scrapes.
+//! - [`observers`]: what else feeds the fleet: Dynamo discovery, Envoy's admin view (and, with
+//!   `[[envoy.members]]`, its cluster membership), engine `/metrics` scrapes.
 //! - [`replication`]: replicas that agree — the pure brain deciding every digest, fill,
 //!   snapshot and load share, the peers' state, the wire messages, the NATS loop that only
 //!   executes, and the index saved on local disk.
@@ -19,7 +19,7 @@
 //! - [`http_api`]: the HTTP API (`/v1/hint`, bundles, `/metrics`, `/debug/*`);
 //!   [`connections`]: its connections, bounded and timed out.
 //! - [`metrics`]: the Prometheus metrics served on `/metrics`.
-//! - [`config`]: the TOML configuration.
+//! - [`config`]: the TOML configuration; [`endpoint_template`]: per-host endpoints in it.
 //! - [`inspect`], [`envoy_config`]: the `tap`, `decode`, `tokenize` and `envoy-config` commands.
 //!
 //! Modules depend inwards only: `config` ← `core` ← `sidecar`, `event_plane` ← edges ← `main`
@@ -28,6 +28,7 @@
 pub mod config;
 pub mod connections;
 pub mod core;
+pub mod endpoint_template;
 pub mod envoy_config;
 pub mod event_plane;
 pub mod explain;

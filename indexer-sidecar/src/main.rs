@@ -1,6 +1,7 @@
 //! `kvroute-sidecar`: the native sidecar binary.
 
 use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use anyhow::Context as _;
@@ -67,8 +68,12 @@ enum Command {
         #[arg(long, value_enum, default_value = "kvroute")]
         template: envoy_config::Template,
         /// The `workers` cluster: engines (or, in pin mode, Dynamo frontends), `ip:port,…`.
-        #[arg(long)]
-        workers: String,
+        #[arg(long, required_unless_present = "workers_eds")]
+        workers: Option<String>,
+        /// Take the `workers` cluster's endpoints from this EDS file instead, reloaded whenever
+        /// a new version is moved into place (filesystem xDS; `[[envoy.members]]` follows them).
+        #[arg(long, conflicts_with = "workers")]
+        workers_eds: Option<PathBuf>,
         /// Envoy's listener port (on 127.0.0.1, as shipped; edit the address to expose it).
         #[arg(long, default_value_t = 10000)]
         listen_port: u16,
@@ -156,6 +161,7 @@ async fn main() -> anyhow::Result<()> {
         Command::EnvoyConfig {
             template,
             workers,
+            workers_eds,
             listen_port,
             admin_port,
             sidecar,
@@ -167,7 +173,14 @@ async fn main() -> anyhow::Result<()> {
             let params = envoy_config::EnvoyParams {
                 listen_port,
                 admin_port,
-                workers: envoy_config::parse_workers(&workers)?,
+                workers: match (workers, workers_eds) {
+                    (_, Some(eds)) => {
+                        envoy_config::Workers::EdsFile(std::path::absolute(&eds).unwrap_or(eds))
+                    }
+                    (list, None) => envoy_config::Workers::Listed(envoy_config::parse_workers(
+                        list.as_deref().unwrap_or(""),
+                    )?),
+                },
                 sidecar: match sidecar_socket {
                     Some(path) => envoy_config::SidecarAddress::Unix(path),
                     None => envoy_config::SidecarAddress::Tcp(sidecar),
@@ -291,7 +304,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         let state = state.clone();
         std::thread::Builder::new()
             .name("zmq-subscriber".into())
-            .spawn(move || transports::zmq::run(zmq, state))
+            .spawn(move || transports::zmq::run(zmq, state, &AtomicBool::new(false)))
             .context("starting a ZMQ subscriber thread")?;
     }
     // Dynamo's default event plane (ZMQ): its publishers are found in the discovery records.
@@ -324,8 +337,13 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             }
         }
     });
-    if config.nats.is_none() && config.zmq.is_empty() && config.dynamo_discovery.is_empty() {
-        tracing::warn!("neither [nats] nor [[zmq]] configured: no KV events will arrive, every request goes to the least loaded worker");
+    let members = config.envoy.as_ref().is_some_and(|e| !e.members.is_empty());
+    if config.nats.is_none()
+        && config.zmq.is_empty()
+        && config.dynamo_discovery.is_empty()
+        && !members
+    {
+        tracing::warn!("neither [nats], [[zmq]], [[dynamo_discovery]] nor [[envoy.members]] configured: no KV events will arrive, every request goes to the least loaded worker");
     }
     tokio::select! {
         Some(done) = tasks.join_next() => done?.context("a sidecar task stopped"),

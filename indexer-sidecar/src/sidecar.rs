@@ -42,8 +42,8 @@ use crate::core::cursor::Verdict;
 use crate::core::digest::Agreement;
 use crate::core::event::EventTag;
 use crate::core::event::VllmEventProblem;
-use crate::core::fleet::Role;
 use crate::core::fleet::WorkerId;
+use crate::core::fleet::{Origin, Role};
 use crate::core::policy::{Decision, Rule};
 use crate::core::truth::Prediction;
 use crate::core::{Core, Delivery, Forgot, Happened, Input, Rejected, Target, TicketClosed};
@@ -762,6 +762,9 @@ impl Sidecar {
                         .set(*n as i64);
                 }
             }
+            Happened::Joined { worker, model } => {
+                tracing::info!(worker = %worker.address, %model, "a host of Envoy's cluster joined the fleet: hinted by address once its KV events arrive");
+            }
             Happened::Added {
                 worker,
                 instance_id,
@@ -972,7 +975,8 @@ impl Sidecar {
         self.core()
             .fleet()
             .iter()
-            .filter(|w| !w.pinned())
+            // A host that left Envoy's cluster is not asked until it is listed again.
+            .filter(|w| !w.pinned() && (w.origin != Origin::Member || w.usable()))
             .map(|w| (w.id, Arc::clone(&w.address)))
             .collect()
     }

@@ -23,18 +23,23 @@ fn shipped_envoy_configs_validate() {
     let dir = paths::run_dir("envoy-validate").unwrap();
     let uds = SidecarAddress::Unix(dir.join("sidecar.sock"));
     let tcp = SidecarAddress::Tcp(9100);
-    for (mode, fallback, sidecar) in [
-        (Mode::Kvroute, Fallback::RingHash, &tcp),
-        (Mode::Kvroute, Fallback::RingHash, &uds),
-        (Mode::Kvroute, Fallback::Maglev, &tcp),
-        (Mode::RingHash, Fallback::RingHash, &tcp),
-        (Mode::RoundRobin, Fallback::RingHash, &tcp),
+    // Envoy validates that the EDS file exists.
+    kvroute_harness::stack::write_eds(&dir, 1, &engines).unwrap();
+    for (mode, fallback, sidecar, eds) in [
+        (Mode::Kvroute, Fallback::RingHash, &tcp, false),
+        (Mode::Kvroute, Fallback::RingHash, &uds, false),
+        (Mode::Kvroute, Fallback::Maglev, &tcp, false),
+        (Mode::Kvroute, Fallback::RingHash, &tcp, true),
+        (Mode::RingHash, Fallback::RingHash, &tcp, false),
+        (Mode::RoundRobin, Fallback::RingHash, &tcp, false),
     ] {
         let mut opts = StackOptions::new("validate", mode);
         opts.fallback = fallback;
-        let yaml = render_envoy(&opts, &engines, 10000, 9901, sidecar).unwrap();
+        opts.eds_membership = eds;
+        let yaml = render_envoy(&opts, &dir, &engines, 10000, 9901, sidecar).unwrap();
         let file = dir.join(
-            format!("{}-{fallback:?}-{sidecar:?}.yaml", mode.name()).replace(['/', '"', ' '], "_"),
+            format!("{}-{fallback:?}-{sidecar:?}-{eds}.yaml", mode.name())
+                .replace(['/', '"', ' '], "_"),
         );
         std::fs::write(&file, yaml).unwrap();
         let (ok, text) = validate(&file);

@@ -185,6 +185,11 @@ pub struct StackOptions {
     /// Envoy's outlier `base_ejection_time` in seconds, in place of the shipped configuration's
     /// 30 (tests of what happens when an ejection ends).
     pub ejection_s: Option<u64>,
+    /// A fleet under a control plane: Envoy's `workers` cluster reads an EDS file
+    /// ([`Stack::set_members`]), and the sidecar takes its workers from Envoy's membership
+    /// (`[[envoy.members]]`, events at `{port+1}`, replay at `{port+2}`) instead of
+    /// `[[workers]]` and `[[zmq]]`. Simulated engines publishing vLLM's format only.
+    pub eds_membership: bool,
 }
 
 /// A lossy transport between the nats-server and each sidecar ([`StackOptions::transport_loss`]).
@@ -233,6 +238,7 @@ impl StackOptions {
             transport_loss: None,
             shared_sidecar: false,
             ejection_s: None,
+            eds_membership: false,
         }
     }
 
@@ -287,6 +293,10 @@ pub struct Stack {
     pub replicas: Vec<Replica>,
     /// Real vLLM engines: how they were started (to start one again).
     vllm: Option<VllmOptions>,
+    /// How the stack was started (to add simulated engines).
+    options: StackOptions,
+    /// The EDS file's version ([`StackOptions::eds_membership`]).
+    eds_version: u64,
     processes: Vec<Process>,
     /// [`StackOptions::transport_loss`]: each sidecar's proxy, in sidecar order; they live as
     /// long as the stack.
@@ -326,6 +336,9 @@ impl Stack {
 
         let discovery = dir.join("discovery");
         let pin_mode = opts.pin_mode();
+        if opts.eds_membership && (opts.pin_mode() || opts.vllm.is_some()) {
+            bail!("eds_membership is for simulated engines publishing vLLM's format");
+        }
         let (engines, frontend, decode_ids) = match (&opts.dynamo, &opts.vllm) {
             (Some(d), _) => {
                 let fleet =
@@ -337,8 +350,14 @@ impl Stack {
                 (engines, None, Vec::new())
             }
             (None, None) => {
-                let (engines, frontend) =
-                    start_sim(&opts, &nats_url, &dir, &discovery, &mut processes)?;
+                let (engines, frontend) = start_sim(
+                    &opts,
+                    &nats_url,
+                    &dir,
+                    &discovery,
+                    ("sim", 0),
+                    &mut processes,
+                )?;
                 (engines, frontend, Vec::new())
             }
         };
@@ -383,6 +402,9 @@ impl Stack {
             Some(url)
         };
 
+        if opts.eds_membership {
+            write_eds(&dir, 0, &upstreams)?;
+        }
         let envoy_config = dir.join("envoy.yaml");
         let sidecar = if opts.sidecar_uds {
             SidecarAddress::Unix(dir.join("sidecar.sock"))
@@ -391,7 +413,7 @@ impl Stack {
         };
         std::fs::write(
             &envoy_config,
-            render_envoy(&opts, &upstreams, listen, admin, &sidecar)?,
+            render_envoy(&opts, &dir, &upstreams, listen, admin, &sidecar)?,
         )?;
         processes.push(spawn_envoy(&opts, &envoy_config, &dir, "envoy")?);
         let admin_url = format!("http://127.0.0.1:{admin}");
@@ -416,6 +438,8 @@ impl Stack {
             http,
             replicas,
             vllm: opts.vllm.clone(),
+            options: opts.clone(),
+            eds_version: 0,
             processes,
             proxies,
         };
@@ -541,7 +565,14 @@ impl Stack {
         let config = dir.join("envoy.yaml");
         std::fs::write(
             &config,
-            render_envoy(opts, upstreams, listen, admin, &SidecarAddress::Tcp(port))?,
+            render_envoy(
+                opts,
+                &self.dir,
+                upstreams,
+                listen,
+                admin,
+                &SidecarAddress::Tcp(port),
+            )?,
         )?;
         let name = format!("envoy-{i}");
         self.processes
@@ -640,6 +671,45 @@ impl Stack {
         let sidecar = start_sidecar(&dir, &name, &url, &self.http).await?;
         self.processes.push(sidecar);
         Ok(())
+    }
+
+    /// [`StackOptions::eds_membership`]: make Envoy's `workers` cluster list these engines, as
+    /// a control plane pushing EDS would (Envoy reloads the file within moments).
+    pub fn set_members(&mut self, engines: &[usize]) -> Result<()> {
+        let upstreams: Vec<String> = engines
+            .iter()
+            .map(|&i| {
+                Ok(self
+                    .engines
+                    .get(i)
+                    .context("no such engine")?
+                    .address
+                    .clone())
+            })
+            .collect::<Result<_>>()?;
+        self.eds_version += 1;
+        write_eds(&self.dir, self.eds_version, &upstreams)
+    }
+
+    /// Start one more simulated engine (a process of its own, `sim-<index>`, configured as the
+    /// stack's); its index. Envoy does not list it until [`Stack::set_members`] says so.
+    pub fn add_sim_engine(&mut self) -> Result<usize> {
+        let index = self.engines.len();
+        let mut opts = self.options.clone();
+        opts.sim.engines = 1;
+        let discovery = self.dir.join("discovery");
+        let name = format!("sim-{index}");
+        let (mut engines, _) = start_sim(
+            &opts,
+            &self.nats_url,
+            &self.dir,
+            &discovery,
+            (&name, index),
+            &mut self.processes,
+        )?;
+        let engine = engines.pop().context("the simulator started no engine")?;
+        self.engines.push(engine);
+        Ok(index)
     }
 
     /// Real vLLM: start engine `index` again on its ports (after [`Stack::kill`] or
@@ -800,6 +870,7 @@ fn start_sim(
     nats_url: &str,
     dir: &std::path::Path,
     discovery: &std::path::Path,
+    (name, first_index): (&str, usize),
     processes: &mut Vec<Process>,
 ) -> Result<(Vec<EngineInfo>, Option<String>)> {
     let s = &opts.sim;
@@ -808,6 +879,7 @@ fn start_sim(
     sim.args(["--model", MODEL, "--nats", nats_url]);
     for (flag, value) in [
         ("--engines", s.engines.to_string()),
+        ("--first-index", first_index.to_string()),
         ("--block-size", s.block_size.to_string()),
         ("--capacity-blocks", s.capacity_blocks.to_string()),
         ("--max-running", s.max_running.to_string()),
@@ -826,11 +898,13 @@ fn start_sim(
     if s.instant {
         sim.arg("--instant");
     }
+    if opts.eds_membership {
+        sim.arg("--zmq-beside");
+    }
     if opts.dynamo_frontend {
         sim.arg("--frontend").arg("--discovery-dir").arg(discovery);
     }
-    let (sim, ready) =
-        Process::spawn_until_line("sim", sim, dir, "READY", Duration::from_secs(30))?;
+    let (sim, ready) = Process::spawn_until_line(name, sim, dir, "READY", Duration::from_secs(30))?;
     processes.push(sim);
     let ready =
         serde_json::from_str::<SimReady>(&ready).context("parsing the simulator's READY line")?;
@@ -853,8 +927,8 @@ fn sidecar_config(
         paths::model_dir().display(),
         opts.block_size()
     );
-    for e in engines {
-        // In pin mode the engines are found through Dynamo discovery instead.
+    // In pin mode the engines are found through Dynamo discovery, with EDS through Envoy.
+    for e in engines.iter().filter(|_| !opts.eds_membership) {
         if !opts.pin_mode() {
             out.push_str(&format!(
                 "\n[[workers]]\naddress = \"{}\"\nmodel = \"{MODEL}\"\ndynamo_worker_id = {}\n",
@@ -901,6 +975,11 @@ fn sidecar_text(
     text.push_str(&format!(
         "\n[envoy]\nadmin_url = \"http://127.0.0.1:{admin}\"\npoll_interval_ms = 100\n"
     ));
+    if opts.eds_membership {
+        text.push_str(&format!(
+            "\n[[envoy.members]]\nmodel = \"{MODEL}\"\nevents = \"tcp://{{host}}:{{port+1}}\"\nreplay = \"tcp://{{host}}:{{port+2}}\"\ntopic = \"kv-events\"\n"
+        ));
+    }
     if let Some(r) = &opts.replicas {
         let loss = if r.lossy.is_none_or(|l| l == replica) {
             r.loss
@@ -921,6 +1000,36 @@ fn sidecar_text(
     text.push('\n');
     text.push_str(&opts.sidecar_toml);
     text
+}
+
+/// The EDS file of a stack in `dir` ([`StackOptions::eds_membership`]).
+fn eds_path(dir: &Path) -> PathBuf {
+    dir.join("eds").join("workers.yaml")
+}
+
+fn parse_upstreams(upstreams: &[String]) -> Result<Vec<std::net::SocketAddr>> {
+    upstreams
+        .iter()
+        .map(|a| {
+            a.parse()
+                .with_context(|| format!("upstream {a} is not ip:port"))
+        })
+        .collect()
+}
+
+/// Write the EDS file of a stack in `dir` as a control plane's push: beside it, then renamed
+/// over it (Envoy reloads on the move).
+pub fn write_eds(dir: &Path, version: u64, upstreams: &[String]) -> Result<()> {
+    let text =
+        kvroute_sidecar::envoy_config::eds_file("workers", version, &parse_upstreams(upstreams)?);
+    let path = eds_path(dir);
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    let staged = dir.join("eds.staged.yaml");
+    std::fs::write(&staged, text)?;
+    std::fs::rename(&staged, &path)?;
+    Ok(())
 }
 
 fn spawn_envoy(opts: &StackOptions, config: &Path, dir: &Path, name: &str) -> Result<Process> {
@@ -962,6 +1071,7 @@ async fn start_sidecar(
 /// `round-robin.yaml`), filled as `kvroute-sidecar envoy-config` fills it.
 pub fn render_envoy(
     opts: &StackOptions,
+    dir: &Path,
     upstreams: &[String],
     listen: u16,
     admin: u16,
@@ -976,13 +1086,10 @@ pub fn render_envoy(
     let params = EnvoyParams {
         listen_port: listen,
         admin_port: admin,
-        workers: upstreams
-            .iter()
-            .map(|a| {
-                a.parse()
-                    .with_context(|| format!("upstream {a} is not ip:port"))
-            })
-            .collect::<Result<_>>()?,
+        workers: match opts.eds_membership {
+            true => envoy_config::Workers::EdsFile(eds_path(dir)),
+            false => envoy_config::Workers::Listed(parse_upstreams(upstreams)?),
+        },
         sidecar: match sidecar {
             SidecarAddress::Tcp(port) => {
                 envoy_config::SidecarAddress::Tcp(([127, 0, 0, 1], *port).into())

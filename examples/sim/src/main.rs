@@ -34,6 +34,10 @@ struct Args {
     /// Number of engines.
     #[arg(long, default_value_t = 4)]
     engines: usize,
+    /// Index of the first engine (its `x-sim-engine` header), the others following: engines
+    /// started as processes of their own number themselves apart.
+    #[arg(long, default_value_t = 0)]
+    first_index: usize,
     /// Port of the first engine (the others follow); 0 picks free ports.
     #[arg(long, default_value_t = 0)]
     base_port: u16,
@@ -79,6 +83,10 @@ struct Args {
     /// How late `/metrics` answers, in ms, with the numbers of when it was asked.
     #[arg(long, default_value_t = 0)]
     metrics_delay_ms: u64,
+    /// Bind each vLLM-format engine's PUB and replay sockets on the two ports after its HTTP
+    /// port (what `tcp://{host}:{port+1}` / `{port+2}` templates of `[[envoy.members]]` expect).
+    #[arg(long)]
+    zmq_beside: bool,
     /// Topic of vLLM-format messages.
     #[arg(long, default_value = "kv-events")]
     zmq_topic: String,
@@ -128,7 +136,7 @@ async fn main() -> anyhow::Result<()> {
     let mut ready = Vec::new();
     let mut pinnable = Vec::new();
     let mut servers = tokio::task::JoinSet::new();
-    for index in 0..args.engines {
+    for index in args.first_index..args.first_index + args.engines {
         let worker_id = args.worker_id_base.wrapping_add(index as u64);
         let config = EngineConfig {
             index,
@@ -143,7 +151,8 @@ async fn main() -> anyhow::Result<()> {
             frontend_delay: std::time::Duration::from_millis(args.frontend_delay_ms),
             metrics_delay: std::time::Duration::from_millis(args.metrics_delay_ms),
         };
-        let format = args.event_format[index % args.event_format.len().max(1)].as_str();
+        let position = index - args.first_index;
+        let format = args.event_format[position % args.event_format.len().max(1)].as_str();
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let rx = delay::delayed(rx, args.event_delay_ms, worker_id);
         let publishes = format != "none" && (!format.starts_with("dynamo") || nats.is_some());
@@ -152,6 +161,13 @@ async fn main() -> anyhow::Result<()> {
             preprocessor.clone(),
             publishes.then_some(tx),
         ));
+        let port = if args.base_port == 0 {
+            0
+        } else {
+            args.base_port + position as u16
+        };
+        let vllm = matches!(format, "vllm-map" | "vllm-array");
+        let (listener, beside) = bind_engine(port, args.zmq_beside && vllm).await?;
         let mut info = serde_json::json!({"index": index, "dynamo_worker_id": worker_id, "event_format": format});
         match format {
             "dynamo" | "dynamo-v12" => {
@@ -182,6 +198,7 @@ async fn main() -> anyhow::Result<()> {
                     encoding,
                     args.block_size,
                     engine.stats.drop_events.clone(),
+                    beside,
                 )?;
                 info["zmq_endpoint"] = endpoints.events.into();
                 info["replay_endpoint"] = endpoints.replay.into();
@@ -190,12 +207,6 @@ async fn main() -> anyhow::Result<()> {
             "none" => {}
             other => anyhow::bail!("unknown --event-format {other}"),
         }
-        let port = if args.base_port == 0 {
-            0
-        } else {
-            args.base_port + index as u16
-        };
-        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
         let address = listener.local_addr()?.to_string();
         info["address"] = address.clone().into();
         ready.push(info);
@@ -222,6 +233,35 @@ async fn main() -> anyhow::Result<()> {
         Some(done) = servers.join_next() => { done??; Ok(()) }
         _ = tokio::signal::ctrl_c() => Ok(()),
     }
+}
+
+/// An engine's HTTP listener on `port` (0: a free one) and, when `beside`, the two ports after
+/// it for its ZMQ sockets, checked free (a free port whose neighbours are taken is skipped).
+async fn bind_engine(
+    port: u16,
+    beside: bool,
+) -> anyhow::Result<(tokio::net::TcpListener, Option<(u16, u16)>)> {
+    if !beside {
+        return Ok((
+            tokio::net::TcpListener::bind(("127.0.0.1", port)).await?,
+            None,
+        ));
+    }
+    for _ in 0..100 {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+        let p = listener.local_addr()?.port();
+        let (Some(events), Some(replay)) = (p.checked_add(1), p.checked_add(2)) else {
+            continue;
+        };
+        let free = |q: u16| std::net::TcpListener::bind(("127.0.0.1", q)).is_ok();
+        if free(events) && free(replay) {
+            return Ok((listener, Some((events, replay))));
+        }
+        if port != 0 {
+            break;
+        }
+    }
+    anyhow::bail!("no free port with two free ports after it for --zmq-beside")
 }
 
 /// The records Dynamo 1.6's file discovery writes for a worker: its `Endpoint` instance record

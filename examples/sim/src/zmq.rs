@@ -47,23 +47,26 @@ pub struct Endpoints {
 }
 
 impl VllmPublisher {
-    /// Bind a PUB and a replay socket on loopback, on free ports. While `drop_next` is above
-    /// zero, messages are buffered for replay but not sent live (a test hook: a gap).
+    /// Bind a PUB and a replay socket on loopback, on `ports` (events, replay) or on free ones.
+    /// While `drop_next` is above zero, messages are buffered for replay but not sent live (a
+    /// test hook: a gap).
     pub fn bind(
         topic: &str,
         encoding: EventEncoding,
         block_size: u32,
         drop_next: Arc<AtomicU64>,
+        ports: Option<(u16, u16)>,
     ) -> anyhow::Result<(Self, Endpoints)> {
+        let (events_port, replay_port) = ports.unwrap_or((0, 0));
         let context = zmq::Context::new();
         let socket = context.socket(zmq::PUB)?;
         socket
-            .bind("tcp://127.0.0.1:0")
+            .bind(&format!("tcp://127.0.0.1:{events_port}"))
             .context("binding the PUB socket")?;
         let events = bound(&socket)?;
         let router = context.socket(zmq::ROUTER)?;
         router
-            .bind("tcp://127.0.0.1:0")
+            .bind(&format!("tcp://127.0.0.1:{replay_port}"))
             .context("binding the replay socket")?;
         let replay = bound(&router)?;
         let buffer = Arc::new(Mutex::new(VecDeque::new()));

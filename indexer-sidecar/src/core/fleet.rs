@@ -80,6 +80,8 @@ pub enum Origin {
     Configured,
     /// `[[dynamo_discovery]]`: an instance behind a Dynamo frontend, hinted by instance id.
     Discovered,
+    /// `[[envoy.members]]`: a host Envoy's cluster listed (EDS), hinted by address.
+    Member,
 }
 
 /// What a Dynamo worker does in the serving pipeline.
@@ -260,6 +262,11 @@ impl Fleet {
         w.component = Some(instance.component.clone());
         w.capacity = instance.capacity;
         id
+    }
+
+    /// Append a host of an Envoy cluster (hinted by address); its new id.
+    pub fn add_member(&mut self, address: &str, model: &str) -> WorkerId {
+        self.push(address, model, None, Origin::Member, Role::Aggregated)
     }
 
     /// How many workers there are (ids are `0..len`).

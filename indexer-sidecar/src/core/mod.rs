@@ -191,6 +191,14 @@ pub enum Input<'a> {
     },
     /// Envoy's view of the `workers` cluster, by `ip:port`.
     EnvoyView(&'a HashMap<String, HostView>),
+    /// The hosts an Envoy cluster of `[[envoy.members]]` lists, serving `model`: those not in
+    /// the fleet join it (those that left are the Envoy view's to retire).
+    Members {
+        /// The entry's model.
+        model: &'a str,
+        /// Every host listed, `ip:port`.
+        hosts: &'a [String],
+    },
     /// One scan of a `[[dynamo_discovery]]` entry: its model, the instances with a record, and
     /// those whose request plane refuses connections.
     Discovery {
@@ -468,6 +476,13 @@ pub enum Happened {
         /// Instances with a record, per role.
         roles: [(Role, usize); 3],
     },
+    /// A host of an Envoy cluster joined the fleet.
+    Joined {
+        /// The new worker.
+        worker: Name,
+        /// The model it serves.
+        model: String,
+    },
     /// Discovery added a worker.
     Added {
         /// The new worker.
@@ -696,6 +711,7 @@ impl Core {
                 self.dynamo_load(metrics, component, &mut out)
             }
             Input::EnvoyView(hosts) => self.envoy_view(hosts, now, &mut out),
+            Input::Members { model, hosts } => self.members(model, hosts, &mut out),
             Input::Discovery {
                 model,
                 instances,
@@ -1039,6 +1055,25 @@ impl Core {
             seen.push((w.id, view.is_some_and(|v| v.healthy), why));
         }
         self.set_usable(&seen, now, out);
+    }
+
+    /// Hosts of an Envoy cluster join the fleet the first time it lists them (an address that
+    /// is already a worker, configured or not, stays what it is).
+    fn members(&mut self, model: &str, hosts: &[String], out: &mut Vec<Happened>) {
+        for host in hosts {
+            if self.fleet.by_address(host).is_some() {
+                continue;
+            }
+            let id = self.fleet.add_member(host, model);
+            out.push(Happened::Joined {
+                worker: self.name(id),
+                model: model.to_owned(),
+            });
+            out.push(Happened::Holds {
+                worker: self.name(id),
+                blocks: 0,
+            });
+        }
     }
 
     /// A discovery scan: new aggregated and prefill instances are added (decode workers are the

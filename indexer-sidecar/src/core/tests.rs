@@ -500,6 +500,84 @@ fn envoy_decides_who_is_usable() {
     ));
 }
 
+/// Hosts of an Envoy members cluster join as workers hinted by address; one EDS removes is
+/// not hinted and, after the grace period, loses its entries; a configured worker stays one.
+#[test]
+fn envoy_members_join_and_leave() {
+    let mut core = vllm_core();
+    let now = Instant::now();
+    let hosts = ["127.0.0.1:9000".to_string(), "127.0.0.1:9100".to_string()];
+    let happened = core.ingest(
+        Input::Members {
+            model: "m",
+            hosts: &hosts,
+        },
+        now,
+    );
+    let joined: Vec<_> = happened
+        .iter()
+        .filter_map(|h| match h {
+            Happened::Joined { worker, .. } => Some(worker.address.to_string()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        joined,
+        vec!["127.0.0.1:9100".to_string()],
+        "the configured one stays"
+    );
+    assert!(core
+        .ingest(
+            Input::Members {
+                model: "m",
+                hosts: &hosts
+            },
+            now
+        )
+        .is_empty());
+    let member = core.fleet().by_address("127.0.0.1:9100").unwrap().id;
+    assert_eq!(
+        core.fleet().get(member).unwrap().origin,
+        fleet::Origin::Member
+    );
+    let batch = store(None, 1, 1);
+    let m = Message::vllm("127.0.0.1:9100", 0, Delivery::LiveHoldingGaps, &batch);
+    core.ingest(Input::Message(m), now);
+    assert_eq!(core.index("m").unwrap().blocks_of(member), 1);
+    let view = |listed: &[String]| -> std::collections::HashMap<String, HostView> {
+        listed
+            .iter()
+            .map(|h| {
+                let v = HostView {
+                    healthy: true,
+                    rq_active: 0.0,
+                };
+                (h.clone(), v)
+            })
+            .collect()
+    };
+    core.ingest(Input::EnvoyView(&view(&hosts)), now);
+    let req = HintRequest {
+        model: "m".into(),
+        hashes: token_prefix_hashes(&(0..16).collect::<Vec<u32>>(), 16, HashSeed::default()),
+        finished: Vec::new(),
+    };
+    match core.hint(&req, now).unwrap().target {
+        Target::Addresses(a) => assert_eq!(&*a[0], "127.0.0.1:9100"),
+        other => panic!("{other:?}"),
+    }
+    // EDS removes it: never hinted again; its entries go after the grace period.
+    core.ingest(Input::EnvoyView(&view(&hosts[..1])), now);
+    match core.hint(&req, now).unwrap().target {
+        Target::Addresses(a) => assert!(a.iter().all(|a| &**a != "127.0.0.1:9100")),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(core.index("m").unwrap().blocks_of(member), 1);
+    let later = now + Duration::from_secs(31);
+    core.ingest(Input::EnvoyView(&view(&hosts[..1])), later);
+    assert_eq!(core.index("m").unwrap().blocks_of(member), 0);
+}
+
 /// A hint names only workers of the request's model, cold prompt or warm.
 #[test]
 fn hints_name_only_workers_of_the_requested_model() {

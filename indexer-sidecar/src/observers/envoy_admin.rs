@@ -4,6 +4,8 @@
 //! must never hint a host Envoy would not use. Nor one Envoy would use but that is down: an
 //! outlier ejection ends on a timer whether the engine is back or not, so a host Envoy
 //! failed is hinted again only once it answers its health check ([`Revivals`], [`answers`]).
+//! With `[[envoy.members]]`, the hosts of those clusters are the fleet
+//! ([`crate::observers::membership`]).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -13,6 +15,7 @@ use serde_json::Value;
 
 use crate::config::EnvoyConfig;
 use crate::core::{HostView, Input};
+use crate::observers::membership::Members;
 use crate::sidecar::Sidecar;
 
 /// Hosts of `cluster` by `ip:port`, from the admin endpoint's JSON.
@@ -113,7 +116,34 @@ pub async fn answers(http: &reqwest::Client, host: &str, timeout: Duration) -> b
     matches!(response, Ok(r) if !r.status().is_server_error())
 }
 
-/// Poll Envoy's admin endpoint forever and feed the result to the state.
+/// What one poll of Envoy's admin endpoint shows.
+#[derive(Debug)]
+pub struct View {
+    /// The hosts the sidecar may hint: those of `[envoy] cluster` and of every
+    /// `[[envoy.members]]` cluster, by `ip:port`.
+    pub hosts: HashMap<String, HostView>,
+    /// Per `[[envoy.members]]` entry, every host its cluster lists, healthy or not (sorted).
+    pub members: Vec<Vec<String>>,
+}
+
+/// The view of `doc`; `None` when the `[envoy]` cluster is not in it (a members cluster not
+/// there yet lists no host).
+pub fn view(doc: &Value, config: &EnvoyConfig) -> Option<View> {
+    let mut hosts = parse_clusters(doc, &config.cluster)?;
+    let mut members = Vec::new();
+    for m in &config.members {
+        let cluster = config.members_cluster(m);
+        let listed = parse_clusters(doc, cluster).unwrap_or_default();
+        let mut names: Vec<String> = listed.keys().cloned().collect();
+        names.sort();
+        members.push(names);
+        hosts.extend(listed);
+    }
+    Some(View { hosts, members })
+}
+
+/// Poll Envoy's admin endpoint forever and feed the result to the state; with
+/// `[[envoy.members]]`, follow the members' hosts (workers and their KV-event subscribers).
 pub async fn run(config: EnvoyConfig, state: Arc<Sidecar>) {
     let every = Duration::from_millis(config.poll_interval_ms.max(10));
     let Ok(http) = reqwest::Client::builder()
@@ -130,6 +160,7 @@ pub async fn run(config: EnvoyConfig, state: Arc<Sidecar>) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut warned = false;
     let mut revivals = Revivals::default();
+    let mut subscribers = Members::default();
     let probe_timeout = Duration::from_millis(250);
     loop {
         tick.tick().await;
@@ -141,12 +172,18 @@ pub async fn run(config: EnvoyConfig, state: Arc<Sidecar>) {
                 .json::<Value>()
                 .await
         };
-        let hosts = doc
-            .await
-            .ok()
-            .and_then(|d| parse_clusters(&d, &config.cluster));
-        match hosts {
-            Some(mut hosts) => {
+        let seen = doc.await.ok().and_then(|d| view(&d, &config));
+        match seen {
+            Some(View { mut hosts, members }) => {
+                for (entry, (m, listed)) in config.members.iter().zip(&members).enumerate() {
+                    let joining = Input::Members {
+                        model: &m.model,
+                        hosts: listed,
+                    };
+                    // Workers join before their subscribers start: their first events are known.
+                    state.ingest(None, joining, std::time::Instant::now());
+                    subscribers.sync(entry, m, listed, &state);
+                }
                 let probe = revivals.to_probe(&hosts);
                 let results: Vec<(String, bool)> =
                     futures::future::join_all(probe.into_iter().map(|host| {
@@ -209,6 +246,36 @@ mod tests {
         assert_eq!(hosts.len(), 3);
         assert!(parse_clusters(&doc, "missing").is_none());
         assert!(parse_clusters(&serde_json::json!({}), "workers").is_none());
+    }
+
+    #[test]
+    fn members_clusters_add_their_hosts_to_the_view() {
+        let host = |port: u64, healthy: &str| {
+            serde_json::json!({"address": {"socket_address": {"address": "10.0.0.1", "port_value": port}},
+                "health_status": {"eds_health_status": healthy}})
+        };
+        let doc = serde_json::json!({"cluster_statuses": [
+            {"name": "workers", "host_statuses": [host(8000, "HEALTHY")]},
+            {"name": "llama", "host_statuses": [host(8002, "HEALTHY"), host(8001, "UNHEALTHY")]}
+        ]});
+        let config: EnvoyConfig = toml::from_str(
+            "admin_url = \"http://x\"\n[[members]]\ncluster = \"llama\"\nmodel = \"m\"\nevents = \"tcp://{host}:5557\"\n[[members]]\ncluster = \"absent\"\nmodel = \"n\"\nevents = \"tcp://{host}:5557\"\n",
+        )
+        .unwrap();
+        let seen = view(&doc, &config).unwrap();
+        assert_eq!(seen.hosts.len(), 3);
+        assert!(!seen.hosts["10.0.0.1:8001"].healthy);
+        assert_eq!(
+            seen.members,
+            vec![
+                vec!["10.0.0.1:8001".to_string(), "10.0.0.1:8002".to_string()],
+                vec![]
+            ],
+            "every host listed is a member, healthy or not; a cluster not there yet lists none"
+        );
+        let no_workers =
+            serde_json::json!({"cluster_statuses": [{"name": "llama", "host_statuses": []}]});
+        assert!(view(&no_workers, &config).is_none());
     }
 
     #[test]

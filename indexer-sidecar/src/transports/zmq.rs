@@ -22,6 +22,7 @@
 //! endpoint runs on its own thread.
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -75,9 +76,9 @@ fn frames(mut parts: Vec<Vec<u8>>) -> Option<Frames> {
     ))
 }
 
-/// Subscribe to one publisher and apply its events until the process ends. Blocks: run it on
-/// a thread of its own.
-pub fn run(config: ZmqConfig, state: Arc<Sidecar>) {
+/// Subscribe to one publisher and apply its events until `stop` is set (within a second; a
+/// configured `[[zmq]]` entry: never). Blocks: run it on a thread of its own.
+pub fn run(config: ZmqConfig, state: Arc<Sidecar>, stop: &AtomicBool) {
     let source = state
         .plane()
         .register("zmq", &config.endpoint, vec![config.topic.clone()]);
@@ -90,9 +91,10 @@ pub fn run(config: ZmqConfig, state: Arc<Sidecar>) {
         handshaken: false,
         warm_start_waits: false,
         groups: GroupFilter::default(),
+        stop,
     };
     let mut delay = RETRY_DELAY;
-    loop {
+    while !subscriber.stopped() {
         let started = Instant::now();
         if let Err(e) = subscriber.session() {
             let error = format!("{e:#}; starting over in {delay:?}");
@@ -102,9 +104,14 @@ pub fn run(config: ZmqConfig, state: Arc<Sidecar>) {
         if started.elapsed() > RETRY_DELAY_MAX {
             delay = RETRY_DELAY;
         }
-        std::thread::sleep(delay);
+        let until = Instant::now() + delay;
+        while !subscriber.stopped() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(100).min(delay));
+        }
         delay = (delay * 2).min(RETRY_DELAY_MAX);
     }
+    tracing::info!(endpoint = %config.endpoint, worker = ?config.worker, "KV-event subscriber closed");
+    state.plane().retire(source);
 }
 
 struct Subscriber<'a> {
@@ -123,10 +130,16 @@ struct Subscriber<'a> {
     warm_start_waits: bool,
     /// A hybrid model's cache groups: only its prefix-cache groups' events are indexed.
     groups: GroupFilter,
+    /// Set when the subscriber is to close (its host left Envoy's cluster).
+    stop: &'a AtomicBool,
 }
 
 impl Subscriber<'_> {
-    /// One SUB socket for as long as it works.
+    fn stopped(&self) -> bool {
+        self.stop.load(Ordering::Relaxed)
+    }
+
+    /// One SUB socket for as long as it works, or until the subscriber is stopped.
     fn session(&mut self) -> anyhow::Result<()> {
         let config = self.config;
         let socket = self.context.socket(zmq::SUB)?;
@@ -167,7 +180,7 @@ impl Subscriber<'_> {
             .with_context(|| format!("subscribing to {:?}", config.topic))?;
         tracing::info!(endpoint = %config.endpoint, topic = %config.topic, "subscribed to vLLM KV events");
         self.state.plane().subscribed(self.source);
-        loop {
+        while !self.stopped() {
             let mut items = [
                 socket.as_poll_item(zmq::POLLIN),
                 monitor.as_poll_item(zmq::POLLIN),
@@ -189,6 +202,7 @@ impl Subscriber<'_> {
                 self.warm_start();
             }
         }
+        Ok(())
     }
 
     /// Whether the configured worker is in the fleet (a discovered one may not be yet).
