@@ -122,11 +122,12 @@ bench-replicas-quick: venv build
 bench-vllm: venv venv-vllm build
 	target/release/kvroute-bench vllm --out target/bench/vllm
 
-# kvroute vs Dynamo's own KV router on real Dynamo mocker workers (aggregated, then
-# disaggregated prefill/decode); docs/benchmarks.md, "Against Dynamo's KV router".
+# kvroute vs Dynamo's own KV router on real Dynamo mocker workers (aggregated on Dynamo's
+# defaults: etcd discovery, ZMQ events; then disaggregated prefill/decode, on NATS);
+# docs/benchmarks.md, "Against Dynamo's KV router".
 bench-dynamo: venv venv-dynamo build
 	target/release/kvroute-bench dynamo --out target/bench/dynamo-agg
-	target/release/kvroute-bench dynamo --workers 0 --prefill 3 --decode 1 --out target/bench/dynamo-disagg
+	target/release/kvroute-bench dynamo --nats --workers 0 --prefill 3 --decode 1 --out target/bench/dynamo-disagg
 
 bench-datapath: venv build
 	target/release/kvroute-bench datapath

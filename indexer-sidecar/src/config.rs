@@ -271,16 +271,21 @@ impl ReplicasConfig {
     }
 }
 
-/// Dynamo workers behind a Dynamo frontend, found in Dynamo's file discovery directory. They are
-/// hinted by instance id: the filter sends `x-worker-instance-id` (aggregated workers) or
+/// Dynamo workers behind a Dynamo frontend, found in Dynamo's discovery records: its file store
+/// (`dir`) or etcd (`etcd`, Dynamo's default backend). They are hinted by instance id: the filter sends `x-worker-instance-id` (aggregated workers) or
 /// `x-prefill-instance-id` (prefill workers of a disaggregated fleet) and the frontend serves
 /// the request there (see docs/operations.md, "Dynamo fleets: pin mode").
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DiscoveryConfig {
-    /// The discovery root (the directory holding `v1/instances/…`; relative paths are relative
-    /// to the config file).
-    pub dir: PathBuf,
+    /// The file store's root (the workers' `DYN_FILE_KV`, holding `v1/instances/…`; relative
+    /// paths are relative to the config file). Either this or `etcd`.
+    #[serde(default)]
+    pub dir: Option<PathBuf>,
+    /// etcd's client URLs (the workers' `ETCD_ENDPOINTS`, e.g. `["http://etcd:2379"]`), tried
+    /// in order. Either this or `dir`.
+    #[serde(default)]
+    pub etcd: Vec<String>,
     /// The model the instances serve.
     pub model: String,
     /// Dynamo namespace.
@@ -310,7 +315,16 @@ impl DiscoveryConfig {
     /// `model`'s instances under discovery root `dir`, every other field at its default.
     pub fn new(dir: impl Into<PathBuf>, model: &str) -> Self {
         DiscoveryConfig {
-            dir: dir.into(),
+            dir: Some(dir.into()),
+            ..Self::etcd(Vec::new(), model)
+        }
+    }
+
+    /// `model`'s instances in the etcd at `endpoints`, every other field at its default.
+    pub fn etcd(endpoints: Vec<String>, model: &str) -> Self {
+        DiscoveryConfig {
+            dir: None,
+            etcd: endpoints,
             model: model.to_owned(),
             namespace: default_dynamo_namespace(),
             component: None,
@@ -318,6 +332,14 @@ impl DiscoveryConfig {
             poll_interval_ms: default_discovery_poll_ms(),
             probe_interval_ms: default_probe_interval_ms(),
             probe_timeout_ms: default_probe_timeout_ms(),
+        }
+    }
+
+    /// Where the records are read, as lines say it.
+    pub fn store(&self) -> String {
+        match &self.dir {
+            Some(dir) => format!("dir {}", dir.display()),
+            None => format!("etcd {}", self.etcd.join(",")),
         }
     }
 }
@@ -732,8 +754,8 @@ impl Config {
             }
         }
         for d in &mut config.dynamo_discovery {
-            if d.dir.is_relative() {
-                d.dir = base.join(&d.dir);
+            if let Some(dir) = d.dir.as_mut().filter(|d| d.is_relative()) {
+                *dir = base.join(&*dir);
             }
         }
         if let Some(nats) = &mut config.nats {
@@ -844,9 +866,17 @@ impl Config {
             if !names.contains(d.model.as_str()) {
                 bail!(
                     "[[dynamo_discovery]] {} serves model {}, which is not configured",
-                    d.dir.display(),
+                    d.store(),
                     d.model
                 );
+            }
+            if d.dir.is_some() != d.etcd.is_empty() {
+                bail!("[[dynamo_discovery]] for model {}: set `dir` (Dynamo's file store) or `etcd` (its client URLs), one of them", d.model);
+            }
+            for url in &d.etcd {
+                if !url.starts_with("http://") && !url.starts_with("https://") {
+                    bail!("[[dynamo_discovery]] etcd endpoint {url:?} is not http:// or https://");
+                }
             }
         }
         if let Some(envoy) = &self.envoy {
@@ -1082,6 +1112,10 @@ dynamo_worker_id = 18446744073709551615
         let discovery = "[[dynamo_discovery]]\ndir = \"d\"\nmodel = \"tiny\"\n";
         let c: Config = toml::from_str(&format!("{EXAMPLE}{zmq}{discovery}")).unwrap();
         c.validate().unwrap();
+        let etcd = "[[dynamo_discovery]]\netcd = [\"http://etcd:2379\"]\nmodel = \"tiny\"\n";
+        let c: Config = toml::from_str(&format!("{EXAMPLE}{etcd}")).unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.dynamo_discovery[0].store(), "etcd http://etcd:2379");
     }
 
     #[test]
@@ -1103,6 +1137,26 @@ dynamo_worker_id = 18446744073709551615
             (
                 EXAMPLE.replace("[nats]", "[nats]\nurll = 1"),
                 "unknown field",
+            ),
+            (
+                format!("{EXAMPLE}[[dynamo_discovery]]\nmodel = \"tiny\"\n"),
+                "one of them",
+            ),
+            (
+                format!("{EXAMPLE}[[dynamo_discovery]]\nmodel = \"tiny\"\ndir = \"d\"\netcd = [\"http://e:2379\"]\n"),
+                "one of them",
+            ),
+            (
+                format!("{EXAMPLE}[[dynamo_discovery]]\nmodel = \"tiny\"\netcd = [\"e:2379\"]\n"),
+                "not http://",
+            ),
+            (
+                format!("{EXAMPLE}[envoy]\nadmin_url = \"http://a\"\n[[envoy.members]]\nmodel = \"tiny\"\nevents = \"tcp://10.0.0.1:5557\"\n"),
+                "names no host",
+            ),
+            (
+                format!("{EXAMPLE}[envoy]\nadmin_url = \"http://a\"\n[[envoy.members]]\nmodel = \"other\"\nevents = \"tcp://{{host}}:5557\"\n"),
+                "not configured",
             ),
         ] {
             let err = toml::from_str::<Config>(&bad)

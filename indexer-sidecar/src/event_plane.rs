@@ -10,6 +10,10 @@
 //!   `[[zmq]]` entry;
 //! - `no_instances`: a `[[dynamo_discovery]]` entry finds no instance to pin requests to while
 //!   hint requests arrive: every request is left to the frontend's own routing;
+//! - `no_publishers`: it finds instances but no KV-event publisher this sidecar reads (none
+//!   registered: their engines publish no KV events; or only on NATS without a `[nats]`);
+//! - `discovery_unreachable`: its store (etcd, the file store) cannot be read: instances keep
+//!   their last state, new ones are not found;
 //! - `worker_quiet`: a worker that did publish was hinted `min_hints` times since its last event,
 //!   `silence_s` ago, while other workers kept publishing: its event stream stopped.
 //!
@@ -129,14 +133,20 @@ const MAX_EVENT_SUBJECTS: usize = 256;
 /// What one `[[dynamo_discovery]]` entry found, for `/debug/sources` and `no_instances`.
 #[derive(Debug, Clone, Serialize)]
 pub struct DiscoveryStatus {
-    /// The discovery root.
-    pub dir: String,
+    /// Where its records are read (`dir …`, `etcd …`).
+    pub store: String,
     /// The model.
     pub model: String,
     /// Instances requests can be pinned to (`None`: not scanned yet).
     pub hintable: Option<usize>,
     /// What the last scan found.
     pub summary: String,
+    /// `kv-events` publishers the last scan found: (on ZMQ, on NATS).
+    pub kv_publishers: (usize, usize),
+    /// Why the store cannot be read, while it cannot.
+    pub unreachable: Option<String>,
+    #[serde(skip)]
+    failing_since: Option<Instant>,
 }
 
 /// An alarm that is on, and what its log line says.
@@ -363,19 +373,39 @@ impl EventPlane {
     /// Register a `[[dynamo_discovery]]` entry; the returned index names it in later calls.
     pub fn register_discovery(&mut self, config: &crate::config::DiscoveryConfig) -> usize {
         self.discovery.push(DiscoveryStatus {
-            dir: config.dir.display().to_string(),
+            store: config.store(),
             model: config.model.clone(),
             hintable: None,
             summary: "not scanned yet".into(),
+            kv_publishers: (0, 0),
+            unreachable: None,
+            failing_since: None,
         });
         self.discovery.len() - 1
     }
 
     /// What a scan of discovery entry `entry` found.
-    pub fn discovered(&mut self, entry: usize, hintable: usize, summary: String) {
+    pub fn discovered(
+        &mut self,
+        entry: usize,
+        hintable: usize,
+        summary: String,
+        kv_publishers: (usize, usize),
+    ) {
         if let Some(d) = self.discovery.get_mut(entry) {
             d.hintable = Some(hintable);
             d.summary = summary;
+            d.kv_publishers = kv_publishers;
+            d.unreachable = None;
+            d.failing_since = None;
+        }
+    }
+
+    /// Discovery entry `entry` could not read its store at `now` (`error` says why).
+    pub fn discovery_failed(&mut self, entry: usize, error: String, now: Instant) {
+        if let Some(d) = self.discovery.get_mut(entry) {
+            d.unreachable = Some(error);
+            d.failing_since.get_or_insert(now);
         }
     }
 
@@ -506,12 +536,44 @@ impl EventPlane {
         let requests_recently = activity.last_request.is_some_and(|t| {
             now.saturating_duration_since(t) < silence.max(Duration::from_secs(10))
         });
+        let reads_nats = self.sources.iter().any(|s| s.kind == "nats");
         for d in &self.discovery {
+            if let (Some(since), Some(error)) = (d.failing_since, &d.unreachable) {
+                out.push(Alarm {
+                    name: "discovery_unreachable",
+                    subject: d.model.clone(),
+                    message: format!(
+                        "cannot read Dynamo's discovery records for model {} from {} for {:.0} s ({error}): pinned instances keep their last state (a dead one is still caught by its probe), new ones are not found. Check the store is reachable from the sidecar: etcd's client URL (the workers' ETCD_ENDPOINTS), or the file store's volume (DYN_FILE_KV).",
+                        d.model,
+                        d.store,
+                        now.saturating_duration_since(since).as_secs_f64(),
+                    ),
+                });
+                continue;
+            }
             if d.hintable == Some(0) && requests_recently {
                 out.push(Alarm {
                     name: "no_instances",
                     subject: d.model.clone(),
                     message: d.summary.clone(),
+                });
+            }
+            let (zmq, nats) = d.kv_publishers;
+            let unread = zmq == 0 && (nats == 0 || !reads_nats);
+            if d.hintable.is_some_and(|n| n > 0) && unread && requests_recently {
+                let why = match nats {
+                    0 => "no worker registers a `kv-events` publisher: their engines publish no KV events (a worker started without them, or an engine without prefix caching), so the index stays empty and routing is load-only. Check the workers' KV-event settings".to_owned(),
+                    n => format!("{n} workers publish their KV events on NATS (--event-plane nats) and this sidecar has no [nats] section: add one with the workers' NATS_SERVER"),
+                };
+                out.push(Alarm {
+                    name: "no_publishers",
+                    subject: d.model.clone(),
+                    message: format!(
+                        "Dynamo discovery for model {} ({}) finds {} instances to pin to but no KV-event publisher this sidecar reads: {why}.",
+                        d.model,
+                        d.store,
+                        d.hintable.unwrap_or(0),
+                    ),
                 });
             }
         }
@@ -741,7 +803,7 @@ mod tests {
         let mut plane = EventPlane::new(now);
         let config = crate::config::DiscoveryConfig::new("/d", "m");
         let entry = plane.register_discovery(&config);
-        plane.discovered(entry, 0, "found nothing under /d".into());
+        plane.discovered(entry, 0, "found nothing under /d".into(), (0, 0));
         let on = |plane: &EventPlane, activity: &Activity| {
             plane
                 .alarms(&AlarmConfig::default(), activity, now)
@@ -761,7 +823,55 @@ mod tests {
         assert_eq!(alarms.len(), 1);
         assert_eq!(alarms[0].subject, "m");
         assert_eq!(alarms[0].message, "found nothing under /d");
-        plane.discovered(entry, 2, "two".into());
+        plane.discovered(entry, 2, "two".into(), (2, 0));
         assert!(on(&plane, &requested).is_empty());
+    }
+
+    /// Instances but no publisher this sidecar reads, and a store that cannot be read: each
+    /// its own alarm, with the advice that fits first.
+    #[test]
+    fn discovery_plumbing_alarms_say_which_plumbing() {
+        let now = Instant::now();
+        let mut plane = EventPlane::new(now);
+        let config = crate::config::DiscoveryConfig::etcd(vec!["http://etcd:2379".into()], "m");
+        let entry = plane.register_discovery(&config);
+        let requested = Activity {
+            last_request: Some(now),
+            ..Activity::default()
+        };
+        let on = |plane: &EventPlane| {
+            plane
+                .alarms(&AlarmConfig::default(), &requested, now)
+                .into_iter()
+                .filter(|a| a.name != "no_events")
+                .map(|a| (a.name, a.message))
+                .collect::<Vec<_>>()
+        };
+        plane.discovered(entry, 2, "two".into(), (0, 0));
+        let alarms = on(&plane);
+        assert_eq!(alarms.len(), 1, "{alarms:?}");
+        assert_eq!(alarms[0].0, "no_publishers");
+        assert!(alarms[0].1.contains("publish no KV events"), "{alarms:?}");
+        plane.discovered(entry, 2, "two".into(), (0, 2));
+        let alarms = on(&plane);
+        assert!(alarms[0].1.contains("no [nats] section"), "{alarms:?}");
+        plane.register("nats", "nats://x", vec![]);
+        assert!(on(&plane).is_empty(), "NATS is read");
+        plane.discovery_failed(
+            entry,
+            "connection refused".into(),
+            now - Duration::from_secs(7),
+        );
+        let alarms = on(&plane);
+        assert_eq!(alarms.len(), 1, "{alarms:?}");
+        assert_eq!(alarms[0].0, "discovery_unreachable");
+        assert!(
+            alarms[0]
+                .1
+                .contains("etcd http://etcd:2379 for 7 s (connection refused)"),
+            "{alarms:?}"
+        );
+        plane.discovered(entry, 2, "two".into(), (2, 0));
+        assert!(on(&plane).is_empty(), "read again");
     }
 }

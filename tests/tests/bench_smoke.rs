@@ -213,8 +213,13 @@ async fn datapath_benchmark_smoke() {
 async fn dynamo_benchmark_smoke() {
     use kvroute_harness::bench_dynamo::{self, DynamoBench};
     let out = paths::run_dir("bench-dynamo-smoke").unwrap();
+    // As `make bench-dynamo` runs it: on Dynamo's defaults (etcd discovery, ZMQ events).
     let bench = DynamoBench {
-        fleet: kvroute_harness::DynamoOptions::default(),
+        fleet: kvroute_harness::DynamoOptions {
+            event_plane: None,
+            etcd: true,
+            ..Default::default()
+        },
         conversations: 2,
         concurrency: 2,
         sidecar_toml: String::new(),

@@ -2,7 +2,8 @@
 //! and a `kv` frontend started without `--event-plane` and without `DYN_EVENT_PLANE` (ZMQ since
 //! Dynamo 1.4), kvroute in pin mode with nothing but `[[dynamo_discovery]]`. The sidecar finds
 //! each worker's `kv-events` and `kv_metrics` publishers in the discovery records and follows
-//! them as they come and go (issue 31, item 1).
+//! them as they come and go (issue 31, item 1); the records are in Dynamo's file store or, as
+//! Dynamo defaults to, in etcd (a real etcd 3.5; item 2).
 
 mod common;
 
@@ -10,27 +11,28 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kvroute_harness::client::Outcome;
+use kvroute_harness::dynamo::Discovery;
 use kvroute_harness::process::{free_port, wait_for, Process};
 use kvroute_harness::{DynamoOptions, Mode, Stack, StackOptions};
 use serde_json::Value;
 
-/// Every record under `discovery/v1/<bucket>` (Dynamo's file backend: one JSON file per key);
-/// a record being rewritten is skipped.
-fn records(discovery: &std::path::Path, bucket: &str) -> Vec<Value> {
-    let Ok(entries) = std::fs::read_dir(discovery.join("v1").join(bucket)) else {
-        return Vec::new();
+/// The instance and event-channel records in the fleet's discovery store (files or etcd), as
+/// JSON; a record being rewritten is skipped.
+async fn records(discovery: &Discovery) -> (Vec<Value>, Vec<Value>) {
+    let records = discovery.records().await.unwrap_or_default();
+    let json = |all: &[Vec<u8>]| -> Vec<Value> {
+        all.iter()
+            .filter_map(|b| serde_json::from_slice(b).ok())
+            .collect()
     };
-    entries
-        .flatten()
-        .filter_map(|e| serde_json::from_slice(&std::fs::read(e.path()).ok()?).ok())
-        .collect()
+    (json(&records.instances), json(&records.channels))
 }
 
 /// The `kv-events` channels registered on ZMQ: (publisher id, the worker whose
 /// `worker_kv_query_source_<publisher hex>` record names it).
-fn zmq_kv_channels(discovery: &std::path::Path) -> Vec<(u64, Option<u64>)> {
-    let instances = records(discovery, "instances");
-    records(discovery, "event_channels")
+async fn zmq_kv_channels(discovery: &Discovery) -> Vec<(u64, Option<u64>)> {
+    let (instances, channels) = records(discovery).await;
+    channels
         .iter()
         .filter(|c| c["topic"] == "kv-events" && c["transport"]["kind"] == "Zmq")
         .filter_map(|c| c["instance_id"].as_u64())
@@ -46,8 +48,10 @@ fn zmq_kv_channels(discovery: &std::path::Path) -> Vec<(u64, Option<u64>)> {
 }
 
 /// The instance id of the `generate` endpoint whose request plane is `address`.
-fn instance_at(discovery: &std::path::Path, address: &str) -> Option<u64> {
-    records(discovery, "instances")
+async fn instance_at(discovery: &Discovery, address: &str) -> Option<u64> {
+    records(discovery)
+        .await
+        .0
         .iter()
         .filter(|r| r["endpoint"] == "generate")
         .find(|r| {
@@ -58,18 +62,38 @@ fn instance_at(discovery: &std::path::Path, address: &str) -> Option<u64> {
         .and_then(|r| r["instance_id"].as_u64())
 }
 
-/// The options of a default-plane fleet: two aggregated mockers, a `kv` frontend.
-fn default_plane() -> DynamoOptions {
+/// The options of a default-plane fleet: two aggregated mockers, a `kv` frontend; discovery in
+/// etcd (Dynamo's default too) or its file store.
+fn default_plane(etcd: bool) -> DynamoOptions {
     DynamoOptions {
         event_plane: None,
+        etcd,
         ..DynamoOptions::default()
     }
 }
 
-fn stack_options(name: &str) -> StackOptions {
+fn stack_options(name: &str, etcd: bool) -> StackOptions {
     let mut opts = StackOptions::new(name, Mode::Kvroute);
-    opts.dynamo = Some(default_plane());
+    opts.dynamo = Some(default_plane(etcd));
+    // Alarms checked every second.
+    opts.sidecar_toml = "[alarms]\nsilence_s = 3\n".into();
     opts
+}
+
+/// Wait until `kvroute_alarm{alarm="<name>",subject="tiny-llama"}` reads `on`.
+async fn wait_alarm(stack: &Stack, name: &str, on: f64) {
+    let series = format!("kvroute_alarm{{alarm=\"{name}\",subject=\"tiny-llama\"}}");
+    let series = &series;
+    wait_for(
+        &format!("alarm {name} = {on}"),
+        Duration::from_secs(20),
+        || async move {
+            let value = sidecar_metric(stack, series).await.unwrap_or(0.0);
+            (value == on).then_some(())
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}: {}", stack.log_tail("sidecar")));
 }
 
 /// Pin one chat on instance `id` straight at the frontend, then wait until the sidecar indexed
@@ -119,14 +143,24 @@ async fn zmq_source(stack: &Stack) -> Value {
 }
 
 /// Every worker's blocks get indexed from the default plane, and hints pin repeated prompts to
-/// the worker that holds them; nothing fails.
+/// the worker that holds them; nothing fails. Discovery in the file store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_default_zmq_plane_indexes_every_worker_and_pins() {
-    let stack = &Stack::start(stack_options("dynamo-zmq-plane"))
+    indexes_every_worker_and_pins("dynamo-zmq-plane", false).await;
+}
+
+/// The same with Dynamo's defaults throughout: discovery in etcd, events on ZMQ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamo_defaults_etcd_and_zmq_index_every_worker_and_pin() {
+    indexes_every_worker_and_pins("dynamo-etcd", true).await;
+}
+
+async fn indexes_every_worker_and_pins(name: &str, etcd: bool) {
+    let stack = &Stack::start(stack_options(name, etcd))
         .await
         .expect("stack starts");
     // The workers' records list their publishers on ZMQ, none on NATS.
-    let kv = zmq_kv_channels(&stack.dir.join("discovery"));
+    let kv = zmq_kv_channels(&stack.discovery).await;
     assert_eq!(kv.len(), stack.engines.len(), "{kv:?}");
     for e in &stack.engines {
         assert!(
@@ -189,6 +223,34 @@ async fn the_default_zmq_plane_indexes_every_worker_and_pins() {
         !metrics.contains("kvroute_lost_messages_total{source=\"dynamo_zmq\""),
         "nothing lost on loopback: {metrics}"
     );
+    if !etcd {
+        return;
+    }
+    // etcd stops answering (briefly: the workers' leases live 10 s): a named alarm, and
+    // routing goes on from the last records.
+    stack.signal("etcd", "STOP").unwrap();
+    wait_alarm(stack, "discovery_unreachable", 1.0).await;
+    let system = text(5000, 200);
+    let o = via_envoy(stack, &dynamo_chat(&system, &text(5090, 10))).await;
+    stack.signal("etcd", "CONT").unwrap();
+    assert!(o.ok(), "{o:?}");
+    assert_eq!(
+        o.dynamo_workers.map(|w| w.0),
+        Some(stack.engines[0].dynamo_worker_id),
+        "still pinned while etcd is away"
+    );
+    wait_alarm(stack, "discovery_unreachable", 0.0).await;
+    let log = std::fs::read_to_string(stack.dir.join("sidecar.log")).unwrap();
+    let (outage, _) = log
+        .split_once("reading Dynamo discovery records again")
+        .expect("the recovery is said");
+    assert_eq!(
+        outage
+            .matches("cannot read Dynamo's discovery records; instances keep")
+            .count(),
+        1,
+        "the outage is said once"
+    );
 }
 
 /// A mocker killed mid-run: its publisher's connection closes, the sidecar drops its entries at
@@ -196,7 +258,7 @@ async fn the_default_zmq_plane_indexes_every_worker_and_pins() {
 /// from the next scan. The client's requests keep succeeding throughout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_mocker_is_followed_through_its_new_publisher() {
-    let mut stack = Stack::start(stack_options("dynamo-zmq-restart"))
+    let mut stack = Stack::start(stack_options("dynamo-zmq-restart", true))
         .await
         .expect("stack starts");
     let victim = 1;
@@ -251,26 +313,26 @@ async fn a_restarted_mocker_is_followed_through_its_new_publisher() {
 
     // Started again: a new process, a new instance id, a new publisher.
     let port = free_port().unwrap();
-    let discovery_dir = stack.dir.join("discovery");
     let cmd = kvroute_harness::dynamo::worker_command(
-        &default_plane(),
+        &default_plane(true),
         "agg",
         port,
         None,
         &stack.nats_url,
-        &discovery_dir,
+        &stack.discovery,
     )
     .unwrap();
     let _restarted = Process::spawn("dynamo-worker-restarted", cmd, &stack.dir).unwrap();
     let address = format!("127.0.0.1:{port}");
-    let (dir_ref, address_ref) = (&discovery_dir, &address);
+    let (discovery_ref, address_ref) = (&stack.discovery, &address);
     let new_id = wait_for(
         "the restarted worker's discovery record",
         Duration::from_secs(120),
         || async move {
-            let id = instance_at(dir_ref, address_ref)?;
+            let id = instance_at(discovery_ref, address_ref).await?;
             // Its kv-events publisher is registered too.
-            zmq_kv_channels(dir_ref)
+            zmq_kv_channels(discovery_ref)
+                .await
                 .iter()
                 .any(|(_, w)| *w == Some(id))
                 .then_some(id)

@@ -1,9 +1,9 @@
 //! A real NVIDIA Dynamo 1.6.1 fleet on loopback: mocker workers (Dynamo's own engine simulator,
-//! publishing real KV events on NATS, or on Dynamo's default ZMQ event plane, and real
-//! file-discovery records) behind a real Dynamo
-//! frontend, from the project's `.venv-dynamo` (`make venv-dynamo`).
+//! publishing real KV events on NATS, or on Dynamo's default ZMQ event plane, and real discovery
+//! records in Dynamo's file store or in a real etcd) behind a real Dynamo frontend, from the
+//! project's `.venv-dynamo` (`make venv-dynamo`).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
@@ -39,6 +39,44 @@ pub struct DynamoOptions {
     /// default here, for the tests that read NATS), or `None`: Dynamo's own default, ZMQ, whose
     /// publishers kvroute finds in the discovery records.
     pub event_plane: Option<String>,
+    /// Discovery in etcd (Dynamo's default backend; a real etcd 3.5 is started for the fleet)
+    /// instead of the file store.
+    pub etcd: bool,
+}
+
+/// Where a fleet's discovery records live.
+#[derive(Debug, Clone)]
+pub enum Discovery {
+    /// Dynamo's file store under this root (`DYN_FILE_KV`).
+    File(PathBuf),
+    /// etcd at this client URL (`ETCD_ENDPOINTS`).
+    Etcd(String),
+}
+
+impl Discovery {
+    /// The sidecar's `[[dynamo_discovery]]` entry for `model` here, every other field at its
+    /// default.
+    pub fn config(&self, model: &str) -> kvroute_sidecar::config::DiscoveryConfig {
+        use kvroute_sidecar::config::DiscoveryConfig;
+        match self {
+            Discovery::File(dir) => DiscoveryConfig::new(dir.clone(), model),
+            Discovery::Etcd(url) => DiscoveryConfig::etcd(vec![url.clone()], model),
+        }
+    }
+
+    /// The line of that entry that says where (`dir = …` or `etcd = […]`).
+    pub fn toml(&self) -> String {
+        match self {
+            Discovery::File(dir) => format!("dir = \"{}\"", dir.display()),
+            Discovery::Etcd(url) => format!("etcd = [\"{url}\"]"),
+        }
+    }
+
+    /// Every record now, as the sidecar reads them.
+    pub async fn records(&self) -> Result<discovery::Records> {
+        let http = reqwest::Client::new();
+        discovery::Store::of(&self.config(MODEL)).read(&http).await
+    }
 }
 
 impl Default for DynamoOptions {
@@ -53,6 +91,7 @@ impl Default for DynamoOptions {
             router_mode: "kv".into(),
             zmq_events: false,
             event_plane: Some("nats".into()),
+            etcd: false,
         }
     }
 }
@@ -66,18 +105,28 @@ pub struct DynamoFleet {
     pub engines: Vec<EngineInfo>,
     /// The decode workers' instance ids.
     pub decode_ids: Vec<u64>,
+    /// Where its discovery records live.
+    pub discovery: Discovery,
 }
 
-/// The environment every Dynamo process gets: the stack's NATS, file discovery under `dir`,
-/// the event plane `opts` asks for (none: Dynamo's default), every listener on loopback.
-fn dynamo_env(cmd: &mut Command, opts: &DynamoOptions, nats_url: &str, discovery: &Path) {
+/// The environment every Dynamo process gets: the stack's NATS, its discovery, the event plane
+/// `opts` asks for (none: Dynamo's default), every listener on loopback.
+fn dynamo_env(cmd: &mut Command, opts: &DynamoOptions, nats_url: &str, discovery: &Discovery) {
     match &opts.event_plane {
         Some(plane) => cmd.env("DYN_EVENT_PLANE", plane),
         None => cmd.env_remove("DYN_EVENT_PLANE"),
     };
+    match discovery {
+        Discovery::File(dir) => cmd
+            .env("DYN_DISCOVERY_BACKEND", "file")
+            .env("DYN_FILE_KV", dir)
+            .env_remove("ETCD_ENDPOINTS"),
+        Discovery::Etcd(url) => cmd
+            .env("DYN_DISCOVERY_BACKEND", "etcd")
+            .env("ETCD_ENDPOINTS", url)
+            .env_remove("DYN_FILE_KV"),
+    };
     cmd.env("NATS_SERVER", nats_url)
-        .env("DYN_DISCOVERY_BACKEND", "file")
-        .env("DYN_FILE_KV", discovery)
         .env("DYN_REQUEST_PLANE", "tcp")
         .env("DYN_TCP_RPC_HOST", "127.0.0.1")
         .env("DYN_TCP_RESPONSE_STREAM_HOST", "127.0.0.1")
@@ -95,13 +144,18 @@ pub fn worker_command(
     port: u16,
     zmq: Option<(u16, u16)>,
     nats_url: &str,
-    discovery: &Path,
+    discovery: &Discovery,
 ) -> Result<Command> {
     let mut cmd = Command::new(paths::dynamo_python()?);
     cmd.args(["-m", "dynamo.mocker", "--model-path"])
         .arg(paths::model_dir())
         .args(["--model-name", MODEL])
-        .args(["--discovery-backend", "file", "--request-plane", "tcp"])
+        .args([
+            "--discovery-backend",
+            backend(discovery),
+            "--request-plane",
+            "tcp",
+        ])
         .args(event_plane_args(opts))
         .args(["--block-size", &opts.block_size.to_string()])
         .args([
@@ -117,6 +171,39 @@ pub fn worker_command(
     dynamo_env(&mut cmd, opts, nats_url, discovery);
     cmd.env("DYN_TCP_RPC_PORT", port.to_string());
     Ok(cmd)
+}
+
+fn backend(discovery: &Discovery) -> &'static str {
+    match discovery {
+        Discovery::File(_) => "file",
+        Discovery::Etcd(_) => "etcd",
+    }
+}
+
+/// A real etcd 3.5 on loopback for a fleet's discovery (data in `dir/etcd`); its client URL.
+pub async fn start_etcd(dir: &Path, processes: &mut Vec<Process>) -> Result<String> {
+    let (client, peer) = (free_port()?, free_port()?);
+    let client_url = format!("http://127.0.0.1:{client}");
+    let peer_url = format!("http://127.0.0.1:{peer}");
+    let mut cmd = Command::new(paths::venv_tool("etcd")?);
+    cmd.args(["--name", "kvroute", "--data-dir"])
+        .arg(dir.join("etcd"))
+        .args(["--listen-client-urls", &client_url])
+        .args(["--advertise-client-urls", &client_url])
+        .args(["--listen-peer-urls", &peer_url])
+        .args(["--initial-advertise-peer-urls", &peer_url])
+        .args(["--initial-cluster", &format!("kvroute={peer_url}")])
+        .args(["--log-level", "warn"]);
+    processes.push(Process::spawn("etcd", cmd, dir)?);
+    let http = reqwest::Client::new();
+    let (health, http) = (&format!("{client_url}/health"), &http);
+    wait_for("etcd /health", Duration::from_secs(30), || async move {
+        let text = crate::client::get_text(http, health).await?;
+        text.contains("true").then_some(())
+    })
+    .await
+    .with_context(|| tail_of(processes, "etcd"))?;
+    Ok(client_url)
 }
 
 /// `--event-plane <plane>`, or nothing for Dynamo's default.
@@ -137,6 +224,11 @@ pub async fn start(
     processes: &mut Vec<Process>,
 ) -> Result<DynamoFleet> {
     std::fs::create_dir_all(discovery)?;
+    let discovery = match opts.etcd {
+        true => Discovery::Etcd(start_etcd(dir, processes).await?),
+        false => Discovery::File(discovery.to_path_buf()),
+    };
+    let discovery = &discovery;
     let roles = std::iter::repeat_n("agg", opts.aggregated)
         .chain(std::iter::repeat_n("prefill", opts.prefill))
         .chain(std::iter::repeat_n("decode", opts.decode));
@@ -155,14 +247,17 @@ pub async fn start(
         ports.push(format!("127.0.0.1:{port}"));
         zmq_ports.push(zmq);
     }
-    let config = kvroute_sidecar::config::DiscoveryConfig::new(discovery, MODEL);
+    let config = discovery.config(MODEL);
     let wanted = opts.aggregated + opts.prefill + opts.decode;
     let config_ref = &config;
+    let http = reqwest::Client::new();
+    let http = &http;
     let scan = wait_for(
         "every Dynamo worker's discovery record",
         Duration::from_secs(120),
         || async move {
-            let scan = discovery::scan(&config_ref.dir, config_ref).ok()?;
+            let records = discovery::Store::of(config_ref).read(http).await.ok()?;
+            let scan = discovery::scan(&records, config_ref);
             (scan.instances.len() >= wanted).then_some(scan)
         },
     )
@@ -174,14 +269,18 @@ pub async fn start(
     cmd.args(["-m", "dynamo.frontend", "--http-host", "127.0.0.1"])
         .args(["--http-port", &port.to_string()])
         .args(["--router-mode", &opts.router_mode])
-        .args(["--discovery-backend", "file", "--request-plane", "tcp"])
+        .args([
+            "--discovery-backend",
+            backend(discovery),
+            "--request-plane",
+            "tcp",
+        ])
         .args(event_plane_args(opts))
         .args(["--kv-cache-block-size", &opts.block_size.to_string()]);
     dynamo_env(&mut cmd, opts, nats_url, discovery);
     processes.push(Process::spawn("dynamo-frontend", cmd, dir)?);
     let frontend = format!("127.0.0.1:{port}");
-    let http = reqwest::Client::new();
-    let (models, http) = (&format!("http://{frontend}/v1/models"), &http);
+    let models = &format!("http://{frontend}/v1/models");
     wait_for(
         "the Dynamo frontend to serve the model",
         Duration::from_secs(120),
@@ -218,6 +317,7 @@ pub async fn start(
         frontend,
         engines,
         decode_ids,
+        discovery: discovery.clone(),
     })
 }
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{bail, Context as _, Result};
 use serde::Deserialize;
 
-use crate::dynamo::DynamoOptions;
+use crate::dynamo::{Discovery, DynamoOptions};
 pub use crate::engines::{EngineInfo, MODEL};
 
 /// What the sidecar logs once its NATS subscriptions are in place.
@@ -291,6 +291,8 @@ pub struct Stack {
     /// Every sidecar + Envoy pair, the stack's own first (one without
     /// [`StackOptions::replicas`]; none in round-robin mode).
     pub replicas: Vec<Replica>,
+    /// Where the Dynamo fleet's discovery records live (in pin mode; `dir/discovery` otherwise).
+    pub discovery: Discovery,
     /// Real vLLM engines: how they were started (to start one again).
     vllm: Option<VllmOptions>,
     /// How the stack was started (to add simulated engines).
@@ -339,10 +341,12 @@ impl Stack {
         if opts.eds_membership && (opts.pin_mode() || opts.vllm.is_some()) {
             bail!("eds_membership is for simulated engines publishing vLLM's format");
         }
+        let mut dynamo_discovery = None;
         let (engines, frontend, decode_ids) = match (&opts.dynamo, &opts.vllm) {
             (Some(d), _) => {
                 let fleet =
                     crate::dynamo::start(d, &nats_url, &dir, &discovery, &mut processes).await?;
+                dynamo_discovery = Some(fleet.discovery);
                 (fleet.engines, Some(fleet.frontend), fleet.decode_ids)
             }
             (None, Some(v)) => {
@@ -361,6 +365,7 @@ impl Stack {
                 (engines, frontend, Vec::new())
             }
         };
+        let discovery = dynamo_discovery.unwrap_or(Discovery::File(discovery));
         // What Envoy's `workers` cluster lists: the engines, or in pin mode the frontend.
         let upstreams: Vec<String> = match (&frontend, pin_mode) {
             (Some(frontend), true) => vec![frontend.clone()],
@@ -438,6 +443,7 @@ impl Stack {
             http,
             replicas,
             vllm: opts.vllm.clone(),
+            discovery,
             options: opts.clone(),
             eds_version: 0,
             processes,
@@ -553,7 +559,7 @@ impl Stack {
                 port,
                 admin,
                 i,
-                &self.dir.join("discovery"),
+                &self.discovery,
             );
             std::fs::write(dir.join("sidecar.toml"), text)?;
             let sidecar_url = format!("http://127.0.0.1:{port}");
@@ -963,13 +969,13 @@ fn sidecar_text(
     port: u16,
     admin: u16,
     replica: usize,
-    discovery: &Path,
+    discovery: &Discovery,
 ) -> String {
     let mut text = sidecar_config(opts, engines, events_url, port);
     if opts.pin_mode() {
         text.push_str(&format!(
-            "\n[[dynamo_discovery]]\ndir = \"{}\"\nmodel = \"{MODEL}\"\npoll_interval_ms = 100\n",
-            discovery.display(),
+            "\n[[dynamo_discovery]]\n{}\nmodel = \"{MODEL}\"\npoll_interval_ms = 100\n",
+            discovery.toml(),
         ));
     }
     text.push_str(&format!(

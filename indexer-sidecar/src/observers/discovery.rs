@@ -1,6 +1,11 @@
-//! Dynamo's file discovery: which instances serve a model, where, and in which role.
+//! Dynamo's discovery records: which instances serve a model, where, and in which role.
 //!
-//! Dynamo 1.6 (`--discovery-backend file`, root `DYN_FILE_KV`) keeps one JSON file per key in a
+//! Two stores hold the same keys and the same JSON values ([`Store`]): etcd (Dynamo's default,
+//! `--discovery-backend etcd`, `ETCD_ENDPOINTS`; each key `v1/<bucket>/<key>` on the worker's
+//! lease, 10 s, so it vanishes when the worker dies) and the file store (`--discovery-backend
+//! file`, root `DYN_FILE_KV`). Both are polled; a scan reads what either returned ([`Records`]).
+//!
+//! Dynamo 1.6's file store (`--discovery-backend file`, root `DYN_FILE_KV`) keeps one JSON file per key in a
 //! bucket directory, the key percent-encoded into a flat file name:
 //! - `v1/instances/dynamo%2Fbackend%2Fgenerate%2F<instance hex>`: an `Endpoint` record
 //!   (`{"type": "Endpoint", "namespace", "component", "endpoint", "instance_id",
@@ -30,6 +35,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::Value;
+
+use kvroute_protocol::dynamo::KV_EVENTS_TOPIC;
 
 use crate::config::DiscoveryConfig;
 use crate::core::fleet::Role;
@@ -327,6 +334,19 @@ impl Scan {
             .count()
     }
 
+    /// `kv-events` publishers found: (on ZMQ, on NATS).
+    pub fn kv_publishers(&self) -> (usize, usize) {
+        let kv = self
+            .channels
+            .values()
+            .filter(|c| c.topic == KV_EVENTS_TOPIC);
+        kv.fold((0, 0), |(zmq, nats), c| match c.transport {
+            ChannelTransport::Zmq(_) => (zmq + 1, nats),
+            ChannelTransport::Nats(_) => (zmq, nats + 1),
+            ChannelTransport::Other(_) => (zmq, nats),
+        })
+    }
+
     /// How many instances of a role.
     pub fn count(&self, role: Role) -> usize {
         self.instances.values().filter(|i| i.role == role).count()
@@ -380,19 +400,91 @@ fn record_files(bucket: &Path, max_depth: usize) -> std::io::Result<Vec<PathBuf>
     Ok(out)
 }
 
-/// Read the instance records and model cards under `root` (the discovery root, holding `v1/`)
-/// and keep `config`'s: its namespace and endpoint, any component unless one is configured, and
+/// The records of one read of a store, by bucket (key order is not kept: the values say it all).
+#[derive(Debug, Clone, Default)]
+pub struct Records {
+    /// `v1/mdc`: model cards.
+    pub cards: Vec<Vec<u8>>,
+    /// `v1/instances`: endpoint records.
+    pub instances: Vec<Vec<u8>>,
+    /// `v1/event_channels`: event-channel records.
+    pub channels: Vec<Vec<u8>>,
+}
+
+impl Records {
+    /// Sort `(key, value)` pairs of a key-value store into buckets (other keys are not records).
+    pub fn from_entries(entries: impl IntoIterator<Item = (String, Vec<u8>)>) -> Self {
+        let mut records = Records::default();
+        for (key, value) in entries {
+            let bucket = match key.split('/').take(2).collect::<Vec<_>>()[..] {
+                ["v1", "mdc"] => &mut records.cards,
+                ["v1", "instances"] => &mut records.instances,
+                ["v1", "event_channels"] => &mut records.channels,
+                _ => continue,
+            };
+            bucket.push(value);
+        }
+        records
+    }
+}
+
+/// Where one `[[dynamo_discovery]]` entry reads its records.
+#[derive(Debug, Clone)]
+pub enum Store {
+    /// Dynamo's file store under this root.
+    Dir(PathBuf),
+    /// etcd at these client URLs (first that answers).
+    Etcd(Vec<String>),
+}
+
+impl Store {
+    /// The store `config` names.
+    pub fn of(config: &DiscoveryConfig) -> Self {
+        match &config.dir {
+            Some(dir) => Store::Dir(dir.clone()),
+            None => Store::Etcd(config.etcd.clone()),
+        }
+    }
+
+    /// Every record, now.
+    pub async fn read(&self, http: &reqwest::Client) -> anyhow::Result<Records> {
+        match self {
+            Store::Dir(root) => {
+                let root = root.clone();
+                Ok(tokio::task::spawn_blocking(move || read_dir(&root)).await??)
+            }
+            Store::Etcd(endpoints) => {
+                let entries = super::etcd::range_prefix(http, endpoints, "v1/").await?;
+                Ok(Records::from_entries(entries))
+            }
+        }
+    }
+}
+
+/// Every record of the file store under `root` (the directory holding `v1/`). A record being
+/// rewritten may be empty or cut: it is skipped by its parser this scan.
+pub fn read_dir(root: &Path) -> std::io::Result<Records> {
+    let read = |bucket: &str, depth: usize| -> std::io::Result<Vec<Vec<u8>>> {
+        Ok(record_files(&root.join(bucket), depth)?
+            .into_iter()
+            .filter_map(|path| std::fs::read(path).ok())
+            .collect())
+    };
+    Ok(Records {
+        cards: read("v1/mdc", MAX_DEPTH)?,
+        instances: read("v1/instances", MAX_DEPTH)?,
+        channels: read("v1/event_channels", MAX_CHANNEL_DEPTH)?,
+    })
+}
+
+/// Read the instance records and model cards of `records` and keep `config`'s: its namespace and endpoint, any component unless one is configured, and
 /// not an instance whose model card names another model. Roles come from the model cards; without
 /// one, component `prefill` is a prefill worker and, when there are prefill workers, the others
 /// are decode workers.
-pub fn scan(root: &Path, config: &DiscoveryConfig) -> std::io::Result<Scan> {
+pub fn scan(records: &Records, config: &DiscoveryConfig) -> Scan {
     let mut cards: BTreeMap<u64, ModelCard> = BTreeMap::new();
-    for path in record_files(&root.join("v1/mdc"), MAX_DEPTH)? {
-        // A record being rewritten may be empty or cut: skip it this scan.
-        if let Ok(card) = std::fs::read(&path)
-            .map_err(|e| e.to_string())
-            .and_then(|b| parse_card(&b))
-        {
+    for bytes in &records.cards {
+        if let Ok(card) = parse_card(bytes) {
             cards.insert(card.instance_id, card);
         }
     }
@@ -401,14 +493,11 @@ pub fn scan(root: &Path, config: &DiscoveryConfig) -> std::io::Result<Scan> {
     // Publisher id -> the worker whose `worker_kv_query_source_<publisher hex>` record it is,
     // and that worker's request-plane address.
     let mut query_sources: BTreeMap<u64, (u64, String)> = BTreeMap::new();
-    for path in record_files(&root.join("v1/instances"), MAX_DEPTH)? {
-        let Ok(bytes) = std::fs::read(&path) else {
-            continue;
-        };
-        let record = match parse_endpoint(&bytes) {
+    for bytes in &records.instances {
+        let record = match parse_endpoint(bytes) {
             Ok(r) => r,
             Err(why) => {
-                tracing::debug!(file = %path.display(), %why, "not an instance record");
+                tracing::debug!(%why, "not an instance record");
                 continue;
             }
         };
@@ -459,11 +548,8 @@ pub fn scan(root: &Path, config: &DiscoveryConfig) -> std::io::Result<Scan> {
             },
         );
     }
-    for path in record_files(&root.join("v1/event_channels"), MAX_CHANNEL_DEPTH)? {
-        let Ok(mut channel) = std::fs::read(&path)
-            .map_err(|e| e.to_string())
-            .and_then(|b| parse_event_channel(&b))
-        else {
+    for bytes in &records.channels {
+        let Ok(mut channel) = parse_event_channel(bytes) else {
             continue;
         };
         let ours = channel.namespace == config.namespace
@@ -489,7 +575,7 @@ pub fn scan(root: &Path, config: &DiscoveryConfig) -> std::io::Result<Scan> {
             scan.channels.insert(channel.publisher_id, channel);
         }
     }
-    Ok(scan)
+    scan
 }
 
 /// Probes in a row that must fail before an instance counts as down.
@@ -504,7 +590,11 @@ pub async fn run(
     channels: Option<Follow>,
 ) -> anyhow::Result<()> {
     let entry = state.plane().register_discovery(&config);
-    tracing::info!(dir = %config.dir.display(), model = %config.model, namespace = %config.namespace, "reading Dynamo discovery records");
+    let store = Store::of(&config);
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()?;
+    tracing::info!(store = %config.store(), model = %config.model, namespace = %config.namespace, "reading Dynamo discovery records");
     let mut scans = tokio::time::interval(Duration::from_millis(config.poll_interval_ms.max(50)));
     scans.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut probes = tokio::time::interval(Duration::from_millis(
@@ -541,12 +631,12 @@ pub async fn run(
                 continue;
             }
         }
-        let scanned = {
-            let config = config.clone();
-            tokio::task::spawn_blocking(move || scan(&config.dir, &config)).await
-        };
-        match scanned {
-            Ok(Ok(found)) => {
+        match store.read(&http).await {
+            Ok(records) => {
+                let found = scan(&records, &config);
+                if failing {
+                    tracing::info!(store = %config.store(), "reading Dynamo discovery records again");
+                }
                 failing = false;
                 let summary = summary(&config, &found);
                 if summary != last_summary {
@@ -557,7 +647,9 @@ pub async fn run(
                     }
                     last_summary = summary.clone();
                 }
-                state.plane().discovered(entry, found.hintable(), summary);
+                state
+                    .plane()
+                    .discovered(entry, found.hintable(), summary, found.kv_publishers());
                 failed.retain(|id, _| found.instances.contains_key(id));
                 apply(&state, &config, &found, &down(&failed));
                 // After the instances: their workers are known when their events arrive.
@@ -566,11 +658,16 @@ pub async fn run(
                 }
                 last = found;
             }
-            Ok(Err(e)) if !failing => {
+            Err(e) => {
+                let error = format!("{e:#}");
+                if !failing {
+                    tracing::error!(store = %config.store(), %error, "cannot read Dynamo's discovery records; instances keep their last state");
+                }
                 failing = true;
-                tracing::error!(dir = %config.dir.display(), error = %e, "cannot read the Dynamo discovery directory; instances keep their last state");
+                state
+                    .plane()
+                    .discovery_failed(entry, error, std::time::Instant::now());
             }
-            _ => {}
         }
     }
 }
@@ -667,14 +764,18 @@ pub fn summary(config: &DiscoveryConfig, scan: &Scan) -> String {
         .map(|(k, n)| format!("{k} ({n})"))
         .collect();
     format!(
-        "Dynamo discovery for model {} found no instance to pin requests to under {} ({wanted}; {decode} decode instances): every request falls back to the frontend's own routing. Instance records read: {}{}. Check `dir` is the workers' DYN_FILE_KV, and the namespace and model name.",
+        "Dynamo discovery for model {} found no instance to pin requests to in {} ({wanted}; {decode} decode instances): every request falls back to the frontend's own routing. Instance records read: {}{}. Check {}, and the namespace and model name.",
         config.model,
-        config.dir.join("v1/instances").display(),
+        config.store(),
         scan.records,
         if elsewhere.is_empty() {
             String::new()
         } else {
             format!(", for other endpoints: [{}]", elsewhere.join(", "))
+        },
+        match config.dir {
+            Some(_) => "`dir` is the workers' DYN_FILE_KV",
+            None => "`etcd` is the workers' ETCD_ENDPOINTS and they run with --discovery-backend etcd",
         }
     )
 }
@@ -682,6 +783,10 @@ pub fn summary(config: &DiscoveryConfig, scan: &Scan) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn scan_dir(root: &Path, config: &DiscoveryConfig) -> std::io::Result<Scan> {
+        Ok(scan(&read_dir(root)?, config))
+    }
 
     fn config(dir: &Path) -> DiscoveryConfig {
         DiscoveryConfig::new(dir.to_path_buf(), "tiny-llama")
@@ -720,7 +825,7 @@ mod tests {
     #[test]
     fn reads_dynamo_1_6_flat_layout_with_roles() {
         let root = captured("discovery-1.6.1-disaggregated");
-        let found = scan(&root, &config(&root)).unwrap();
+        let found = scan_dir(&root, &config(&root)).unwrap();
         let roles: Vec<(Role, &str)> = found
             .instances
             .values()
@@ -749,7 +854,7 @@ mod tests {
 
         let mut other_model = config(&root);
         other_model.model = "another".into();
-        let none = scan(&root, &other_model).unwrap();
+        let none = scan_dir(&root, &other_model).unwrap();
         assert_eq!(none.hintable(), 0, "the model cards name tiny-llama");
         let line = summary(&other_model, &none);
         assert!(line.contains("found no instance"), "{line}");
@@ -773,11 +878,11 @@ mod tests {
             .unwrap();
         };
         record("backend", 1, 1001);
-        let found = scan(dir.path(), &config(dir.path())).unwrap();
+        let found = scan_dir(dir.path(), &config(dir.path())).unwrap();
         assert_eq!(found.instances[&1].role, Role::Aggregated);
         record("prefill", 2, 1002);
         std::fs::write(instances.join("partial"), b"{\"type\":").unwrap();
-        let found = scan(dir.path(), &config(dir.path())).unwrap();
+        let found = scan_dir(dir.path(), &config(dir.path())).unwrap();
         assert_eq!(found.instances[&1].role, Role::Decode);
         assert_eq!(found.instances[&2].role, Role::Prefill);
         assert_eq!(found.records, 2, "a cut record is skipped");
@@ -788,7 +893,7 @@ mod tests {
     fn reads_nested_directories() {
         let root = tempfile::tempdir().unwrap();
         let dir = root.path().join("v1/instances/dynamo/backend/generate");
-        assert!(scan(root.path(), &config(root.path()))
+        assert!(scan_dir(root.path(), &config(root.path()))
             .unwrap()
             .instances
             .is_empty());
@@ -798,7 +903,7 @@ mod tests {
             dir.join("bda8d114129d4c8f"),
         )
         .unwrap();
-        let found = scan(root.path(), &config(root.path())).unwrap();
+        let found = scan_dir(root.path(), &config(root.path())).unwrap();
         assert_eq!(
             found.instances[&13666402953397619855].address,
             "127.0.0.1:40051"
@@ -836,7 +941,7 @@ mod tests {
         write_records(root.path(), "mdc", "mdc_records.json");
         let channels = write_records(root.path(), "event_channels", "event_channel_records.json");
         let mut config = DiscoveryConfig::new(root.path(), "tiny");
-        let found = scan(root.path(), &config).unwrap();
+        let found = scan_dir(root.path(), &config).unwrap();
         assert_eq!(found.count(Role::Aggregated), 2, "{found:?}");
         assert_eq!(found.channels.len(), 8, "{:?}", found.channels);
         let kv: Vec<&EventChannel> = found
@@ -865,7 +970,7 @@ mod tests {
 
         // Another model's entry does not follow these workers' KV events.
         config.model = "another".into();
-        let theirs = scan(root.path(), &config).unwrap();
+        let theirs = scan_dir(root.path(), &config).unwrap();
         assert!(
             theirs.channels.values().all(|c| c.topic != "kv-events"),
             "{theirs:?}"
@@ -874,10 +979,10 @@ mod tests {
 
         // Another namespace has none of them; another component neither.
         config.namespace = "other".into();
-        assert!(scan(root.path(), &config).unwrap().channels.is_empty());
+        assert!(scan_dir(root.path(), &config).unwrap().channels.is_empty());
         config.namespace = "dynamo".into();
         config.component = Some("prefill".into());
-        assert!(scan(root.path(), &config).unwrap().channels.is_empty());
+        assert!(scan_dir(root.path(), &config).unwrap().channels.is_empty());
         config.component = None;
 
         // Records appear and vanish like instance records.
@@ -886,7 +991,7 @@ mod tests {
             .find(|p| p.to_string_lossy().ends_with("572029c44fc55"))
             .unwrap();
         std::fs::remove_file(gone).unwrap();
-        let found = scan(root.path(), &config).unwrap();
+        let found = scan_dir(root.path(), &config).unwrap();
         assert_eq!(found.channels.len(), 7);
         assert!(!found.channels.contains_key(&0x572029c44fc55));
     }

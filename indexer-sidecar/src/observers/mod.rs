@@ -5,4 +5,5 @@
 pub mod discovery;
 pub mod engine_metrics;
 pub mod envoy_admin;
+pub mod etcd;
 pub mod membership;

@@ -139,6 +139,11 @@ enum Command {
         /// Extra sidecar configuration, e.g. `"[routing]\nmax_kv_usage = 2.0"`.
         #[arg(long, default_value = "")]
         sidecar_toml: String,
+        /// Run the fleet on Dynamo's NATS event plane and file discovery instead of its defaults
+        /// (ZMQ events, etcd discovery); disaggregated fleets need it (prefill hits are counted
+        /// from their KV events on NATS).
+        #[arg(long)]
+        nats: bool,
     },
     /// kvroute vs ring hash alone and round robin on real vLLM engines (CPU).
     Vllm {
@@ -216,13 +221,20 @@ async fn main() -> Result<()> {
             conversations,
             concurrency,
             sidecar_toml,
+            nats,
         } => {
+            if !nats && prefill > 0 {
+                anyhow::bail!("a disaggregated fleet needs --nats: prefill hits are counted from the KV events on NATS");
+            }
             let bench = kvroute_harness::bench_dynamo::DynamoBench {
                 fleet: kvroute_harness::DynamoOptions {
                     aggregated: workers,
                     prefill,
                     decode,
                     capacity_blocks,
+                    // Dynamo's own defaults unless asked.
+                    event_plane: nats.then(|| "nats".to_owned()),
+                    etcd: !nats,
                     ..Default::default()
                 },
                 conversations: if cli.quick {
