@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kvroute_harness::client::Outcome;
+use kvroute_harness::process::wait_for;
 use kvroute_harness::vllm::{self, VllmOptions, BLOCK_SIZE};
 use kvroute_harness::{Mode, Stack, StackOptions};
 
@@ -287,4 +288,93 @@ async fn the_load_weighed_is_the_requests_the_engines_run() {
     let stack = stack("vllm-real-load").await;
     let outcomes = concurrent_conversations(&stack, 16, 3).await;
     assert_load_was_the_hinted_requests(&stack, &outcomes).await;
+}
+
+/// A vLLM fleet under a control plane (issue 31, item 3): Envoy reads its `workers` cluster from
+/// an EDS file, the sidecar takes its workers from Envoy's membership (`[[envoy.members]]`, each
+/// engine's KV-event endpoints from templates). An engine EDS removes is never routed to and its
+/// subscriber is closed; listed again, it is subscribed again (its replay buffer read) and its
+/// prefix routed to; no request fails, nothing restarts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "real vLLM: make test-live"]
+async fn a_fleet_from_envoys_membership_follows_eds() {
+    let mut opts = StackOptions::new("vllm-membership", Mode::Kvroute);
+    opts.vllm = Some(VllmOptions {
+        zmq_beside: true,
+        ..VllmOptions::default()
+    });
+    opts.eds_membership = true;
+    opts.hint_timeout_ms = 1000;
+    let mut stack = Stack::start(opts).await.expect("stack starts");
+    let system = text(7000, 300);
+    let warmed = direct(&stack, 1, &chat(&system, "first")).await;
+    assert!(warmed.ok(), "{warmed:?}");
+    wait_index(
+        &stack,
+        1,
+        "engine 1 indexed from its template endpoints",
+        Duration::from_secs(20),
+        |n| n >= blocks(&warmed),
+    )
+    .await;
+
+    // The control plane removes engine 1.
+    let gone = stack.engines[1].address.clone();
+    stack.set_members(&[0]).unwrap();
+    let usable = format!("kvroute_worker_usable{{worker=\"{gone}\"}}");
+    let (stack_ref, usable_ref) = (&stack, &usable);
+    wait_for(
+        "the sidecar to stop hinting engine 1",
+        Duration::from_secs(20),
+        || async move {
+            let envoy = stack_ref
+                .envoy_stat("cluster.workers.membership_total")
+                .await?;
+            let usable = sidecar_metric(stack_ref, usable_ref).await?;
+            (envoy == 1 && usable == 0.0).then_some(())
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}: {}", stack.log_tail("sidecar")));
+    let served_before = engine_metric(&stack, 1, "vllm:request_success_total").await;
+    for turn in 0..3 {
+        let o = via_envoy(
+            &stack,
+            &chat(&system, &format!("turn {turn} while engine 1 is out")),
+        )
+        .await;
+        assert!(o.ok(), "turn {turn}: {o:?}");
+    }
+    assert_eq!(
+        engine_metric(&stack, 1, "vllm:request_success_total").await,
+        served_before,
+        "a removed engine was routed to"
+    );
+
+    // Listed again: subscribed again (a second warm start), usable, and its prefix routed to.
+    stack.set_members(&[0, 1]).unwrap();
+    let warm_starts = sequence_series(&stack, 1, "warm_start");
+    let (stack_ref, warm_ref, usable_ref) = (&stack, &warm_starts, &usable);
+    wait_for(
+        "engine 1 to be followed again",
+        Duration::from_secs(20),
+        || async move {
+            let text = stack_ref.sidecar_metrics().await.ok()?;
+            let back = metric(&text, warm_ref)? >= 2.0 && metric(&text, usable_ref)? == 1.0;
+            back.then_some(())
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}: {}", stack.log_tail("sidecar")));
+    let o = via_envoy(
+        &stack,
+        &chat(&system, "back: a longer turn of the same chat"),
+    )
+    .await;
+    assert!(o.ok(), "{o:?}");
+    assert!(
+        o.cached_tokens >= blocks(&warmed) as u64 * BLOCK_SIZE as u64 - 32,
+        "engine 1's prefix was not routed to once it was listed again: {o:?}"
+    );
+    stack.check_alive().expect("nothing restarted");
 }

@@ -188,7 +188,8 @@ pub struct StackOptions {
     /// A fleet under a control plane: Envoy's `workers` cluster reads an EDS file
     /// ([`Stack::set_members`]), and the sidecar takes its workers from Envoy's membership
     /// (`[[envoy.members]]`, events at `{port+1}`, replay at `{port+2}`) instead of
-    /// `[[workers]]` and `[[zmq]]`. Simulated engines publishing vLLM's format only.
+    /// `[[workers]]` and `[[zmq]]`. Engines publishing vLLM's format: simulated, or real vLLM
+    /// with [`crate::vllm::VllmOptions::zmq_beside`].
     pub eds_membership: bool,
 }
 
@@ -338,8 +339,11 @@ impl Stack {
 
         let discovery = dir.join("discovery");
         let pin_mode = opts.pin_mode();
-        if opts.eds_membership && (opts.pin_mode() || opts.vllm.is_some()) {
-            bail!("eds_membership is for simulated engines publishing vLLM's format");
+        if opts.eds_membership && opts.pin_mode() {
+            bail!("eds_membership is for engines publishing vLLM's format (simulated or real)");
+        }
+        if opts.eds_membership && opts.vllm.as_ref().is_some_and(|v| !v.zmq_beside) {
+            bail!("eds_membership with real vLLM needs VllmOptions::zmq_beside");
         }
         let mut dynamo_discovery = None;
         let (engines, frontend, decode_ids) = match (&opts.dynamo, &opts.vllm) {

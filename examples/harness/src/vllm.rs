@@ -25,6 +25,9 @@ pub struct VllmOptions {
     pub capacity_blocks: usize,
     /// Requests an engine runs at once (`--max-num-seqs`).
     pub max_num_seqs: usize,
+    /// Each engine's PUB and replay sockets on the two ports after its HTTP port (what
+    /// `[[envoy.members]]` templates `{port+1}`, `{port+2}` find).
+    pub zmq_beside: bool,
 }
 
 impl Default for VllmOptions {
@@ -33,6 +36,7 @@ impl Default for VllmOptions {
             engines: 2,
             capacity_blocks: 512,
             max_num_seqs: 16,
+            zmq_beside: false,
         }
     }
 }
@@ -42,19 +46,38 @@ pub fn process_name(index: usize) -> String {
     format!("vllm-{index}")
 }
 
-/// Ports for `count` engines: HTTP, PUB, replay, each engine its own.
-pub fn engine_infos(count: usize) -> Result<Vec<EngineInfo>> {
+/// Ports for `count` engines: HTTP, PUB, replay, each engine its own (with `beside`, the PUB
+/// and replay ports right after the HTTP port).
+pub fn engine_infos(count: usize, beside: bool) -> Result<Vec<EngineInfo>> {
     (0..count)
         .map(|index| {
+            let (http, events, replay) = match beside {
+                true => three_ports()?,
+                false => (free_port()?, free_port()?, free_port()?),
+            };
             Ok(EngineInfo {
                 index,
-                address: format!("127.0.0.1:{}", free_port()?),
+                address: format!("127.0.0.1:{http}"),
                 dynamo_worker_id: index as u64,
-                zmq_endpoint: Some(format!("tcp://127.0.0.1:{}", free_port()?)),
-                replay_endpoint: Some(format!("tcp://127.0.0.1:{}", free_port()?)),
+                zmq_endpoint: Some(format!("tcp://127.0.0.1:{events}")),
+                replay_endpoint: Some(format!("tcp://127.0.0.1:{replay}")),
             })
         })
         .collect()
+}
+
+/// A free port whose two successors are free too.
+fn three_ports() -> Result<(u16, u16, u16)> {
+    let free = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
+    for _ in 0..100 {
+        let p = free_port()?;
+        if let (Some(a), Some(b)) = (p.checked_add(1), p.checked_add(2)) {
+            if free(a) && free(b) {
+                return Ok((p, a, b));
+            }
+        }
+    }
+    anyhow::bail!("no free port with two free ports after it")
 }
 
 /// Start one engine on `engine`'s ports (again, after a restart) without waiting for it.
@@ -147,7 +170,7 @@ pub async fn start(
     dir: &Path,
     processes: &mut Vec<Process>,
 ) -> Result<Vec<EngineInfo>> {
-    let mut engines = engine_infos(opts.engines)?;
+    let mut engines = engine_infos(opts.engines, opts.zmq_beside)?;
     let mut running = Vec::new();
     for engine in &engines {
         running.push(spawn(opts, engine, dir)?);
@@ -159,7 +182,7 @@ pub async fn start(
                 return Err(e);
             }
             let index = engine.index;
-            *engine = engine_infos(1)?.remove(0);
+            *engine = engine_infos(1, opts.zmq_beside)?.remove(0);
             engine.index = index;
             engine.dynamo_worker_id = index as u64;
             *process = spawn(opts, engine, dir)?;
