@@ -11,7 +11,8 @@
 //! - `no_instances`: a `[[dynamo_discovery]]` entry finds no instance to pin requests to while
 //!   hint requests arrive: every request is left to the frontend's own routing;
 //! - `no_publishers`: it finds instances but no KV-event publisher this sidecar reads (none
-//!   registered: their engines publish no KV events; or only on NATS without a `[nats]`);
+//!   registered: their engines publish no KV events; or only on NATS without a `[nats]`), and
+//!   no KV event arrives;
 //! - `discovery_unreachable`: its store (etcd, the file store) cannot be read: instances keep
 //!   their last state, new ones are not found;
 //! - `worker_quiet`: a worker that did publish was hinted `min_hints` times since its last event,
@@ -537,6 +538,9 @@ impl EventPlane {
             now.saturating_duration_since(t) < silence.max(Duration::from_secs(10))
         });
         let reads_nats = self.sources.iter().any(|s| s.kind == "nats");
+        // Dynamo before 1.4 registers no event channels and publishes on NATS all the same:
+        // no publisher found is a fault only while no KV event arrives either.
+        let no_events = self.quiet_since(last_event, now, silence);
         for d in &self.discovery {
             if let (Some(since), Some(error)) = (d.failing_since, &d.unreachable) {
                 out.push(Alarm {
@@ -560,7 +564,7 @@ impl EventPlane {
             }
             let (zmq, nats) = d.kv_publishers;
             let unread = zmq == 0 && (nats == 0 || !reads_nats);
-            if d.hintable.is_some_and(|n| n > 0) && unread && requests_recently {
+            if d.hintable.is_some_and(|n| n > 0) && unread && no_events && requests_recently {
                 let why = match nats {
                     0 => "no worker registers a `kv-events` publisher: their engines publish no KV events (a worker started without them, or an engine without prefix caching), so the index stays empty and routing is load-only. Check the workers' KV-event settings".to_owned(),
                     n => format!("{n} workers publish their KV events on NATS (--event-plane nats) and this sidecar has no [nats] section: add one with the workers' NATS_SERVER"),
@@ -832,7 +836,7 @@ mod tests {
     #[test]
     fn discovery_plumbing_alarms_say_which_plumbing() {
         let now = Instant::now();
-        let mut plane = EventPlane::new(now);
+        let mut plane = EventPlane::new(now - Duration::from_secs(60));
         let config = crate::config::DiscoveryConfig::etcd(vec!["http://etcd:2379".into()], "m");
         let entry = plane.register_discovery(&config);
         let requested = Activity {
@@ -841,7 +845,14 @@ mod tests {
         };
         let on = |plane: &EventPlane| {
             plane
-                .alarms(&AlarmConfig::default(), &requested, now)
+                .alarms(
+                    &AlarmConfig {
+                        silence_s: 5,
+                        ..AlarmConfig::default()
+                    },
+                    &requested,
+                    now,
+                )
                 .into_iter()
                 .filter(|a| a.name != "no_events")
                 .map(|a| (a.name, a.message))
@@ -855,8 +866,15 @@ mod tests {
         plane.discovered(entry, 2, "two".into(), (0, 2));
         let alarms = on(&plane);
         assert!(alarms[0].1.contains("no [nats] section"), "{alarms:?}");
-        plane.register("nats", "nats://x", vec![]);
+        let nats = plane.register("nats", "nats://x", vec![]);
         assert!(on(&plane).is_empty(), "NATS is read");
+        plane.discovered(entry, 2, "two".into(), (0, 0));
+        assert_eq!(on(&plane).len(), 1, "none registered");
+        plane.event(nats, "a.kv-events", now);
+        assert!(
+            on(&plane).is_empty(),
+            "events arrive all the same (Dynamo before 1.4)"
+        );
         plane.discovery_failed(
             entry,
             "connection refused".into(),

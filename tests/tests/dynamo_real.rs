@@ -1,5 +1,6 @@
 //! kvroute in front of real NVIDIA Dynamo 1.6.1: mocker workers publishing real KV events on
-//! NATS and real file-discovery records, behind a real Dynamo frontend (`.venv-dynamo`).
+//! NATS and real file-discovery records (one test on Dynamo's defaults: etcd and its ZMQ plane),
+//! behind a real Dynamo frontend (`.venv-dynamo`).
 //! Each test is a failure the simulator did not show (issue "Against the real engines").
 
 mod common;
@@ -135,15 +136,28 @@ async fn pins_aggregated_dynamo_workers_found_in_real_discovery_records() {
 /// the alarms stay quiet: events do arrive, and decode workers rightly publish none.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disaggregated_dynamo_pins_the_prefill_worker_and_alarms_stay_quiet() {
+    disaggregated("dynamo-real-disagg", false).await;
+}
+
+/// The same on Dynamo's defaults: discovery in etcd, KV events and load reports on its ZMQ
+/// plane, nothing configured but the etcd URL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_dynamo_on_its_defaults_pins_the_prefill_worker() {
+    disaggregated("dynamo-real-disagg-defaults", true).await;
+}
+
+async fn disaggregated(name: &str, defaults: bool) {
     let dynamo = DynamoOptions {
         aggregated: 0,
         prefill: 2,
         decode: 1,
         router_mode: "round-robin".into(),
+        event_plane: (!defaults).then(|| "nats".to_owned()),
+        etcd: defaults,
         ..DynamoOptions::default()
     };
     let stack = &Stack::start(dynamo_stack(
-        "dynamo-real-disagg",
+        name,
         dynamo,
         "[alarms]\nsilence_s = 2\nmin_hints = 3\n",
     ))

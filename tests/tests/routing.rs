@@ -260,7 +260,7 @@ async fn hung_sidecar_costs_at_most_the_hint_timeout() {
     );
     // The sidecar answered the calls Envoy had given up on once it ran again: those decisions
     // were never used, and say so once their tickets are reclaimed.
-    wait_for(
+    let waited = wait_for(
         "the late decisions to show as not reported",
         std::time::Duration::from_secs(20),
         || async {
@@ -270,8 +270,23 @@ async fn hung_sidecar_costs_at_most_the_hint_timeout() {
                 .then_some(())
         },
     )
-    .await
-    .unwrap_or_else(|e| panic!("{e}: {}", stack.log_tail("sidecar")));
+    .await;
+    if let Err(e) = waited {
+        let explained = sidecar_json(&stack, "/debug/explain").await;
+        let outcomes: Vec<_> = explained
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|e| (e["outcome"].clone(), e["request_id"].clone()))
+            .collect();
+        let metrics = stack.sidecar_metrics().await.unwrap_or_default();
+        let tickets: Vec<_> =
+            kvroute_harness::prometheus::series(&metrics, "kvroute_tickets").collect();
+        panic!(
+            "{e}: decisions (outcome, request id) {outcomes:?}; tickets {tickets:?}; {}",
+            stack.log_tail("sidecar")
+        );
+    }
 }
 
 /// A worker Envoy ejects (outlier detection after consecutive 5xx) is never hinted again,

@@ -38,19 +38,19 @@ pub struct Members {
 impl Members {
     /// Compare entry `entry`'s listed hosts with its running subscribers.
     pub fn changes(&self, entry: usize, config: &MembersConfig, hosts: &[String]) -> Changes {
-        let events = EndpointTemplate::parse(&config.events);
+        // Both templates were checked when the configuration loaded.
+        let events = EndpointTemplate::parse(&config.events).ok();
         let replay = config
             .replay
             .as_deref()
-            .map(EndpointTemplate::parse)
-            .transpose();
-        let (Ok(events), Ok(replay)) = (events, replay) else {
-            // Checked when the configuration loaded.
-            return Changes {
-                start: Vec::new(),
-                stop: Vec::new(),
-                unusable: hosts.to_vec(),
-            };
+            .map(|t| EndpointTemplate::parse(t).ok());
+        // A host's (events, replay) endpoints; `None` when a template cannot make one.
+        let endpoints = |host: &str| -> Option<(String, Option<String>)> {
+            let events = events.as_ref()?.expand(host)?;
+            match &replay {
+                None => Some((events, None)),
+                Some(r) => Some((events, Some(r.as_ref()?.expand(host)?))),
+            }
         };
         let listed: BTreeSet<&String> = hosts.iter().collect();
         let mut changes = Changes {
@@ -63,24 +63,17 @@ impl Members {
             if self.running.contains_key(&key) {
                 continue;
             }
-            // `Some(None)`: no replay endpoint configured; `None`: it cannot be made.
-            let replay_endpoint = match &replay {
-                None => Some(None),
-                Some(r) => r.expand(host).map(Some),
-            };
-            match (events.expand(host), replay_endpoint) {
-                (Some(endpoint), Some(replay_endpoint)) => {
-                    changes.start.push(ZmqConfig {
-                        endpoint,
-                        replay_endpoint,
-                        worker: Some((*host).clone()),
-                        topic: config.topic.clone(),
-                        bind: false,
-                        max_message_bytes: config.max_message_bytes,
-                    });
-                }
-                _ if !self.unusable.contains(&key) => changes.unusable.push((*host).clone()),
-                _ => {}
+            match endpoints(host) {
+                Some((endpoint, replay_endpoint)) => changes.start.push(ZmqConfig {
+                    endpoint,
+                    replay_endpoint,
+                    worker: Some((*host).clone()),
+                    topic: config.topic.clone(),
+                    bind: false,
+                    max_message_bytes: config.max_message_bytes,
+                }),
+                None if !self.unusable.contains(&key) => changes.unusable.push((*host).clone()),
+                None => {}
             }
         }
         for (e, host) in self.running.keys() {
@@ -135,11 +128,6 @@ impl Members {
                 }
             }
         }
-    }
-
-    /// Subscribers running.
-    pub fn running(&self) -> usize {
-        self.running.len()
     }
 }
 
