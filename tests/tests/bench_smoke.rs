@@ -204,7 +204,10 @@ async fn datapath_benchmark_smoke() {
     );
     for row in [json, stream] {
         assert_eq!(f(row, "reported_prompt_tokens_off"), 0.0, "{row}");
-        assert!(f(row, "mean_every") > 0.0, "{row}");
+        // Envoy's CPU was measured. /proc counts 10 ms ticks, so one round of 16 requests may
+        // round a single mode down to 0, not all three.
+        let measured = f(row, "mean_every") + f(row, "mean_sampled") + f(row, "mean_off");
+        assert!(measured > 0.0, "{row}");
     }
     assert!(out.join("datapath.json").exists());
 }
