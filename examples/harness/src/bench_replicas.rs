@@ -683,8 +683,8 @@ async fn run_scenario(
     .await?;
     stack.check_alive()?;
     // Events still on their way, and repair rounds: a message lost at the very end is noticed
-    // only by a digest round and filled by the next (seen taking 3 intervals on a loaded 2-core
-    // machine, 2 idle): then every sidecar is asked the same.
+    // only by a digest round and filled by a later one (3 intervals once left one of 32 smoke
+    // probes unrepaired on a loaded 2-core machine): then every sidecar is asked the same.
     tokio::time::sleep(Duration::from_millis(5 * bench.interval_ms)).await;
     let sidecars = sidecars_of(&stack);
     let agreement = probe(
