@@ -4,7 +4,9 @@
 //!
 //! Alarms (each a `kvroute_alarm{alarm,subject}` gauge and one log line when it starts):
 //! - `no_events`: no KV event from any source for `silence_s` while hints are being served;
-//!   the line names what is subscribed and what else was seen on the bus;
+//!   labelled with the subscriptions; with a NATS source it waits (at most [`PROBE_HOLD`]) for
+//!   a look at the whole bus, so that its one line starts with where KV events *are* published
+//!   (or that none are), then names what is subscribed and what else arrived;
 //! - `silent_worker`: a worker was hinted `min_hints` times and has never published an event
 //!   (`silence_s` after start): events disabled on that engine, or a wrong `dynamo_worker_id` /
 //!   `[[zmq]]` entry;
@@ -60,6 +62,8 @@ pub struct SourceStatus {
     pub bus: BTreeMap<String, u64>,
     /// Seconds since that probe (`None`: never probed).
     pub bus_probe_age_s: Option<f64>,
+    /// What that probe concluded: where KV events are published, or that none are.
+    pub bus_verdict: Option<String>,
     /// Times the connection to the server was lost (NATS).
     pub disconnects: u64,
     /// How long the last outage lasted, or has lasted so far, in seconds.
@@ -92,7 +96,14 @@ pub struct EventPlane {
     unknown_fields: BTreeSet<String>,
     /// Per (source, Dynamo publisher): the number its next message should carry.
     stamps: std::collections::HashMap<(usize, u64), u64>,
+    /// Since when the `no_events` condition holds (`None`: it does not), as the alarm check
+    /// last saw it: a bus probe older than this is of another episode.
+    silent_since: Option<Instant>,
 }
+
+/// How long `no_events` waits for a probe of the bus (2 s, `transports::nats`) that started
+/// with the condition, so that its first line is the probe's verdict, not a guess.
+pub const PROBE_HOLD: Duration = Duration::from_secs(6);
 
 /// Dynamo publishers whose numbering is followed (publisher ids come from the network).
 const MAX_STAMPED: usize = 65_536;
@@ -155,7 +166,7 @@ pub struct DiscoveryStatus {
 pub struct Alarm {
     /// `no_events` or `silent_worker`.
     pub name: &'static str,
-    /// What it is about (`all`, or a worker address).
+    /// What it is about (the subscriptions, a model, a worker address).
     pub subject: String,
     /// The explanation for the log.
     pub message: String,
@@ -184,6 +195,7 @@ impl EventPlane {
             event_subjects: BTreeSet::new(),
             unknown_fields: BTreeSet::new(),
             stamps: std::collections::HashMap::new(),
+            silent_since: None,
         }
     }
 
@@ -209,6 +221,7 @@ impl EventPlane {
             last_event_age_s: None,
             bus: BTreeMap::new(),
             bus_probe_age_s: None,
+            bus_verdict: None,
             disconnects: 0,
             last_outage_s: None,
             client_dropped: 0,
@@ -430,11 +443,30 @@ impl EventPlane {
             .collect()
     }
 
-    /// Record what a probe of the whole bus saw on behalf of `source`.
-    pub fn record_bus(&mut self, source: usize, seen: BTreeMap<String, u64>, now: Instant) {
+    /// Record what a probe of the whole bus saw on behalf of `source`, and its verdict.
+    pub fn record_bus(
+        &mut self,
+        source: usize,
+        seen: BTreeMap<String, u64>,
+        verdict: String,
+        now: Instant,
+    ) {
         if let Some(s) = self.sources.get_mut(source) {
             s.bus = seen;
+            s.bus_verdict = Some(verdict);
             s.bus_probed = Some(now);
+        }
+    }
+
+    /// Whether `source` should look at the whole bus at `now`: the `no_events` condition holds
+    /// and its last look is older than `every` or than the condition (another episode's).
+    pub fn bus_probe_due(&self, source: usize, every: Duration, now: Instant) -> bool {
+        let Some(since) = self.silent_since else {
+            return false;
+        };
+        match self.sources.get(source).and_then(|s| s.bus_probed) {
+            None => true,
+            Some(t) => t < since || now.saturating_duration_since(t) >= every,
         }
     }
 
@@ -455,17 +487,41 @@ impl EventPlane {
         self.quiet_since(last_event, now, silence) && hints_recently
     }
 
+    /// Whether `no_events` waits for the bus probe of this episode: a NATS source that has
+    /// not looked since the condition began, for at most [`PROBE_HOLD`].
+    fn waiting_for_probe(&self, now: Instant) -> bool {
+        let Some(since) = self.silent_since else {
+            return false;
+        };
+        let nats = self.sources.iter().filter(|s| s.kind == "nats");
+        let probed = nats
+            .clone()
+            .any(|s| s.bus_probed.is_some_and(|t| t >= since));
+        nats.count() > 0 && !probed && now.saturating_duration_since(since) < PROBE_HOLD
+    }
+
     /// Whether nothing happened for `silence` since `t` (`None`: since start).
     fn quiet_since(&self, t: Option<Instant>, now: Instant, silence: Duration) -> bool {
         now.saturating_duration_since(t.unwrap_or(self.started)) >= silence
     }
 
     /// The alarms that are on at `now`, given what the fleet did.
-    pub fn alarms(&self, config: &AlarmConfig, activity: &Activity, now: Instant) -> Vec<Alarm> {
+    pub fn alarms(
+        &mut self,
+        config: &AlarmConfig,
+        activity: &Activity,
+        now: Instant,
+    ) -> Vec<Alarm> {
         let silence = Duration::from_secs(config.silence_s);
         let mut out = Vec::new();
         let last_event = self.sources.iter().filter_map(|s| s.last_event).max();
-        if self.silent_while_hinting(config, activity.last_hint, now) {
+        let silent = self.silent_while_hinting(config, activity.last_hint, now);
+        self.silent_since = match (silent, self.silent_since) {
+            (false, _) => None,
+            (true, None) => Some(now),
+            (true, since) => since,
+        };
+        if silent && !self.waiting_for_probe(now) {
             let subscribed: Vec<String> = self
                 .sources
                 .iter()
@@ -523,11 +579,22 @@ impl EventPlane {
                     ids.join(", ")
                 )
             };
+            // The probe's verdict first: it says where the events are, or that none are.
+            let verdict: String = self
+                .sources
+                .iter()
+                .filter_map(|s| s.bus_verdict.as_deref())
+                .map(|v| format!(" {v}."))
+                .collect();
             out.push(Alarm {
                 name: "no_events",
-                subject: "all".into(),
+                subject: if subscribed.is_empty() {
+                    "none".to_owned()
+                } else {
+                    subscribed.join(",")
+                },
                 message: format!(
-                    "no KV events {when} while hints are being served: routing is load-only. Subscribed: [{}]. Messages seen: [{}].{unknown}{bus} Check the engines publish KV events, and {}.",
+                    "no KV events {when} while hints are being served: routing is load-only.{verdict} Subscribed: [{}]. Messages seen: [{}].{unknown}{bus} Check the engines publish KV events, and {}.",
                     subscribed.join(", "),
                     if seen.is_empty() { "none".to_owned() } else { seen.join(", ") },
                     check.join("; and "),
@@ -660,33 +727,63 @@ mod tests {
             "no traffic, no alarm"
         );
         plane.message(src, "b.kv-events", true);
-        let alarms = plane.alarms(&config(), &hinting(now), now);
+        // With NATS, the alarm waits for this episode's look at the bus...
+        assert!(plane.alarms(&config(), &hinting(now), now).is_empty());
+        assert!(plane.bus_probe_due(src, Duration::from_secs(30), now));
+        let later = now + Duration::from_secs(2);
+        let seen = BTreeMap::from([("b.kv-events".to_owned(), 4)]);
+        let verdict = "KV events are published on [b.kv-events]".to_owned();
+        plane.record_bus(src, seen, verdict, later);
+        assert!(!plane.bus_probe_due(src, Duration::from_secs(30), later));
+        // ...and its line opens with the verdict; the label is what is subscribed.
+        let alarms = plane.alarms(&config(), &hinting(later), later);
         assert_eq!(alarms.len(), 1);
         assert_eq!(alarms[0].name, "no_events");
+        assert_eq!(alarms[0].subject, "nats:a.kv-events");
+        let line = &alarms[0].message;
+        let (first, rest) = line.split_once(". ").unwrap();
+        assert!(first.contains("routing is load-only"), "{line}");
         assert!(
-            alarms[0].message.contains("nats:a.kv-events"),
-            "{}",
-            alarms[0].message
+            rest.starts_with("KV events are published on [b.kv-events]."),
+            "{line}"
         );
-        assert!(
-            alarms[0].message.contains("b.kv-events (1)"),
-            "{}",
-            alarms[0].message
-        );
+        assert!(line.contains("nats:a.kv-events"), "{line}");
+        assert!(line.contains("b.kv-events (1)"), "{line}");
         let quiet = AlarmConfig {
             silence_s: 3600,
             ..config()
         };
         plane.unknown_worker("77");
-        let alarms = plane.alarms(&config(), &hinting(now), now);
+        let alarms = plane.alarms(&config(), &hinting(later), later);
         assert!(
             alarms[0].message.contains("does not know: [77 (1)]"),
             "events from unknown workers are named: {}",
             alarms[0].message
         );
-        plane.event(src, "a.kv-events", now);
-        assert!(plane.alarms(&quiet, &hinting(now), now).is_empty());
-        assert_eq!(plane.sources(now)[0].state, "receiving");
+        plane.event(src, "a.kv-events", later);
+        assert!(plane.alarms(&quiet, &hinting(later), later).is_empty());
+        assert_eq!(plane.sources(later)[0].state, "receiving");
+    }
+
+    /// A probe that never comes (the NATS client is down) delays the alarm, never hides it; a
+    /// probe of an earlier episode does not count.
+    #[test]
+    fn no_events_waits_for_a_probe_at_most_probe_hold() {
+        let now = Instant::now();
+        let mut plane = EventPlane::new(now);
+        let src = plane.register("nats", "nats://x", vec!["a.kv-events".into()]);
+        plane.record_bus(src, BTreeMap::new(), "old".into(), now);
+        let t = now + Duration::from_secs(1);
+        assert!(plane.alarms(&config(), &hinting(t), t).is_empty());
+        assert!(plane.bus_probe_due(src, Duration::from_secs(30), t));
+        let t = t + PROBE_HOLD;
+        let alarms = plane.alarms(&config(), &hinting(t), t);
+        assert_eq!(alarms.len(), 1, "{alarms:?}");
+        // The condition ends; a new episode waits again.
+        assert!(plane.alarms(&config(), &Activity::default(), t).is_empty());
+        assert!(!plane.bus_probe_due(src, Duration::from_secs(30), t));
+        let t = t + Duration::from_secs(1);
+        assert!(plane.alarms(&config(), &hinting(t), t).is_empty());
     }
 
     /// Hosts that come and go under Envoy's membership take the slots of those that left.
@@ -729,7 +826,7 @@ mod tests {
     #[test]
     fn a_hinted_worker_that_never_publishes_is_named() {
         let now = Instant::now();
-        let plane = EventPlane::new(now);
+        let mut plane = EventPlane::new(now);
         let activity = Activity {
             workers: vec![("w0".into(), 0, Some(now)), ("w1".into(), 3, None)],
             ..hinting(now)
@@ -771,7 +868,7 @@ mod tests {
     #[test]
     fn a_worker_that_stops_publishing_while_others_go_on_is_named() {
         let start = Instant::now();
-        let plane = EventPlane::new(start);
+        let mut plane = EventPlane::new(start);
         let config = AlarmConfig {
             silence_s: 30,
             min_hints: 2,
@@ -785,7 +882,7 @@ mod tests {
             ],
             ..hinting(now)
         };
-        let named = |a: &Activity| {
+        let mut named = |a: &Activity| {
             plane
                 .alarms(&config, a, now)
                 .into_iter()
@@ -808,7 +905,7 @@ mod tests {
         let config = crate::config::DiscoveryConfig::new("/d", "m");
         let entry = plane.register_discovery(&config);
         plane.discovered(entry, 0, "found nothing under /d".into(), (0, 0));
-        let on = |plane: &EventPlane, activity: &Activity| {
+        let on = |plane: &mut EventPlane, activity: &Activity| {
             plane
                 .alarms(&AlarmConfig::default(), activity, now)
                 .into_iter()
@@ -816,19 +913,19 @@ mod tests {
                 .collect::<Vec<_>>()
         };
         assert!(
-            on(&plane, &Activity::default()).is_empty(),
+            on(&mut plane, &Activity::default()).is_empty(),
             "no requests, no alarm"
         );
         let requested = Activity {
             last_request: Some(now),
             ..Activity::default()
         };
-        let alarms = on(&plane, &requested);
+        let alarms = on(&mut plane, &requested);
         assert_eq!(alarms.len(), 1);
         assert_eq!(alarms[0].subject, "m");
         assert_eq!(alarms[0].message, "found nothing under /d");
         plane.discovered(entry, 2, "two".into(), (2, 0));
-        assert!(on(&plane, &requested).is_empty());
+        assert!(on(&mut plane, &requested).is_empty());
     }
 
     /// Instances but no publisher this sidecar reads, and a store that cannot be read: each
@@ -843,7 +940,7 @@ mod tests {
             last_request: Some(now),
             ..Activity::default()
         };
-        let on = |plane: &EventPlane| {
+        let on = |plane: &mut EventPlane| {
             plane
                 .alarms(
                     &AlarmConfig {
@@ -859,20 +956,20 @@ mod tests {
                 .collect::<Vec<_>>()
         };
         plane.discovered(entry, 2, "two".into(), (0, 0));
-        let alarms = on(&plane);
+        let alarms = on(&mut plane);
         assert_eq!(alarms.len(), 1, "{alarms:?}");
         assert_eq!(alarms[0].0, "no_publishers");
         assert!(alarms[0].1.contains("publish no KV events"), "{alarms:?}");
         plane.discovered(entry, 2, "two".into(), (0, 2));
-        let alarms = on(&plane);
+        let alarms = on(&mut plane);
         assert!(alarms[0].1.contains("no [nats] section"), "{alarms:?}");
         let nats = plane.register("nats", "nats://x", vec![]);
-        assert!(on(&plane).is_empty(), "NATS is read");
+        assert!(on(&mut plane).is_empty(), "NATS is read");
         plane.discovered(entry, 2, "two".into(), (0, 0));
-        assert_eq!(on(&plane).len(), 1, "none registered");
+        assert_eq!(on(&mut plane).len(), 1, "none registered");
         plane.event(nats, "a.kv-events", now);
         assert!(
-            on(&plane).is_empty(),
+            on(&mut plane).is_empty(),
             "events arrive all the same (Dynamo before 1.4)"
         );
         plane.discovery_failed(
@@ -880,7 +977,7 @@ mod tests {
             "connection refused".into(),
             now - Duration::from_secs(7),
         );
-        let alarms = on(&plane);
+        let alarms = on(&mut plane);
         assert_eq!(alarms.len(), 1, "{alarms:?}");
         assert_eq!(alarms[0].0, "discovery_unreachable");
         assert!(
@@ -890,6 +987,6 @@ mod tests {
             "{alarms:?}"
         );
         plane.discovered(entry, 2, "two".into(), (2, 0));
-        assert!(on(&plane).is_empty(), "read again");
+        assert!(on(&mut plane).is_empty(), "read again");
     }
 }

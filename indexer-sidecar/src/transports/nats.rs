@@ -228,9 +228,11 @@ const PROBE_WINDOW: Duration = Duration::from_secs(2);
 const PROBE_SUBJECTS: usize = 200;
 
 /// While no KV event arrives and hints are served (the `no_events` condition), look at the whole
-/// Dynamo bus (`namespace.>`) for a moment, once per `silence_s`, and say where KV events *are*
-/// published — the classic cause is a component renamed by a move to disaggregated serving —
-/// or that none are. The result also shows in `/debug/sources` and in the alarm's line.
+/// Dynamo bus (`namespace.>`) for a moment — at once when the condition begins, then once per
+/// `silence_s` — and say where KV events *are* published (the classic cause is a component
+/// renamed by a move to disaggregated serving) or that none are. The verdict opens the alarm's
+/// line (which waits for it) and shows in `/debug/sources`; a later change of verdict during
+/// the same episode gets a line of its own.
 async fn probe_bus(
     client: async_nats::Client,
     subscribed: Vec<String>,
@@ -238,10 +240,15 @@ async fn probe_bus(
     source: usize,
 ) {
     let every = Duration::from_secs(state.alarms.silence_s.clamp(1, 300));
-    let mut last_verdict = String::new();
+    // `None`: no verdict yet in this episode (the alarm's line will carry the first).
+    let mut last_verdict: Option<String> = None;
     loop {
-        tokio::time::sleep(every).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
         if !state.silent_while_hinting(Instant::now()) {
+            last_verdict = None;
+            continue;
+        }
+        if !state.plane().bus_probe_due(source, every, Instant::now()) {
             continue;
         }
         let Ok(mut sub) = client.subscribe("namespace.>").await else {
@@ -265,33 +272,40 @@ async fn probe_bus(
             }
         }
         let _ = sub.unsubscribe().await;
-        // Subjects without counts, so the line repeats only when the picture changes.
-        let kv: Vec<&str> = seen
-            .keys()
-            .filter(|subject| parse_subject(subject).is_some())
-            .map(String::as_str)
-            .collect();
+        let verdict = bus_verdict(&seen, &subscribed);
+        if last_verdict.as_ref().is_some_and(|last| *last != verdict) {
+            tracing::warn!(alarm = "no_events", "{verdict}");
+        }
+        last_verdict = Some(verdict.clone());
+        state
+            .plane()
+            .record_bus(source, seen, verdict, Instant::now());
+    }
+}
+
+/// What a look at the whole bus says: where KV events are published that `subscribed` does not
+/// match, or that none are (with the components seen). Without counts, so that it changes only
+/// when the picture does.
+fn bus_verdict(seen: &BTreeMap<String, u64>, subscribed: &[String]) -> String {
+    let kv: Vec<&str> = seen
+        .keys()
+        .filter(|subject| parse_subject(subject).is_some())
+        .map(String::as_str)
+        .collect();
+    if kv.is_empty() {
         let components: BTreeSet<String> =
             seen.keys().filter_map(|s| subject_component(s)).collect();
-        let verdict = if kv.is_empty() {
-            format!(
-                "no KV events on the whole bus during a {} s look; components seen: [{}] — are the engines started with KV events on?",
-                PROBE_WINDOW.as_secs(),
-                components.into_iter().collect::<Vec<_>>().join(", ")
-            )
-        } else {
-            format!(
-                "KV events are published on [{}], which the subscriptions [{}] do not match: add them to [nats] subjects",
-                kv.join(", "),
-                subscribed.join(", ")
-            )
-        };
-        // Once per change, not every probe.
-        if verdict != last_verdict {
-            tracing::warn!(alarm = "no_events", "{verdict}");
-            last_verdict = verdict;
-        }
-        state.plane().record_bus(source, seen, Instant::now());
+        format!(
+            "No KV events on the whole bus during a {} s look (components seen: [{}]): are the engines started with KV events on?",
+            PROBE_WINDOW.as_secs(),
+            components.into_iter().collect::<Vec<_>>().join(", ")
+        )
+    } else {
+        format!(
+            "KV events are published on [{}], which the subscriptions [{}] do not match: add them to [nats] subjects",
+            kv.join(", "),
+            subscribed.join(", ")
+        )
     }
 }
 
@@ -395,6 +409,38 @@ mod tests {
         assert!(
             r.first_time("t", b"x"),
             "another subject is another message"
+        );
+    }
+
+    #[test]
+    fn the_bus_verdict_names_the_subjects_that_carry_events() {
+        let subscribed = vec!["namespace.*.component.prefill.endpoint.*.kv-events".to_owned()];
+        let published = "namespace.dynamo.component.backend.endpoint.generate.kv-events";
+        let seen = BTreeMap::from([
+            (published.to_owned(), 9),
+            (
+                "namespace.dynamo.component.backend.endpoint.generate.kv_metrics".to_owned(),
+                3,
+            ),
+        ]);
+        let verdict = bus_verdict(&seen, &subscribed);
+        assert!(
+            verdict.starts_with(&format!("KV events are published on [{published}]")),
+            "{verdict}"
+        );
+        assert!(verdict.contains("add them to [nats] subjects"), "{verdict}");
+        let load_only = BTreeMap::from([(
+            "namespace.dynamo.component.backend.endpoint.generate.kv_metrics".to_owned(),
+            3,
+        )]);
+        let verdict = bus_verdict(&load_only, &subscribed);
+        assert!(
+            verdict.starts_with("No KV events on the whole bus"),
+            "{verdict}"
+        );
+        assert!(
+            verdict.contains("components seen: [dynamo/backend]"),
+            "{verdict}"
         );
     }
 
