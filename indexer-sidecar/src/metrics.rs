@@ -531,7 +531,7 @@ impl Default for Metrics {
             ),
             skipped_events: family(&mut r, "skipped_events", "Elements of a message that were not known events"),
             lost_messages: family(&mut r, "lost_messages", "Dynamo messages lost on the way here (gaps in a publisher's own numbering), by transport and topic"),
-            unknown_event_fields: family(&mut r, "unknown_event_fields", "Event fields kvroute does not know (one per field per batch)"),
+            unknown_event_fields: family(&mut r, "unknown_event_fields", "Event fields kvroute does not know (one per field per vLLM batch or checked Dynamo message)"),
             other_group_events: family(&mut r, "other_group_events", "Events of a cache group that is not a prefix cache (sliding window, state space): not indexed"),
             lost_events: family(&mut r, "lost_events", "Events missing from a worker's sequence numbers: lost on the way here"),
             source_dropped_messages: family(&mut r, "source_dropped_messages", "Messages an event source's client library dropped before the sidecar read them (buffer full)"),

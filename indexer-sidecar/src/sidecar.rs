@@ -30,6 +30,7 @@
 //! holding one, and the data stays consistent between core calls.
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -119,6 +120,8 @@ pub struct Sidecar {
     /// replicas lose different messages.
     test_drop_events: f64,
     test_drop_seed: u64,
+    /// Dynamo KV-event messages seen, for [`Sidecar::dynamo_fields`]'s sampling.
+    dynamo_messages: AtomicU64,
     /// With `[replicas]`: how long to wait for a first peer before starting from the events
     /// alone (three intervals), counted from `started`.
     peer_wait: Option<Duration>,
@@ -135,6 +138,9 @@ pub struct Sidecar {
     /// How often engines are scraped.
     pub scrape_interval: Duration,
 }
+
+/// One Dynamo KV-event message in this many is checked for unknown fields.
+const FIELD_CHECK_EVERY: u64 = 64;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -185,6 +191,7 @@ impl Sidecar {
             test_drop_seed: replica_id
                 .as_ref()
                 .map_or(0, |id| xxhash_rust::xxh3::xxh3_64(id.as_bytes())),
+            dynamo_messages: AtomicU64::new(0),
             peer_wait: replicas.map(|_| three_intervals),
             started: Instant::now(),
             restoring: Mutex::new((Vec::new(), Instant::now())),
@@ -496,6 +503,30 @@ impl Sidecar {
             .stamp(source, stamp.publisher_id, stamp.sequence);
         if lost > 0 {
             self.messages_lost(transport, topic, lost, now);
+        }
+    }
+
+    /// A Dynamo KV-event envelope (msgpack, from NATS or a ZMQ data frame) arrived: the first
+    /// and then one in [`FIELD_CHECK_EVERY`] are walked for fields kvroute does not read (the
+    /// decode ignores them). A newer engine's fields are on every message it sends; walking
+    /// each one twice would cost an event storm a share of its rate.
+    pub fn dynamo_fields(&self, transport: Transport, envelope: &[u8]) {
+        if !self
+            .dynamo_messages
+            .fetch_add(1, Ordering::Relaxed)
+            .is_multiple_of(FIELD_CHECK_EVERY)
+        {
+            return;
+        }
+        for field in kvroute_protocol::dynamo::unknown_fields(envelope) {
+            let label = SourceLabel { source: transport };
+            self.metrics
+                .unknown_event_fields
+                .get_or_create(&label)
+                .inc();
+            if self.plane().unknown_field(&field) {
+                tracing::info!(%field, "Dynamo event field kvroute does not know: the events are applied without it (kvroute_unknown_event_fields_total counts the checked messages carrying one)");
+            }
         }
     }
 

@@ -2,8 +2,9 @@
 //!
 //! A NATS message body is a msgpack map [`Envelope`] whose `payload` (msgpack `bin`) holds either
 //! one [`RouterEvent`] (Dynamo 1.2.x) or an array of them (1.6.x). Legacy 1.2.x JetStream mode
-//! carries a plain JSON `RouterEvent` with no envelope. Unknown fields are ignored everywhere;
-//! an array element that is not a known event is skipped and counted, not fatal.
+//! carries a plain JSON `RouterEvent` with no envelope. Unknown fields are ignored by the decode
+//! ([`unknown_fields`] names them); an array element that is not a known event is skipped and
+//! counted, not fatal, and keeps its number in its worker's sequence where it can be read.
 //!
 //! Subjects: 1.2.x `namespace.<ns>.component.<comp>.kv-events`, 1.6.x
 //! `namespace.<ns>.component.<comp>.endpoint.<ep>.kv-events` (see [`SubjectInfo`]).
@@ -148,7 +149,8 @@ pub struct DecodedEvents {
     pub topic: String,
     /// The events, in order.
     pub events: Vec<RouterEvent>,
-    /// Array elements that did not decode as a RouterEvent (unknown variants, bad types).
+    /// Array elements that did not decode as a RouterEvent (unknown variants, bad types). One
+    /// whose worker and number could be read is among `events` as an empty removal.
     pub skipped: usize,
     /// The envelope's publisher and number (absent for JetStream JSON bodies).
     pub stamp: Option<Stamp>,
@@ -178,7 +180,43 @@ impl Envelope {
 #[serde(untagged)]
 enum MaybeEvent {
     Known(RouterEvent),
+    /// A kind we do not know, of a worker and number we can read.
+    Numbered(NumberedEvent),
     Unknown(IgnoredAny),
+}
+
+/// What any event carries whatever its kind: its worker and its number.
+#[derive(Deserialize)]
+struct NumberedEvent {
+    worker_id: u64,
+    event: Number,
+}
+
+#[derive(Deserialize)]
+struct Number {
+    event_id: u64,
+    #[serde(default)]
+    dp_rank: u32,
+}
+
+impl NumberedEvent {
+    /// An event of a kind kvroute does not know still takes its number in its worker's
+    /// sequence: kept as an empty removal (nothing kvroute knows of changed), so that the next
+    /// event is not taken for a gap.
+    fn placeholder(self) -> RouterEvent {
+        RouterEvent {
+            worker_id: self.worker_id,
+            storage_tier: default_tier(),
+            residency_domain: None,
+            event: KvCacheEvent {
+                event_id: self.event.event_id,
+                data: KvCacheEventData::Removed(RemovedBlocks {
+                    block_hashes: Vec::new(),
+                }),
+                dp_rank: self.event.dp_rank,
+            },
+        }
+    }
 }
 
 /// Decode a NATS message body from any Dynamo version: msgpack envelope, or JetStream JSON.
@@ -220,6 +258,10 @@ pub fn decode_payload(payload: &[u8]) -> Result<DecodedEvents, DecodeError> {
         for item in items {
             match item {
                 MaybeEvent::Known(e) => out.events.push(e),
+                MaybeEvent::Numbered(e) => {
+                    out.events.push(e.placeholder());
+                    out.skipped += 1;
+                }
                 MaybeEvent::Unknown(_) => out.skipped += 1,
             }
         }
@@ -233,6 +275,112 @@ pub fn decode_payload(payload: &[u8]) -> Result<DecodedEvents, DecodeError> {
             stamp: None,
         })
     }
+}
+
+/// The fields kvroute reads at each level of a KV-event message, by the name
+/// [`unknown_fields`] gives the level.
+const KNOWN_FIELDS: &[(&str, &[&str])] = &[
+    (
+        "envelope",
+        &[
+            "publisher_id",
+            "sequence",
+            "published_at",
+            "topic",
+            "payload",
+        ],
+    ),
+    (
+        "RouterEvent",
+        &["worker_id", "storage_tier", "residency_domain", "event"],
+    ),
+    ("KvCacheEvent", &["event_id", "data", "dp_rank"]),
+    ("stored", &["parent_hash", "start_position", "blocks"]),
+    (
+        "stored.blocks",
+        &["block_hash", "tokens_hash", "mm_extra_info"],
+    ),
+    ("removed", &["block_hashes"]),
+];
+
+/// Nesting deeper than a KV-event message has is not walked (rmpv counts about two per level;
+/// a stored block is seven levels down).
+const FIELDS_MAX_DEPTH: usize = 32;
+
+/// The fields of a KV-event envelope (msgpack, as on NATS or in a ZMQ data frame) that kvroute
+/// does not read, as `level.name` (e.g. `RouterEvent.session_id`), each once. Decoding ignores
+/// them; this says they exist, so that a newer engine's fields are seen, not silently dropped.
+/// A body that does not walk (JSON, garbage) has none: decoding reports it.
+pub fn unknown_fields(envelope: &[u8]) -> Vec<String> {
+    use rmpv::ValueRef;
+    fn map<'a>(v: &'a ValueRef<'a>) -> &'a [(ValueRef<'a>, ValueRef<'a>)] {
+        match v {
+            ValueRef::Map(fields) => fields,
+            _ => &[],
+        }
+    }
+    fn get<'a>(v: &'a ValueRef<'a>, name: &str) -> Option<&'a ValueRef<'a>> {
+        map(v)
+            .iter()
+            .find(|(k, _)| matches!(k, ValueRef::String(s) if s.as_str() == Some(name)))
+            .map(|(_, v)| v)
+    }
+    fn check(level: &str, v: &ValueRef<'_>, out: &mut Vec<String>) {
+        let known = KNOWN_FIELDS
+            .iter()
+            .find(|(l, _)| *l == level)
+            .map_or(&[][..], |(_, f)| *f);
+        for (k, _) in map(v) {
+            let name = match k {
+                ValueRef::String(s) => s.as_str().unwrap_or("?"),
+                _ => "?",
+            };
+            let full = format!("{level}.{name}");
+            if !known.contains(&name) && !out.contains(&full) {
+                out.push(full);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    fn read(mut bytes: &[u8]) -> Option<ValueRef<'_>> {
+        rmpv::decode::read_value_ref_with_max_depth(&mut bytes, FIELDS_MAX_DEPTH).ok()
+    }
+    let Some(env) = read(envelope) else {
+        return out;
+    };
+    check("envelope", &env, &mut out);
+    let Some(ValueRef::Binary(payload)) = get(&env, "payload") else {
+        return out;
+    };
+    let Some(payload) = read(payload) else {
+        return out;
+    };
+    let events = match &payload {
+        ValueRef::Array(items) => items.as_slice(),
+        single => std::slice::from_ref(single),
+    };
+    for e in events {
+        check("RouterEvent", e, &mut out);
+        let Some(event) = get(e, "event") else {
+            continue;
+        };
+        check("KvCacheEvent", event, &mut out);
+        let Some(data) = get(event, "data") else {
+            continue;
+        };
+        if let Some(stored) = get(data, "stored") {
+            check("stored", stored, &mut out);
+            if let Some(ValueRef::Array(blocks)) = get(stored, "blocks") {
+                for b in blocks {
+                    check("stored.blocks", b, &mut out);
+                }
+            }
+        }
+        if let Some(removed) = get(data, "removed") {
+            check("removed", removed, &mut out);
+        }
+    }
+    out
 }
 
 /// Decode a worker's `kv_metrics` message (msgpack envelope around one [`KvMetrics`] map).
@@ -508,10 +656,120 @@ mod tests {
         assert_eq!(items[0], 0x91);
         items[0] = 0x92;
         items.extend(rmp_serde::to_vec_named(&serde_json::json!({"worker_id": 1, "event": {"event_id": 1, "data": {"moved": {}}}})).unwrap());
+        items[0] = 0x93;
+        items.extend(rmp_serde::to_vec_named(&serde_json::json!({"what": 1})).unwrap());
         let out = decode_payload(&items).unwrap();
-        assert_eq!(out.events, vec![cleared.clone()]);
-        assert_eq!(out.skipped, 1);
+        assert_eq!(out.events.len(), 2, "{:?}", out.events);
+        assert_eq!(out.events[0], cleared);
+        assert_eq!(
+            (out.events[1].worker_id, out.events[1].event.event_id),
+            (1, 1)
+        );
+        assert_eq!(
+            out.skipped, 2,
+            "the unknown kind and the element that is no event"
+        );
         assert!(decode_message(&encode_v16(header, &[cleared])).is_ok());
+    }
+
+    /// A newer Dynamo's fields, at every level, cost nothing of the batch and are named; an
+    /// event kind not known is skipped, the rest applied. (Dynamo writes named maps:
+    /// `rmp_serde::to_vec_named`.)
+    #[test]
+    fn newer_fields_are_named_and_cost_nothing() {
+        use rmpv::Value;
+        let s = |x: &str| Value::from(x);
+        let block = Value::Map(vec![
+            (s("block_hash"), Value::from(7u64)),
+            (s("tokens_hash"), Value::from(8u64)),
+            (s("lora_id"), Value::from(1u64)),
+        ]);
+        let stored = Value::Map(vec![(
+            s("stored"),
+            Value::Map(vec![
+                (s("parent_hash"), Value::Nil),
+                (s("blocks"), Value::Array(vec![block])),
+                (s("num_tokens"), Value::from(16u64)),
+            ]),
+        )]);
+        let event = |data: Value, id: u64| {
+            Value::Map(vec![
+                (s("worker_id"), Value::from(42u64)),
+                (s("session_id"), s("abc")),
+                (
+                    s("event"),
+                    Value::Map(vec![
+                        (s("event_id"), Value::from(id)),
+                        (s("data"), data),
+                        (s("dp_rank"), Value::from(0u64)),
+                        (s("medium"), s("GPU")),
+                    ]),
+                ),
+            ])
+        };
+        let inactive = Value::Map(vec![(s("inactive"), Value::Map(vec![]))]);
+        let removed = Value::Map(vec![(
+            s("removed"),
+            Value::Map(vec![(
+                s("block_hashes"),
+                Value::Array(vec![Value::from(7u64)]),
+            )]),
+        )]);
+        let payload = Value::Array(vec![
+            event(stored, 0),
+            event(inactive, 1),
+            event(removed, 2),
+        ]);
+        let mut payload_bytes = Vec::new();
+        rmpv::encode::write_value(&mut payload_bytes, &payload).unwrap();
+        let envelope = Value::Map(vec![
+            (s("publisher_id"), Value::from(1u64)),
+            (s("sequence"), Value::from(0u64)),
+            (s("published_at"), Value::from(0u64)),
+            (s("topic"), s(KV_EVENTS_TOPIC)),
+            (s("payload"), Value::Binary(payload_bytes)),
+            (s("trace_id"), s("t")),
+        ]);
+        let mut body = Vec::new();
+        rmpv::encode::write_value(&mut body, &envelope).unwrap();
+        let decoded = decode_message(&body).unwrap();
+        assert_eq!(decoded.skipped, 1, "the unknown kind skipped");
+        let ids: Vec<u64> = decoded.events.iter().map(|e| e.event.event_id).collect();
+        assert_eq!(ids, [0, 1, 2], "every number kept: no gap");
+        assert_eq!(
+            decoded.events[1].event.data,
+            KvCacheEventData::Removed(RemovedBlocks {
+                block_hashes: vec![]
+            }),
+            "the unknown kind changes nothing kvroute knows"
+        );
+        assert!(matches!(
+            &decoded.events[0].event.data,
+            KvCacheEventData::Stored(b) if b.blocks[0].block_hash == 7
+        ));
+        assert_eq!(
+            unknown_fields(&body),
+            vec![
+                "envelope.trace_id",
+                "RouterEvent.session_id",
+                "KvCacheEvent.medium",
+                "stored.num_tokens",
+                "stored.blocks.lora_id",
+            ]
+        );
+        // Dynamo 1.6.1's own messages have none.
+        let dir = dynamo("");
+        let mut captures = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let name = entry.unwrap().file_name().into_string().unwrap();
+            if name.starts_with("kv-events") && name.ends_with(".msgpack") {
+                assert_eq!(unknown_fields(&read(&name)), Vec::<String>::new(), "{name}");
+                captures += 1;
+            }
+        }
+        assert!(captures >= 5, "{captures} captures in {dir:?}");
+        assert!(unknown_fields(b"{\"x\":1}").is_empty());
+        assert!(unknown_fields(&[0xc1]).is_empty());
     }
 
     #[test]

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvroute_protocol::dynamo::{KV_EVENTS_TOPIC, KV_METRICS_TOPIC};
-use kvroute_protocol::dynamo_zmq::decode_frames;
+use kvroute_protocol::dynamo_zmq::{decode_frames, frame_payload};
 
 use crate::core::{Input, Message, Publisher};
 use crate::event_plane::{judge, Sequence};
@@ -547,6 +547,9 @@ impl Subscriber<'_> {
                     Ok(d) => d,
                     Err(e) => return self.undecodable(&subject, &e.to_string()),
                 };
+                if let Some(Ok(envelope)) = parts.get(3).map(|data| frame_payload(data)) {
+                    self.state.dynamo_fields(Transport::DynamoZmq, envelope);
+                }
                 if decoded.skipped > 0 {
                     self.state
                         .metrics

@@ -350,6 +350,9 @@ pub fn handle(state: &Sidecar, source: usize, subject: &str, body: &[u8]) {
     seen(decoded.is_ok());
     match decoded {
         Ok(decoded) => {
+            if decoded.stamp.is_some() {
+                state.dynamo_fields(Transport::Nats, body);
+            }
             if let Some(stamp) = decoded.stamp {
                 state.stamped(
                     source,
