@@ -1,4 +1,4 @@
-//! The shipped Envoy configurations (`envoy/*.yaml`, built into the binary) and the one function
+//! The shipped Envoy configurations (`deploy/envoy/*.yaml`, built into the binary) and the one function
 //! that fills their placeholders: `kvroute-sidecar envoy-config` prints a configuration that runs
 //! as it is, and the test harness renders its fleets' configurations with the same code.
 //!
@@ -25,11 +25,11 @@ use kvroute_protocol::headers;
 /// A shipped template.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Template {
-    /// `envoy/kvroute.yaml`: hints, ring-hash fallback.
+    /// `deploy/envoy/kvroute.yaml`: hints, ring-hash fallback.
     Kvroute,
-    /// `envoy/kvroute-maglev.yaml`: hints, maglev fallback.
+    /// `deploy/envoy/kvroute-maglev.yaml`: hints, maglev fallback.
     KvrouteMaglev,
-    /// `envoy/round-robin.yaml`: the baseline without kvroute.
+    /// `deploy/envoy/round-robin.yaml`: the baseline without kvroute.
     RoundRobin,
 }
 
@@ -37,9 +37,9 @@ impl Template {
     /// The template text.
     pub fn text(self) -> &'static str {
         match self {
-            Template::Kvroute => include_str!("../../envoy/kvroute.yaml"),
-            Template::KvrouteMaglev => include_str!("../../envoy/kvroute-maglev.yaml"),
-            Template::RoundRobin => include_str!("../../envoy/round-robin.yaml"),
+            Template::Kvroute => include_str!("../../deploy/envoy/kvroute.yaml"),
+            Template::KvrouteMaglev => include_str!("../../deploy/envoy/kvroute-maglev.yaml"),
+            Template::RoundRobin => include_str!("../../deploy/envoy/round-robin.yaml"),
         }
     }
 }

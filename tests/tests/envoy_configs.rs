@@ -52,8 +52,9 @@ fn shipped_envoy_configs_validate() {
 /// edit to one must reach the other.
 #[test]
 fn maglev_config_differs_only_in_the_fallback_policy() {
-    let read =
-        |name: &str| std::fs::read_to_string(paths::workspace().join("envoy").join(name)).unwrap();
+    let read = |name: &str| {
+        std::fs::read_to_string(paths::workspace().join("deploy/envoy").join(name)).unwrap()
+    };
     // Drop comments and the policy block (from its name to the balance factor).
     let skeleton = |text: String| -> Vec<String> {
         let mut out = Vec::new();
@@ -108,4 +109,93 @@ fn the_envoy_config_command_prints_a_config_that_runs() {
         .unwrap();
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("not ip:port"));
+}
+
+/// The documented command runs beside another Envoy on the host (one started with Envoy's
+/// defaults, hot restart on at base id 0), where Envoy's defaults would not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_documented_command_runs_beside_another_envoy() {
+    use kvroute_harness::process::{free_port, wait_for};
+    let dir = paths::run_dir("envoy-beside").unwrap();
+    let engines = vec!["127.0.0.1:8100".to_owned()];
+    let config = |name: &str| {
+        let opts = StackOptions::new("beside", Mode::RoundRobin);
+        let (listen, admin) = (free_port().unwrap(), free_port().unwrap());
+        let yaml = render_envoy(
+            &opts,
+            &dir,
+            &engines,
+            listen,
+            admin,
+            &SidecarAddress::Tcp(9100),
+        )
+        .unwrap();
+        let file = dir.join(format!("{name}.yaml"));
+        std::fs::write(&file, yaml).unwrap();
+        (file, admin)
+    };
+    let envoy = |file: &std::path::Path, flags: &[&str], log: &str| {
+        let log = std::fs::File::create(dir.join(log)).unwrap();
+        Command::new(paths::venv_tool("envoy").unwrap())
+            .arg("-c")
+            .arg(file)
+            .args(flags)
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap()
+    };
+    let ready = |admin: u16| async move {
+        let url = format!("http://127.0.0.1:{admin}/ready");
+        wait_for(
+            "Envoy ready",
+            std::time::Duration::from_secs(20),
+            || async {
+                let r = reqwest::get(&url).await.ok()?;
+                r.status().is_success().then_some(())
+            },
+        )
+        .await
+    };
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let (a, admin_a) = config("a");
+    let _first = Kill(envoy(&a, &[], "a.log"));
+    ready(admin_a).await.unwrap();
+    // Envoy's defaults, a second time: refused.
+    let (b, _) = config("b");
+    let mut second = envoy(&b, &[], "b.log");
+    let status = second.wait().unwrap();
+    let said = std::fs::read_to_string(dir.join("b.log")).unwrap();
+    assert!(!status.success(), "{said}");
+    assert!(said.contains("unable to bind domain socket"), "{said}");
+    // The two documented ways.
+    let base_id = dir.join("base-id");
+    for (name, flags) in [
+        ("c", vec!["--disable-hot-restart"]),
+        (
+            "d",
+            vec![
+                "--use-dynamic-base-id",
+                "--base-id-path",
+                base_id.to_str().unwrap(),
+            ],
+        ),
+    ] {
+        let (file, admin) = config(name);
+        let _beside = Kill(envoy(&file, &flags, &format!("{name}.log")));
+        ready(admin).await.unwrap_or_else(|e| {
+            panic!(
+                "{name}: {e}: {}",
+                std::fs::read_to_string(dir.join(format!("{name}.log"))).unwrap()
+            )
+        });
+    }
+    let id = std::fs::read_to_string(&base_id).unwrap();
+    assert!(id.trim().parse::<u32>().is_ok_and(|id| id != 0), "{id}");
 }

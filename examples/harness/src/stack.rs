@@ -42,9 +42,9 @@ impl Mode {
 /// Envoy's fallback policy when there is no hint (kvroute and ring_hash modes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fallback {
-    /// `envoy/kvroute.yaml`.
+    /// `deploy/envoy/kvroute.yaml`.
     RingHash,
-    /// `envoy/kvroute-maglev.yaml`.
+    /// `deploy/envoy/kvroute-maglev.yaml`.
     Maglev,
 }
 
@@ -1077,7 +1077,7 @@ async fn start_sidecar(
     Ok(process)
 }
 
-/// The shipped Envoy configuration for `opts` (`envoy/kvroute.yaml`, `kvroute-maglev.yaml` or
+/// The shipped Envoy configuration for `opts` (`deploy/envoy/kvroute.yaml`, `kvroute-maglev.yaml` or
 /// `round-robin.yaml`), filled as `kvroute-sidecar envoy-config` fills it.
 pub fn render_envoy(
     opts: &StackOptions,
