@@ -97,6 +97,17 @@ enum Command {
         #[arg(long, default_value_t = envoy_config::STREAM_IDLE_TIMEOUT.as_secs_f64())]
         stream_idle_timeout_s: f64,
     },
+    /// GET a URL of the running sidecar and exit 0 on a 2xx answer, 1 otherwise: the exec
+    /// probe of a container that has no shell and whose API listens on loopback only
+    /// (kubelet's httpGet probes reach the pod's IP, not its loopback).
+    Probe {
+        /// What to ask, e.g. `http://127.0.0.1:9100/readyz`.
+        #[arg(long, default_value = "http://127.0.0.1:9100/healthz")]
+        url: String,
+        /// Seconds before giving up.
+        #[arg(long, default_value_t = 2.0)]
+        timeout_s: f64,
+    },
     /// Print captured KV-event payloads as JSON lines (hashes as u64), one per event.
     Decode {
         /// Wire format of the files.
@@ -192,6 +203,21 @@ async fn main() -> anyhow::Result<()> {
                     .context("--stream-idle-timeout-s is not a number of seconds")?,
             };
             print!("{}", envoy_config::render(template.text(), &params)?);
+            Ok(())
+        }
+        Command::Probe { url, timeout_s } => {
+            let client = reqwest::Client::builder()
+                .timeout(std::time::Duration::from_secs_f64(
+                    timeout_s.clamp(0.01, 60.0),
+                ))
+                .build()?;
+            let response = client.get(&url).send().await?;
+            let status = response.status();
+            let body = response.text().await.unwrap_or_default();
+            println!("{status} {}", body.trim());
+            if !status.is_success() {
+                std::process::exit(1);
+            }
             Ok(())
         }
         Command::Decode { format, files } => {
