@@ -22,6 +22,7 @@ WANTED = {
     ("gateway.envoyproxy.io/v1alpha1", "EnvoyExtensionPolicy"),
     ("gateway.envoyproxy.io/v1alpha1", "BackendTrafficPolicy"),
     ("gateway.envoyproxy.io/v1alpha1", "EnvoyProxy"),
+    ("gateway.envoyproxy.io/v1alpha1", "EnvoyPatchPolicy"),
 }
 
 
