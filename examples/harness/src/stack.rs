@@ -191,6 +191,31 @@ pub struct StackOptions {
     /// `[[workers]]` and `[[zmq]]`. Engines publishing vLLM's format: simulated, or real vLLM
     /// with [`crate::vllm::VllmOptions::zmq_beside`].
     pub eds_membership: bool,
+    /// Envoy's configuration built by this function instead of from a shipped template: a
+    /// bootstrap assembled the way a control plane would apply `deploy/`'s patches.
+    pub envoy_bootstrap: Option<BootstrapFn>,
+    /// The name of Envoy's cluster of engines (`workers` in the shipped templates).
+    pub workers_cluster: String,
+}
+
+/// Builds an Envoy bootstrap (YAML or JSON text) from what the stack started.
+pub type BootstrapFn = fn(&EnvoyInputs) -> Result<String>;
+
+/// What the stack gives a [`BootstrapFn`].
+#[derive(Debug, Clone)]
+pub struct EnvoyInputs {
+    /// The listener's port, on 127.0.0.1.
+    pub listen: u16,
+    /// The admin port, on 127.0.0.1.
+    pub admin: u16,
+    /// The engines (or frontends): `ip:port`.
+    pub upstreams: Vec<std::net::SocketAddr>,
+    /// The sidecar's port on 127.0.0.1 (TCP only).
+    pub sidecar_port: u16,
+    /// The filter's configuration as the stack would pass it.
+    pub filter_config: serde_json::Value,
+    /// The filter module.
+    pub wasm: PathBuf,
 }
 
 /// A lossy transport between the nats-server and each sidecar ([`StackOptions::transport_loss`]).
@@ -240,6 +265,8 @@ impl StackOptions {
             shared_sidecar: false,
             ejection_s: None,
             eds_membership: false,
+            envoy_bootstrap: None,
+            workers_cluster: "workers".into(),
         }
     }
 
@@ -477,13 +504,12 @@ impl Stack {
         // (or, in pin mode, Dynamo discovery) call usable.
         let (engines, upstreams) = (stack.engines.len() as u64, upstreams.len() as u64);
         let stack_ref = &stack;
+        let stat = &format!("cluster.{}.membership_healthy", opts.workers_cluster);
         let healthy = wait_for(
             "Envoy to find every engine healthy",
             Duration::from_secs(30),
             || async move {
-                let n = stack_ref
-                    .envoy_stat("cluster.workers.membership_healthy")
-                    .await?;
+                let n = stack_ref.envoy_stat(stat).await?;
                 if n < upstreams {
                     return None;
                 }
@@ -827,7 +853,8 @@ impl Stack {
 
     /// A counter or gauge from the `/stats` of the Envoy at `admin_url`.
     pub async fn envoy_stat_at(&self, admin_url: &str, name: &str) -> Option<u64> {
-        let url = format!("{admin_url}/stats?filter=^{}$", name.replace('.', "\\."));
+        let escaped = name.replace('.', "\\.").replace('|', "\\|");
+        let url = format!("{admin_url}/stats?filter=^{escaped}$");
         let text = crate::client::get_text(&self.http, &url).await?;
         text.lines().find_map(|l| {
             l.strip_prefix(name)?
@@ -983,7 +1010,8 @@ fn sidecar_text(
         ));
     }
     text.push_str(&format!(
-        "\n[envoy]\nadmin_url = \"http://127.0.0.1:{admin}\"\npoll_interval_ms = 100\n"
+        "\n[envoy]\nadmin_url = \"http://127.0.0.1:{admin}\"\ncluster = \"{}\"\npoll_interval_ms = 100\n",
+        opts.workers_cluster
     ));
     if opts.eds_membership {
         text.push_str(&format!(
@@ -1119,6 +1147,21 @@ pub fn render_envoy(
         wasm: paths::filter_wasm()?,
         stream_idle_timeout: opts.stream_idle_timeout,
     };
+    if let Some(bootstrap) = opts.envoy_bootstrap {
+        let (envoy_config::Workers::Listed(upstreams), SidecarAddress::Tcp(sidecar_port)) =
+            (params.workers, sidecar)
+        else {
+            anyhow::bail!("an assembled bootstrap takes listed workers and a TCP sidecar");
+        };
+        return bootstrap(&EnvoyInputs {
+            listen,
+            admin,
+            upstreams,
+            sidecar_port: *sidecar_port,
+            filter_config: params.filter_config,
+            wasm: params.wasm,
+        });
+    }
     let text = envoy_config::render(template.text(), &params)?;
     match opts.ejection_s {
         Some(s) => {
