@@ -5,8 +5,11 @@ SHELL  := /bin/bash
 PYTHON ?= python3
 VENV   := .venv
 WASM   := target/wasm32-wasip1/release/kvroute_filter.wasm
+# The sidecar linked statically (glibc, crt-static) for an image FROM scratch.
+STATIC_SIDECAR := target/static/x86_64-unknown-linux-gnu/release/kvroute-sidecar
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 
-.PHONY: all build venv venv-peers venv-dynamo venv-vllm toolchain check test test-live lint demo clean \
+.PHONY: images all build venv venv-peers venv-dynamo venv-vllm toolchain check test test-live lint demo clean \
 	bench-routing bench-routing-quick bench-replicas bench-replicas-quick bench-storm bench-datapath bench-dynamo bench-vllm bench-index bench-hint bench-prepare bench-usage fuzz \
 	precision-fixtures
 
@@ -53,6 +56,14 @@ venv-vllm: .venv-vllm/.installed
 build: toolchain
 	cargo build --release --workspace --bins
 	cargo build --release -p kvroute-filter --target wasm32-wasip1
+
+# The two images as OCI layouts in target/images (Debian's umoci and skopeo: apt-get install
+# umoci skopeo), checked as a registry and a runtime read them (docs/deploy.md, "Images").
+images: venv build
+	RUSTFLAGS="-C target-feature=+crt-static" cargo build --release -p kvroute-sidecar \
+	    --bin kvroute-sidecar --target x86_64-unknown-linux-gnu --target-dir target/static
+	deploy/images/build.sh $(VERSION) $(STATIC_SIDECAR) $(WASM)
+	$(VENV)/bin/python tests/fixtures/check_images.py $(VERSION) $(STATIC_SIDECAR) $(WASM)
 
 lint: toolchain
 	cargo fmt --all -- --check
