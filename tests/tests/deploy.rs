@@ -123,6 +123,7 @@ fn every_manifest_validates_against_the_schema_of_its_kind() {
 fn the_mounted_sidecar_configurations_load() {
     for (dir, cluster) in [
         ("istio/gateway", "outbound|8000||vllm.llm.svc.cluster.local"),
+        ("istio/sidecar", "outbound|8000||vllm.llm.svc.cluster.local"),
         ("envoy-gateway", "httproute/llm/llm/rule/0"),
     ] {
         let docs = documents(&deploy().join(dir)).unwrap();
@@ -189,7 +190,7 @@ fn filter_config(manifest: &Value, test: &Value) -> Value {
     config
 }
 
-fn listener(port: u16, http_filters: Vec<Value>, route: Value) -> Value {
+fn listener(port: u16, vhost: &str, http_filters: Vec<Value>, route: Value) -> Value {
     json!({
         "name": "gateway",
         "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
@@ -199,7 +200,7 @@ fn listener(port: u16, http_filters: Vec<Value>, route: Value) -> Value {
                 "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
                 "stat_prefix": "gateway",
                 "route_config": {"name": "gateway", "virtual_hosts": [{
-                    "name": "llm", "domains": ["*"], "routes": [route]}]},
+                    "name": vhost, "domains": ["*"], "routes": [route]}]},
                 "http_filters": http_filters,
             }
         }]}
@@ -220,10 +221,44 @@ fn bootstrap(admin: u16, listener: Value, clusters: Vec<Value>) -> String {
     .to_string()
 }
 
-/// What istiod and its agent make of `deploy/istio/gateway` on the gateway, for a Service
-/// `vllm.llm` on 8000 whose endpoints are the stack's engines.
+/// Where an Istio variant attaches: its folder, the proxies it selects, the patches' context,
+/// and the listener and virtual host istiod names for the engines' Service there.
+struct IstioVariant {
+    dir: &'static str,
+    selector: (&'static str, &'static str),
+    context: &'static str,
+    listener_port: u16,
+    vhost: &'static str,
+}
+
+const ISTIO_GATEWAY: IstioVariant = IstioVariant {
+    dir: "istio/gateway",
+    selector: ("gateway.networking.k8s.io/gateway-name", "llm-gateway"),
+    context: "GATEWAY",
+    listener_port: 80,
+    vhost: "llm",
+};
+
+const ISTIO_SIDECAR: IstioVariant = IstioVariant {
+    dir: "istio/sidecar",
+    selector: ("app", "llm-client"),
+    context: "SIDECAR_OUTBOUND",
+    listener_port: 8000,
+    vhost: "vllm.llm.svc.cluster.local:8000",
+};
+
 fn istio_gateway(inputs: &EnvoyInputs) -> Result<String> {
-    let docs = documents(&deploy().join("istio/gateway"))?;
+    istio(inputs, &ISTIO_GATEWAY)
+}
+
+fn istio_sidecar(inputs: &EnvoyInputs) -> Result<String> {
+    istio(inputs, &ISTIO_SIDECAR)
+}
+
+/// What istiod and its agent make of an Istio variant of `deploy/` on the proxy it selects, for
+/// a Service `vllm.llm` on 8000 whose endpoints are the stack's engines.
+fn istio(inputs: &EnvoyInputs, variant: &IstioVariant) -> Result<String> {
+    let docs = documents(&deploy().join(variant.dir))?;
     let name = "outbound|8000||vllm.llm.svc.cluster.local";
     // The cluster istiod builds for the Service (trimmed to what bears on routing), with the
     // DestinationRule's outlier detection.
@@ -246,13 +281,18 @@ fn istio_gateway(inputs: &EnvoyInputs) -> Result<String> {
         "load_assignment": endpoints(&inputs.upstreams),
     });
     engines["load_assignment"]["cluster_name"] = name.into();
-    // The route istiod builds from the HTTPRoute: its timeout, Istio's default retries.
-    let route_rule = &of_kind(&docs, "HTTPRoute")[0]["spec"]["rules"][0];
+    // The route istiod builds: the HTTPRoute's timeout (a Service's default route: none),
+    // Istio's default retries.
+    let timeout = of_kind(&docs, "HTTPRoute")
+        .first()
+        .map_or(json!("0s"), |r| {
+            r["spec"]["rules"][0]["timeouts"]["request"].clone()
+        });
     let mut route = json!({
         "match": {"prefix": "/"},
         "route": {
             "cluster": name,
-            "timeout": route_rule["timeouts"]["request"],
+            "timeout": timeout,
             "retry_policy": {
                 "retry_on": "connect-failure,refused-stream,unavailable,cancelled,retriable-status-codes",
                 "num_retries": 2,
@@ -268,10 +308,7 @@ fn istio_gateway(inputs: &EnvoyInputs) -> Result<String> {
     let mut before_router = Vec::new();
     for filter in of_kind(&docs, "EnvoyFilter") {
         let selector = &filter["spec"]["workloadSelector"]["labels"];
-        assert_eq!(
-            selector["gateway.networking.k8s.io/gateway-name"], "llm-gateway",
-            "{filter}"
-        );
+        assert_eq!(selector[variant.selector.0], variant.selector.1, "{filter}");
         for p in filter["spec"]["configPatches"]
             .as_array()
             .context("configPatches")?
@@ -281,10 +318,22 @@ fn istio_gateway(inputs: &EnvoyInputs) -> Result<String> {
                 p["patch"]["operation"].as_str().unwrap_or(""),
                 &p["patch"]["value"],
             );
-            let context = p["match"]["context"].as_str();
+            let m = &p["match"];
+            if apply != "EXTENSION_CONFIG" {
+                assert_eq!(m["context"], variant.context, "{p}");
+            }
+            // A patch for another listener or virtual host is not applied here.
+            let port = m["listener"]["portNumber"]
+                .as_u64()
+                .or(m["routeConfiguration"]["portNumber"].as_u64());
+            let vhost = m["routeConfiguration"]["vhost"]["name"].as_str();
+            if port.is_some_and(|p| p != u64::from(variant.listener_port))
+                || vhost.is_some_and(|v| v != variant.vhost)
+            {
+                continue;
+            }
             match (apply, op) {
                 ("CLUSTER", "ADD") => {
-                    assert_eq!(context, Some("GATEWAY"));
                     clusters.push(at_sidecar(value.clone(), inputs.sidecar_port));
                 }
                 ("CLUSTER", "MERGE") => {
@@ -331,7 +380,7 @@ fn istio_gateway(inputs: &EnvoyInputs) -> Result<String> {
     clusters.push(engines);
     Ok(bootstrap(
         inputs.admin,
-        listener(inputs.listen, filters, route),
+        listener(inputs.listen, variant.vhost, filters, route),
         clusters,
     ))
 }
@@ -410,7 +459,7 @@ fn envoy_gateway(inputs: &EnvoyInputs) -> Result<String> {
             "value": filter_config(&eep["config"], &inputs.filter_config).to_string()},
         "fail_open": eep["failOpen"].as_bool().unwrap_or(false),
     }}});
-    let mut listener = listener(inputs.listen, vec![wasm, router()], route);
+    let mut listener = listener(inputs.listen, "llm", vec![wasm, router()], route);
     for patch in of_kind(&docs, "EnvoyPatchPolicy")[0]["spec"]["jsonPatches"]
         .as_array()
         .context("jsonPatches")?
@@ -578,6 +627,63 @@ async fn an_istio_gateway_from_deploy_routes_by_hint_and_falls_back_by_hash() {
         "outbound|8000||vllm.llm.svc.cluster.local",
     )
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_istio_sidecar_proxy_from_deploy_routes_by_hint_and_falls_back_by_hash() {
+    serves_as_kvroute_does(
+        "deploy-istio-sidecar",
+        istio_sidecar,
+        "outbound|8000||vllm.llm.svc.cluster.local",
+    )
+    .await;
+}
+
+/// The sidecar-proxy variant is the gateway's, attached elsewhere: an edit to one must reach
+/// the other.
+#[test]
+fn the_istio_sidecar_variant_differs_only_where_it_attaches() {
+    let same = |doc: &Value| {
+        let mut doc = doc.clone();
+        doc["spec"]["workloadSelector"] = Value::Null;
+        if let Some(patches) = doc["spec"]["configPatches"].as_array_mut() {
+            for p in patches {
+                let m = &mut p["match"];
+                if m.get("context").is_some() {
+                    m["context"] = "X".into();
+                }
+                for at in ["listener", "routeConfiguration"] {
+                    if let Some(o) = m[at].as_object_mut() {
+                        o.remove("portNumber");
+                    }
+                }
+                if let Some(v) = m["routeConfiguration"]["vhost"].as_object_mut() {
+                    v.remove("name");
+                }
+            }
+        }
+        doc
+    };
+    let gateway = documents(&deploy().join("istio/gateway")).unwrap();
+    let sidecar = documents(&deploy().join("istio/sidecar")).unwrap();
+    for kind in ["EnvoyFilter", "DestinationRule"] {
+        let (g, s) = (of_kind(&gateway, kind), of_kind(&sidecar, kind));
+        assert_eq!(g.len(), s.len(), "{kind}");
+        for (g, s) in g.iter().zip(&s) {
+            assert_eq!(same(g), same(s), "{kind} {}", g["metadata"]["name"]);
+        }
+    }
+    let toml = |docs: &[Value]| {
+        of_kind(docs, "ConfigMap")
+            .iter()
+            .find_map(|m| m["data"]["sidecar.toml"].as_str().map(str::to_owned))
+            .unwrap()
+            .lines()
+            .filter(|l| !l.trim_start().starts_with('#'))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    assert_eq!(toml(&gateway), toml(&sidecar));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
