@@ -138,7 +138,7 @@ bench-vllm: venv venv-vllm build
 # docs/benchmarks.md, "Against Dynamo's KV router".
 bench-dynamo: venv venv-dynamo build
 	target/release/kvroute-bench dynamo --out target/bench/dynamo-agg
-	target/release/kvroute-bench dynamo --nats --workers 0 --prefill 3 --decode 1 --out target/bench/dynamo-disagg
+	target/release/kvroute-bench dynamo --workers 0 --prefill 3 --decode 1 --out target/bench/dynamo-disagg
 
 bench-datapath: venv build
 	target/release/kvroute-bench datapath

@@ -507,7 +507,7 @@ impl Sidecar {
     }
 
     /// A Dynamo KV-event envelope (msgpack, from NATS or a ZMQ data frame) arrived: the first
-    /// and then one in [`FIELD_CHECK_EVERY`] are walked for fields kvroute does not read (the
+    /// and then one in `FIELD_CHECK_EVERY` (64) are walked for fields kvroute does not read (the
     /// decode ignores them). A newer engine's fields are on every message it sends; walking
     /// each one twice would cost an event storm a share of its rate.
     pub fn dynamo_fields(&self, transport: Transport, envelope: &[u8]) {

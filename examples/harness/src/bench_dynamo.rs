@@ -33,7 +33,7 @@ use crate::report::{self, ModeReport};
 use crate::stack::MODEL;
 use crate::workload::{ChatSpec, ChatWorkload, Session};
 use crate::{Mode, Stack, StackOptions};
-use kvroute_protocol::dynamo::KvCacheEventData;
+use kvroute_protocol::dynamo::{KvCacheEventData, RouterEvent};
 
 /// What to run.
 #[derive(Debug, Clone)]
@@ -116,39 +116,114 @@ fn prefill_hit_rate(outcomes: &[Outcome], block_size: u32, stored_blocks: u64) -
     (full_blocks.saturating_sub(stored_blocks) * bs) as f64 / prompt as f64
 }
 
-/// Count the blocks `workers` store, from their KV events on the stack's NATS, until dropped.
-async fn count_stored_blocks(
-    nats_url: &str,
-    workers: HashSet<u64>,
-) -> Result<(Arc<AtomicU64>, tokio::task::JoinHandle<()>)> {
-    let client = async_nats::connect(nats_url)
-        .await
-        .with_context(|| format!("connecting to {nats_url}"))?;
-    let mut sub = client.subscribe("namespace.>").await?;
-    client.flush().await?;
-    let stored = Arc::new(AtomicU64::new(0));
-    let counter = stored.clone();
-    let task = tokio::spawn(async move {
-        let _client = client;
-        while let Some(msg) = sub.next().await {
-            if !msg.subject.ends_with(".kv-events") {
-                continue;
-            }
-            let Ok(decoded) = kvroute_protocol::dynamo::decode_message(&msg.payload) else {
-                continue;
-            };
-            for e in decoded
-                .events
-                .iter()
-                .filter(|e| workers.contains(&e.worker_id))
-            {
-                if let KvCacheEventData::Stored(s) = &e.event.data {
-                    counter.fetch_add(s.blocks.len() as u64, Ordering::Relaxed);
-                }
+/// Counts the blocks `workers` store, from their KV events, until dropped: on the stack's NATS
+/// (`--event-plane nats`), or on Dynamo's ZMQ event plane (its default) from every `kv-events`
+/// publisher discovery lists.
+struct StoredBlocks {
+    stored: Arc<AtomicU64>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl StoredBlocks {
+    fn count(&self) -> u64 {
+        self.stored.load(Ordering::Relaxed)
+    }
+
+    fn add(counter: &AtomicU64, workers: &HashSet<u64>, events: &[RouterEvent]) {
+        for e in events.iter().filter(|e| workers.contains(&e.worker_id)) {
+            if let KvCacheEventData::Stored(s) = &e.event.data {
+                counter.fetch_add(s.blocks.len() as u64, Ordering::Relaxed);
             }
         }
-    });
-    Ok((stored, task))
+    }
+
+    async fn on_nats(nats_url: &str, workers: HashSet<u64>) -> Result<StoredBlocks> {
+        let client = async_nats::connect(nats_url)
+            .await
+            .with_context(|| format!("connecting to {nats_url}"))?;
+        let mut sub = client.subscribe("namespace.>").await?;
+        client.flush().await?;
+        let stored = Arc::new(AtomicU64::new(0));
+        let counter = stored.clone();
+        let task = tokio::spawn(async move {
+            let _client = client;
+            while let Some(msg) = sub.next().await {
+                if !msg.subject.ends_with(".kv-events") {
+                    continue;
+                }
+                if let Ok(decoded) = kvroute_protocol::dynamo::decode_message(&msg.payload) {
+                    Self::add(&counter, &workers, &decoded.events);
+                }
+            }
+        });
+        Ok(StoredBlocks {
+            stored,
+            stop: Arc::default(),
+            task: Some(task),
+        })
+    }
+
+    /// One SUB socket connected to every endpoint (a thread: libzmq's sockets block).
+    fn on_zmq(endpoints: Vec<String>, workers: HashSet<u64>) -> Result<StoredBlocks> {
+        anyhow::ensure!(
+            !endpoints.is_empty(),
+            "no kv-events publisher on ZMQ in discovery"
+        );
+        let context = zmq::Context::new();
+        let socket = context.socket(zmq::SUB)?;
+        socket.set_subscribe(b"")?;
+        socket.set_rcvtimeo(100)?;
+        for e in &endpoints {
+            socket.connect(e)?;
+        }
+        let stored = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (counter, stopped) = (stored.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stopped.load(Ordering::Relaxed) {
+                let Ok(parts) = socket.recv_multipart(0) else {
+                    continue;
+                };
+                let Ok(message) = kvroute_protocol::dynamo_zmq::decode_frames(&parts) else {
+                    continue;
+                };
+                if let Ok(decoded) = message.kv_events() {
+                    Self::add(&counter, &workers, &decoded.events);
+                }
+            }
+        });
+        Ok(StoredBlocks {
+            stored,
+            stop,
+            task: None,
+        })
+    }
+}
+
+impl Drop for StoredBlocks {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+/// The endpoints of the `kv-events` publishers on ZMQ that a discovery store lists.
+async fn zmq_kv_endpoints(discovery: &crate::dynamo::Discovery) -> Result<Vec<String>> {
+    let records = discovery.records().await?;
+    Ok(records
+        .channels
+        .iter()
+        .filter_map(|b| serde_json::from_slice::<serde_json::Value>(b).ok())
+        .filter(|c| c["topic"] == "kv-events" && c["transport"]["kind"] == "Zmq")
+        .filter_map(|c| {
+            c["transport"]["config"]["endpoint"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect())
 }
 
 async fn run_mode(
@@ -179,7 +254,10 @@ async fn run_mode(
     };
     let counting = if bench.fleet.prefill > 0 {
         let prefill = stack.engines.iter().map(|e| e.dynamo_worker_id).collect();
-        Some(count_stored_blocks(&stack.nats_url, prefill).await?)
+        Some(match bench.fleet.event_plane.as_deref() {
+            Some("nats") => StoredBlocks::on_nats(&stack.nats_url, prefill).await?,
+            _ => StoredBlocks::on_zmq(zmq_kv_endpoints(&stack.discovery).await?, prefill)?,
+        })
     } else {
         None
     };
@@ -217,10 +295,7 @@ async fn run_mode(
         eprintln!("{mode}: the sidecar's predictions against the engines' cached tokens: {p}");
         stack.save_explain().await?;
     }
-    let prefill_stored_blocks = counting.map(|(stored, task)| {
-        task.abort();
-        stored.load(Ordering::Relaxed)
-    });
+    let prefill_stored_blocks = counting.map(|c| c.count());
     let sidecar_fallbacks = if kill_sidecar {
         Some(
             stack

@@ -140,8 +140,7 @@ enum Command {
         #[arg(long, default_value = "")]
         sidecar_toml: String,
         /// Run the fleet on Dynamo's NATS event plane and file discovery instead of its defaults
-        /// (ZMQ events, etcd discovery); disaggregated fleets need it (prefill hits are counted
-        /// from their KV events on NATS).
+        /// (ZMQ events, etcd discovery).
         #[arg(long)]
         nats: bool,
     },
@@ -223,9 +222,6 @@ async fn main() -> Result<()> {
             sidecar_toml,
             nats,
         } => {
-            if !nats && prefill > 0 {
-                anyhow::bail!("a disaggregated fleet needs --nats: prefill hits are counted from the KV events on NATS");
-            }
             let bench = kvroute_harness::bench_dynamo::DynamoBench {
                 fleet: kvroute_harness::DynamoOptions {
                     aggregated: workers,
