@@ -101,9 +101,9 @@ pub struct EventPlane {
     silent_since: Option<Instant>,
 }
 
-/// How long `no_events` waits for a probe of the bus (2 s, `transports::nats`) that started
-/// with the condition, so that its first line is the probe's verdict, not a guess.
-pub const PROBE_HOLD: Duration = Duration::from_secs(6);
+/// How long `no_events` waits for a probe of the bus (at most 5 s, `transports::nats`) that
+/// started with the condition, so that its first line is the probe's verdict, not a guess.
+pub const PROBE_HOLD: Duration = Duration::from_secs(8);
 
 /// Dynamo publishers whose numbering is followed (publisher ids come from the network).
 const MAX_STAMPED: usize = 65_536;

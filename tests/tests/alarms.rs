@@ -35,8 +35,14 @@ async fn wrong_subject_raises_no_events_and_silent_workers() {
     // `min_hints` times are named. The alarm is labelled with what is subscribed.
     let subscribed = "nats:namespace.*.component.prefill.endpoint.*.kv-events";
     let on = format!("kvroute_alarm{{alarm=\"no_events\",subject=\"{subscribed}\"}}");
-    wait_for("both alarms", Duration::from_secs(15), || async {
-        traffic(&stack, 1310).await;
+    // New prompts all along: engines publish KV events only when they store blocks.
+    let seed = std::sync::atomic::AtomicU64::new(1310);
+    wait_for("both alarms", Duration::from_secs(20), || async {
+        traffic(
+            &stack,
+            seed.fetch_add(10, std::sync::atomic::Ordering::Relaxed),
+        )
+        .await;
         let m = stack.sidecar_metrics().await.ok()?;
         let silent = series(&m, "kvroute_alarm{alarm=\"silent_worker\"").any(|(_, v)| v == 1.0);
         (metric(&m, &on)? == 1.0 && silent).then_some(())

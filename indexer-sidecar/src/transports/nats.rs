@@ -222,14 +222,18 @@ impl Recent {
 /// The last token of a KV-event subject, in every Dynamo layout.
 const KV_EVENTS_TOPIC: &str = "kv-events";
 
-/// How long one look at the whole bus lasts.
-const PROBE_WINDOW: Duration = Duration::from_secs(2);
+/// How long one look at the whole bus lasts at most: engines publish KV events only while
+/// they store or evict blocks, so a quiet moment of a lightly loaded fleet must not pass for
+/// "no KV events anywhere".
+const PROBE_WINDOW: Duration = Duration::from_secs(5);
+/// A look ends this early once KV events were seen on some subject.
+const PROBE_ENOUGH: Duration = Duration::from_secs(1);
 /// Distinct subjects a probe keeps (a bus with endless subjects must not grow it forever).
 const PROBE_SUBJECTS: usize = 200;
 
 /// While no KV event arrives and hints are served (the `no_events` condition), look at the whole
-/// Dynamo bus (`namespace.>`) for a moment — at once when the condition begins, then once per
-/// `silence_s` — and say where KV events *are* published (the classic cause is a component
+/// Dynamo bus (`namespace.>`) for a moment (up to 5 s, 1 s once KV events show) — at once when
+/// the condition begins, then once per `silence_s` — and say where KV events *are* published (the classic cause is a component
 /// renamed by a move to disaggregated serving) or that none are. The verdict opens the alarm's
 /// line (which waits for it) and shows in `/debug/sources`; a later change of verdict during
 /// the same episode gets a line of its own.
@@ -255,15 +259,21 @@ async fn probe_bus(
             continue;
         };
         let mut seen: BTreeMap<String, u64> = BTreeMap::new();
+        let started = Instant::now();
         let window = tokio::time::sleep(PROBE_WINDOW);
         tokio::pin!(window);
+        let mut kv_seen = false;
         loop {
             tokio::select! {
                 msg = sub.next() => match msg {
                     Some(m) => {
                         let subject = m.subject.to_string();
+                        kv_seen |= parse_subject(&subject).is_some();
                         if seen.len() < PROBE_SUBJECTS || seen.contains_key(&subject) {
                             *seen.entry(subject).or_default() += 1;
+                        }
+                        if kv_seen && started.elapsed() >= PROBE_ENOUGH {
+                            break;
                         }
                     }
                     None => break,
