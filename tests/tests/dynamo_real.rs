@@ -1,6 +1,7 @@
-//! kvroute in front of real NVIDIA Dynamo 1.6.1: mocker workers publishing real KV events on
-//! NATS and real file-discovery records (one test on Dynamo's defaults: etcd and its ZMQ plane),
-//! behind a real Dynamo frontend (`.venv-dynamo`).
+//! kvroute in front of real NVIDIA Dynamo 1.6.1: mocker workers publishing real KV events and
+//! real discovery records — on Dynamo's defaults (etcd, its ZMQ event plane), or on NATS with
+//! the file store where a test loses or compares NATS messages — behind a real Dynamo frontend
+//! (`.venv-dynamo`).
 //! Each test is a failure the simulator did not show (issue "Against the real engines").
 
 mod common;
@@ -64,8 +65,9 @@ fn dynamo_stack(name: &str, dynamo: DynamoOptions, sidecar_toml: &str) -> StackO
     opts
 }
 
-/// Dynamo 1.6.1 writes flat, percent-encoded discovery records: the sidecar finds both workers
-/// there, and the pin steers every turn to the worker holding the prefix. The frontend routes
+/// On Dynamo 1.6.1's defaults (discovery records in etcd, KV events on its ZMQ plane): the
+/// sidecar finds both workers there, and the pin steers every turn to the worker holding the
+/// prefix. The frontend routes
 /// round robin, so landing on the same worker each time is the pin's doing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pins_aggregated_dynamo_workers_found_in_real_discovery_records() {
@@ -286,7 +288,7 @@ async fn a_replica_that_lost_real_dynamo_events_is_repaired_from_its_peer() {
     let replicas = "[replicas]\ngroup = \"dynamo\"\nid = \"a\"\ninterval_ms = 500\n";
     let dynamo = DynamoOptions {
         router_mode: "round-robin".into(),
-        ..DynamoOptions::default()
+        ..DynamoOptions::on_nats()
     };
     let stack = &Stack::start(dynamo_stack("dynamo-real-replicas", dynamo, replicas))
         .await
@@ -355,7 +357,7 @@ async fn a_restarted_sidecar_warms_from_the_dynamo_workers_engines() {
     let dynamo = DynamoOptions {
         router_mode: "round-robin".into(),
         zmq_events: true,
-        ..DynamoOptions::default()
+        ..DynamoOptions::on_nats()
     };
     let mut stack = Stack::start(dynamo_stack("dynamo-real-warm", dynamo, ""))
         .await

@@ -168,7 +168,8 @@ async fn lossy_replica(name: &str, loss: f64, seed: u64, reconcile: bool) -> Run
         aggregated: WORKERS,
         capacity_blocks: CAPACITY_BLOCKS,
         router_mode: "kv".into(),
-        ..DynamoOptions::default()
+        // The lossy hop is a NATS proxy.
+        ..DynamoOptions::on_nats()
     });
     opts.replicas = Some(ReplicaOptions {
         count: 2,

@@ -35,9 +35,9 @@ pub struct DynamoOptions {
     /// Workers publish vLLM's ZMQ format with a replay socket too (`--zmq-kv-events-ports`,
     /// `--zmq-replay-ports`; Dynamo relays the events to NATS), and the sidecar reads them there.
     pub zmq_events: bool,
-    /// `--event-plane` / `DYN_EVENT_PLANE` for every Dynamo process: `Some("nats")` (the
-    /// default here, for the tests that read NATS), or `None`: Dynamo's own default, ZMQ, whose
-    /// publishers kvroute finds in the discovery records.
+    /// `--event-plane` / `DYN_EVENT_PLANE` for every Dynamo process: `None` (the default):
+    /// Dynamo's own, ZMQ, whose publishers kvroute finds in the discovery records; or
+    /// `Some("nats")` ([`DynamoOptions::on_nats`]) for what reads or drops NATS messages.
     pub event_plane: Option<String>,
     /// Discovery in etcd (Dynamo's default backend; a real etcd 3.5 is started for the fleet)
     /// instead of the file store.
@@ -90,8 +90,21 @@ impl Default for DynamoOptions {
             speedup_ratio: 10.0,
             router_mode: "kv".into(),
             zmq_events: false,
+            // Dynamo's own defaults: ZMQ events, etcd discovery.
+            event_plane: None,
+            etcd: true,
+        }
+    }
+}
+
+impl DynamoOptions {
+    /// A fleet on NATS (`--event-plane nats`) with file discovery: for the tests that lose
+    /// NATS messages on purpose or compare NATS copies.
+    pub fn on_nats() -> Self {
+        DynamoOptions {
             event_plane: Some("nats".into()),
             etcd: false,
+            ..DynamoOptions::default()
         }
     }
 }
