@@ -354,6 +354,17 @@ pub async fn post_with(base: &str, body: &Value, headers: &[(&str, String)]) -> 
 /// Dynamo 1.6's KV-event subject of component `backend`, endpoint `generate`.
 pub const DYNAMO_SUBJECT: &str = "namespace.dynamo.component.backend.endpoint.generate.kv-events";
 
+/// A sidecar on `port` reading Dynamo KV events from the nats-server on `nats_port`, for one
+/// configured worker `127.0.0.1:9000` (model `m`) whose Dynamo id is `worker`.
+pub fn one_dynamo_worker_config(port: u16, nats_port: u16, worker: u64) -> String {
+    format!(
+        "listen = \"127.0.0.1:{port}\"\n[nats]\nurl = \"nats://127.0.0.1:{nats_port}\"\n\
+         [[models]]\nname = \"m\"\ndir = \"{}\"\nblock_size = 16\n\
+         [[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\ndynamo_worker_id = {worker}\n",
+        kvroute_harness::paths::model_dir().display()
+    )
+}
+
 /// A nats-server on `port`, its log in `dir`.
 pub fn nats_server(dir: &std::path::Path, port: u16) -> kvroute_harness::process::Process {
     use kvroute_harness::{paths, process::Process};

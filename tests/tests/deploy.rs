@@ -171,6 +171,33 @@ fn endpoints(upstreams: &[std::net::SocketAddr]) -> Value {
     json!({"endpoints": [{"lb_endpoints": lb}]})
 }
 
+/// The engines' cluster `name` as a control plane builds it for the stack's engines, with the
+/// control plane's own fields (`fields`) and outlier detection from a manifest's `outlier`
+/// (whose keys `keys` names: consecutive 5xx, interval, base ejection time, max ejection %).
+fn engines_cluster(
+    name: &str,
+    inputs: &EnvoyInputs,
+    fields: Value,
+    outlier: &Value,
+    keys: [&str; 4],
+) -> Value {
+    let mut cluster = json!({
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "10s",
+        "outlier_detection": {
+            "consecutive_5xx": outlier[keys[0]],
+            "interval": outlier[keys[1]],
+            "base_ejection_time": outlier[keys[2]],
+            "max_ejection_percent": outlier[keys[3]],
+        },
+        "load_assignment": endpoints(&inputs.upstreams),
+    });
+    cluster["load_assignment"]["cluster_name"] = name.into();
+    proto_merge(&mut cluster, &fields);
+    cluster
+}
+
 /// The sidecar cluster a manifest adds, pointed at the port the stack's sidecar listens on.
 fn at_sidecar(mut cluster: Value, port: u16) -> Value {
     let address = &mut cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
@@ -263,24 +290,20 @@ fn istio(inputs: &EnvoyInputs, variant: &IstioVariant) -> Result<String> {
     // The cluster istiod builds for the Service (trimmed to what bears on routing), with the
     // DestinationRule's outlier detection.
     let dr = &of_kind(&docs, "DestinationRule")[0]["spec"]["trafficPolicy"]["outlierDetection"];
-    let mut engines = json!({
-        "name": name,
-        "type": "STATIC",
-        "connect_timeout": "10s",
+    let fields = json!({
         "lb_policy": "LEAST_REQUEST",
         "common_lb_config": {},
         "circuit_breakers": {"thresholds": [{"max_connections": 4294967295u64,
             "max_pending_requests": 4294967295u64, "max_requests": 4294967295u64,
             "max_retries": 4294967295u64}]},
-        "outlier_detection": {
-            "consecutive_5xx": dr["consecutive5xxErrors"],
-            "interval": dr["interval"],
-            "base_ejection_time": dr["baseEjectionTime"],
-            "max_ejection_percent": dr["maxEjectionPercent"],
-        },
-        "load_assignment": endpoints(&inputs.upstreams),
     });
-    engines["load_assignment"]["cluster_name"] = name.into();
+    let keys = [
+        "consecutive5xxErrors",
+        "interval",
+        "baseEjectionTime",
+        "maxEjectionPercent",
+    ];
+    let mut engines = engines_cluster(name, inputs, fields, dr, keys);
     // The route istiod builds: the HTTPRoute's timeout (a Service's default route: none),
     // Istio's default retries.
     let timeout = of_kind(&docs, "HTTPRoute")
@@ -401,10 +424,7 @@ fn envoy_gateway(inputs: &EnvoyInputs) -> Result<String> {
         .map(|s| json!({"header": s["header"]}))
         .collect();
     let passive = &btp["healthCheck"]["passive"];
-    let mut engines = json!({
-        "name": name,
-        "type": "STATIC",
-        "connect_timeout": "10s",
+    let fields = json!({
         "lb_policy": "CLUSTER_PROVIDED",
         "load_balancing_policy": {"policies": [{"typed_extension_config": {
             "name": "envoy.load_balancing_policies.override_host",
@@ -415,15 +435,14 @@ fn envoy_gateway(inputs: &EnvoyInputs) -> Result<String> {
                     "name": "envoy.load_balancing_policies.maglev",
                     "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.maglev.v3.Maglev"}}}]},
             }}}]},
-        "outlier_detection": {
-            "consecutive_5xx": passive["consecutive5XxErrors"],
-            "interval": passive["interval"],
-            "base_ejection_time": passive["baseEjectionTime"],
-            "max_ejection_percent": passive["maxEjectionPercent"],
-        },
-        "load_assignment": endpoints(&inputs.upstreams),
     });
-    engines["load_assignment"]["cluster_name"] = name.into();
+    let keys = [
+        "consecutive5XxErrors",
+        "interval",
+        "baseEjectionTime",
+        "maxEjectionPercent",
+    ];
+    let engines = engines_cluster(name, inputs, fields, passive, keys);
     let retry = &btp["retry"];
     let mut retry_on: Vec<String> = retry["retryOn"]["triggers"]
         .as_array()

@@ -6,7 +6,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{metric, nats_server, one_block_event, spawn_sidecar, DYNAMO_SUBJECT};
+use common::{
+    metric, nats_server, one_block_event, one_dynamo_worker_config, spawn_sidecar, DYNAMO_SUBJECT,
+};
 use kvroute_harness::client::get_text;
 use kvroute_harness::paths;
 use kvroute_harness::process::{free_port, wait_for, wait_log};
@@ -91,12 +93,7 @@ async fn a_newer_dynamos_fields_and_kinds_cost_nothing_of_the_batch() {
     let nats_port = free_port().unwrap();
     let _nats = nats_server(&dir, nats_port);
     let port = free_port().unwrap();
-    let config = format!(
-        "listen = \"127.0.0.1:{port}\"\n[nats]\nurl = \"nats://127.0.0.1:{nats_port}\"\n\
-         [[models]]\nname = \"m\"\ndir = \"{}\"\nblock_size = 16\n\
-         [[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\ndynamo_worker_id = {WORKER}\n",
-        paths::model_dir().display()
-    );
+    let config = one_dynamo_worker_config(port, nats_port, WORKER);
     let _sidecar = spawn_sidecar(&dir, &config);
     let log = dir.join("sidecar.log");
     wait_log(&log, SIDECAR_SUBSCRIBED, Duration::from_secs(30))

@@ -6,7 +6,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{metric, nats_server, publish_one_block_events, spawn_sidecar};
+use common::{
+    metric, nats_server, one_dynamo_worker_config, publish_one_block_events, spawn_sidecar,
+};
 use kvroute_harness::client::get_text;
 use kvroute_harness::paths;
 use kvroute_harness::process::{free_port, wait_for, wait_log};
@@ -24,12 +26,7 @@ async fn an_outage_is_said_and_what_it_cost_is_counted() {
     let nats_port = free_port().unwrap();
     let nats = nats_server(&dir, nats_port);
     let port = free_port().unwrap();
-    let config = format!(
-        "listen = \"127.0.0.1:{port}\"\n[nats]\nurl = \"nats://127.0.0.1:{nats_port}\"\n\
-         [[models]]\nname = \"m\"\ndir = \"{}\"\nblock_size = 16\n\
-         [[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\ndynamo_worker_id = {WORKER}\n",
-        paths::model_dir().display()
-    );
+    let config = one_dynamo_worker_config(port, nats_port, WORKER);
     let mut sidecar = spawn_sidecar(&dir, &config);
     let base = format!("http://127.0.0.1:{port}");
     let log = dir.join("sidecar.log");
