@@ -1,7 +1,6 @@
 //! `kvroute-sidecar`: the native sidecar binary.
 
 use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use anyhow::Context as _;
@@ -326,12 +325,8 @@ async fn serve(config: Config) -> anyhow::Result<()> {
         });
     }
     for zmq in config.zmq.clone() {
-        // libzmq blocks; a detached thread ends with the process (a runtime would wait for it).
-        let state = state.clone();
-        std::thread::Builder::new()
-            .name("zmq-subscriber".into())
-            .spawn(move || transports::zmq::run(zmq, state, &AtomicBool::new(false)))
-            .context("starting a ZMQ subscriber thread")?;
+        // A configured source runs for the life of the process: its stop flag is never set.
+        transports::zmq::spawn(zmq, state.clone()).context("starting a ZMQ subscriber thread")?;
     }
     // Dynamo's default event plane (ZMQ): its publishers are found in the discovery records.
     let zmq_plane = match config.dynamo_discovery.is_empty() {

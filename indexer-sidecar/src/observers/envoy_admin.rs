@@ -161,6 +161,8 @@ pub async fn run(config: EnvoyConfig, state: Arc<Sidecar>) {
     let mut warned = false;
     let mut revivals = Revivals::default();
     let mut subscribers = Members::default();
+    // Per `[[envoy.members]]` entry, the hosts the core was last told of.
+    let mut told: Vec<Vec<String>> = vec![Vec::new(); config.members.len()];
     let probe_timeout = Duration::from_millis(250);
     loop {
         tick.tick().await;
@@ -176,12 +178,16 @@ pub async fn run(config: EnvoyConfig, state: Arc<Sidecar>) {
         match seen {
             Some(View { mut hosts, members }) => {
                 for (entry, (m, listed)) in config.members.iter().zip(&members).enumerate() {
-                    let joining = Input::Members {
-                        model: &m.model,
-                        hosts: listed,
-                    };
                     // Workers join before their subscribers start: their first events are known.
-                    state.ingest(None, joining, std::time::Instant::now());
+                    // An unchanged list has nothing new for the core.
+                    if told[entry] != *listed {
+                        let joining = Input::Members {
+                            model: &m.model,
+                            hosts: listed,
+                        };
+                        state.ingest(None, joining, std::time::Instant::now());
+                        told[entry].clone_from(listed);
+                    }
                     subscribers.sync(entry, m, listed, &state);
                 }
                 let probe = revivals.to_probe(&hosts);

@@ -113,13 +113,8 @@ impl Members {
             let Some(host) = config.worker.clone() else {
                 continue;
             };
-            let stop = Arc::new(AtomicBool::new(false));
-            let (state, flag) = (state.clone(), stop.clone());
-            let thread = std::thread::Builder::new()
-                .name("zmq-subscriber".into())
-                .spawn(move || crate::transports::zmq::run(config, state, &flag));
-            match thread {
-                Ok(_) => {
+            match crate::transports::zmq::spawn(config, state.clone()) {
+                Ok(stop) => {
                     self.running.insert((entry, host), stop);
                 }
                 Err(e) => {

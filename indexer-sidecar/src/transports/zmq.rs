@@ -76,8 +76,19 @@ fn frames(mut parts: Vec<Vec<u8>>) -> Option<Frames> {
     ))
 }
 
-/// Subscribe to one publisher and apply its events until `stop` is set (within a second; a
-/// configured `[[zmq]]` entry: never). Blocks: run it on a thread of its own.
+/// Start [`run`] on a thread of its own (libzmq blocks; a detached thread ends with the
+/// process, where a runtime would wait for it). The returned flag stops it.
+pub fn spawn(config: ZmqConfig, state: Arc<Sidecar>) -> std::io::Result<Arc<AtomicBool>> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    std::thread::Builder::new()
+        .name("zmq-subscriber".into())
+        .spawn(move || run(config, state, &flag))?;
+    Ok(stop)
+}
+
+/// Subscribe to one publisher and apply its events until `stop` is set (within a second).
+/// Blocks: [`spawn`] runs it on a thread of its own.
 pub fn run(config: ZmqConfig, state: Arc<Sidecar>, stop: &AtomicBool) {
     let source = state
         .plane()
