@@ -1,6 +1,6 @@
 //! The core on its own: inputs in, what happened out, time passed in. The fixtures are here;
-//! the tests, by concern, beside the files they test: `ingest.rs`, `membership.rs`,
-//! `tickets.rs`, `hint.rs`.
+//! the tests in one file per concern, named after the file of `core/` it tests: `ingest.rs`,
+//! `membership.rs`, `tickets.rs`, `hint.rs`.
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
