@@ -335,8 +335,11 @@ pub fn unknown_fields(envelope: &[u8]) -> Vec<String> {
                 ValueRef::String(s) => s.as_str().unwrap_or("?"),
                 _ => "?",
             };
+            if known.contains(&name) {
+                continue;
+            }
             let full = format!("{level}.{name}");
-            if !known.contains(&name) && !out.contains(&full) {
+            if !out.contains(&full) {
                 out.push(full);
             }
         }

@@ -27,30 +27,34 @@ fn python() -> PathBuf {
 }
 
 /// The documents of a YAML file (or of YAML text with `-`), as JSON.
-fn yaml(file: &Path) -> Result<Vec<Value>> {
-    let out = Command::new(python())
+/// The documents of YAML text, as JSON (PyYAML, through the venv's Python: on stdin, so that
+/// tests running at once share nothing).
+fn yaml_text(text: &str) -> Result<Vec<Value>> {
+    use std::io::Write as _;
+    let mut child = Command::new(python())
         .args([
             "-c",
-            "import sys, json, yaml; print(json.dumps([d for d in yaml.safe_load_all(open(sys.argv[1])) if d]))",
+            "import sys, json, yaml; print(json.dumps([d for d in yaml.safe_load_all(sys.stdin) if d]))",
         ])
-        .arg(file)
-        .output()?;
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    child
+        .stdin
+        .take()
+        .context("stdin")?
+        .write_all(text.as_bytes())?;
+    let out = child.wait_with_output()?;
     if !out.status.success() {
-        bail!(
-            "{}: {}",
-            file.display(),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        bail!("{}", String::from_utf8_lossy(&out.stderr));
     }
     Ok(serde_json::from_slice(&out.stdout)?)
 }
 
-fn yaml_text(text: &str) -> Result<Value> {
-    let file = std::env::temp_dir().join(format!("kvroute-yaml-{}.yaml", std::process::id()));
-    std::fs::write(&file, text)?;
-    let docs = yaml(&file);
-    let _ = std::fs::remove_file(&file);
-    docs?.into_iter().next().context("empty YAML")
+/// The documents of a YAML file, as JSON.
+fn yaml(file: &Path) -> Result<Vec<Value>> {
+    yaml_text(&std::fs::read_to_string(file)?).with_context(|| file.display().to_string())
 }
 
 /// Every document of every file in `dir`.
@@ -517,7 +521,10 @@ fn envoy_gateway(inputs: &EnvoyInputs) -> Result<String> {
     // The EnvoyProxy's bootstrap merge adds the sidecar cluster.
     let envoy_proxy = &of_kind(&docs, "EnvoyProxy")[0]["spec"]["bootstrap"];
     assert_eq!(envoy_proxy["type"], "Merge");
-    let merged = yaml_text(envoy_proxy["value"].as_str().context("value")?)?;
+    let merged = yaml_text(envoy_proxy["value"].as_str().context("value")?)?
+        .into_iter()
+        .next()
+        .context("an empty bootstrap merge")?;
     let mut clusters: Vec<Value> = merged["static_resources"]["clusters"]
         .as_array()
         .context("clusters")?
