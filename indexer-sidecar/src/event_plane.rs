@@ -579,10 +579,13 @@ impl EventPlane {
                     ids.join(", ")
                 )
             };
-            // The probe's verdict first: it says where the events are, or that none are.
+            // This episode's probe verdict first: it says where the events are, or that none
+            // are (an earlier episode's may no longer hold).
+            let since = self.silent_since;
             let verdict: String = self
                 .sources
                 .iter()
+                .filter(|s| s.bus_probed.is_some_and(|t| since.is_some_and(|x| t >= x)))
                 .filter_map(|s| s.bus_verdict.as_deref())
                 .map(|v| format!(" {v}."))
                 .collect();
@@ -779,6 +782,11 @@ mod tests {
         let t = t + PROBE_HOLD;
         let alarms = plane.alarms(&config(), &hinting(t), t);
         assert_eq!(alarms.len(), 1, "{alarms:?}");
+        assert!(
+            !alarms[0].message.contains(" old."),
+            "another episode's verdict is not repeated: {}",
+            alarms[0].message
+        );
         // The condition ends; a new episode waits again.
         assert!(plane.alarms(&config(), &Activity::default(), t).is_empty());
         assert!(!plane.bus_probe_due(src, Duration::from_secs(30), t));
