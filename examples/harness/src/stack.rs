@@ -357,10 +357,20 @@ impl Stack {
         nats.args(["-a", "127.0.0.1", "-p", &nats_port.to_string()]);
         processes.push(Process::spawn("nats", nats, &dir)?);
         let nats_url = format!("nats://127.0.0.1:{nats_port}");
+        // Ready when it greets with its INFO line: a bare connect can succeed before it listens
+        // (a loopback socket that happens to get the port as its source connects to itself).
         wait_for("nats-server", Duration::from_secs(10), || async move {
-            tokio::net::TcpStream::connect(("127.0.0.1", nats_port))
+            use tokio::io::AsyncReadExt as _;
+            let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", nats_port))
                 .await
-                .ok()
+                .ok()?;
+            let mut greeting = [0u8; 4];
+            let read = stream.read_exact(&mut greeting);
+            tokio::time::timeout(Duration::from_millis(500), read)
+                .await
+                .ok()?
+                .ok()?;
+            (&greeting == b"INFO").then_some(())
         })
         .await?;
 
