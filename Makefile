@@ -10,7 +10,7 @@ STATIC_SIDECAR := target/static/x86_64-unknown-linux-gnu/release/kvroute-sidecar
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 
 .PHONY: images all build venv venv-peers venv-dynamo venv-vllm toolchain check test test-live lint demo clean \
-	bench-routing bench-routing-quick bench-replicas bench-replicas-quick bench-storm bench-datapath bench-dynamo bench-vllm bench-index bench-hint bench-prepare bench-usage fuzz \
+	bench-routing bench-routing-quick bench-replicas bench-replicas-quick bench-storm soak bench-datapath bench-dynamo bench-vllm bench-index bench-hint bench-prepare bench-usage fuzz \
 	precision-fixtures
 
 all: build
@@ -112,6 +112,14 @@ venv-peers: .venv-peers/.installed
 bench-storm: venv build
 	target/release/kvroute-bench storm
 	target/release/kvroute-bench storm --batch 8 --rates 400000,600000,800000,900000 --burst 1200000
+	target/release/kvroute-bench storm --plane vllm-zmq
+	target/release/kvroute-bench storm --plane vllm-zmq --batch 8 --rates 400000,800000 --burst 1200000
+	target/release/kvroute-bench storm --plane dynamo-zmq
+	target/release/kvroute-bench storm --plane dynamo-zmq --batch 8 --rates 400000,800000 --burst 1200000
+
+# The chaos soak (about 4 minutes): faults one at a time under load, how long each takes to heal.
+soak: venv build
+	target/release/kvroute-bench soak
 
 bench-routing: venv venv-peers build
 	target/release/kvroute-bench routing

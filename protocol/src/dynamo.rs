@@ -403,8 +403,19 @@ pub fn decode_kv_metrics_stamped(body: &[u8]) -> Result<(KvMetrics, Stamp), Deco
 
 /// Encode events the way Dynamo 1.6 publishes them: envelope around an array.
 pub fn encode_v16(envelope: EnvelopeHeader<'_>, events: &[RouterEvent]) -> Vec<u8> {
-    let payload = rmp_serde::to_vec_named(events).expect("router events serialize");
-    encode_envelope(envelope, payload)
+    rmp_serde::to_vec_named(&envelope_v16(envelope, events)).expect("envelope serializes")
+}
+
+/// The envelope Dynamo 1.6 wraps events in, before it is encoded (its ZMQ plane frames it,
+/// [`crate::dynamo_zmq::encode_frames`]).
+pub fn envelope_v16(h: EnvelopeHeader<'_>, events: &[RouterEvent]) -> Envelope {
+    Envelope {
+        publisher_id: h.publisher_id,
+        sequence: h.sequence,
+        published_at: h.published_at,
+        topic: h.topic.to_owned(),
+        payload: rmp_serde::to_vec_named(events).expect("router events serialize"),
+    }
 }
 
 /// Encode one event the way Dynamo 1.2 publishes it: envelope around a single event.

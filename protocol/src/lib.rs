@@ -18,6 +18,7 @@ pub mod hash;
 pub mod headers;
 pub mod hint;
 pub mod vllm;
+mod vllm_direct;
 
 pub use hash::{HashSeed, LocalBlockHash, PrefixHash};
 

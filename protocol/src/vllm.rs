@@ -162,6 +162,15 @@ pub fn decode_seq(frame: &[u8]) -> Result<u64, VllmDecodeError> {
 
 /// Decode a payload frame. Malformed events inside a well-formed batch are skipped and counted.
 pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, VllmDecodeError> {
+    if let Some(batch) = crate::vllm_direct::decode(payload) {
+        return Ok(batch);
+    }
+    decode_batch_tree(payload)
+}
+
+/// The general decoder: through a `rmpv::Value` tree, skipping and counting what it does not
+/// know.
+fn decode_batch_tree(payload: &[u8]) -> Result<EventBatch, VllmDecodeError> {
     let mut cursor = payload;
     let value = rmpv::decode::read_value_with_max_depth(&mut cursor, MAX_DEPTH)
         .map_err(|e| VllmDecodeError::Msgpack(e.to_string()))?;
@@ -557,9 +566,9 @@ mod tests {
         );
     }
 
-    #[test]
-    fn both_encodings_round_trip() {
-        let batch = EventBatch {
+    /// Every kind of event, with and without each optional field.
+    fn mixed_batch() -> EventBatch {
+        EventBatch {
             ts: 1.5,
             dp_rank: 2,
             events: vec![
@@ -598,7 +607,12 @@ mod tests {
                 VllmEvent::AllBlocksCleared,
             ],
             ..EventBatch::default()
-        };
+        }
+    }
+
+    #[test]
+    fn both_encodings_round_trip() {
+        let batch = mixed_batch();
         assert_eq!(
             decode_batch(&encode_batch(&batch, EventEncoding::Map)).unwrap(),
             batch
@@ -708,6 +722,60 @@ mod tests {
             "group 2 was never named: not group 0, not kept"
         );
         assert!(filter.keep(&VllmEvent::AllBlocksCleared));
+    }
+
+    /// Every payload the tests know: the captures of real vLLM and both encodings of
+    /// [`mixed_batch`].
+    fn known_payloads() -> Vec<Vec<u8>> {
+        let mut payloads: Vec<Vec<u8>> = runs()
+            .iter()
+            .flat_map(|run| std::fs::read_dir(run.join("raw")).unwrap())
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.to_string_lossy().ends_with(".payload.msgpack"))
+            .map(|p| std::fs::read(p).unwrap())
+            .collect();
+        payloads.sort();
+        payloads.push(encode_batch(&mixed_batch(), EventEncoding::Map));
+        payloads.push(encode_batch(&mixed_batch(), EventEncoding::Array));
+        payloads
+    }
+
+    /// The direct decoder takes every payload of real vLLM and of both encodings, and reads
+    /// each exactly as the tree decoder does.
+    #[test]
+    fn the_direct_decoder_reads_what_the_tree_reads() {
+        let payloads = known_payloads();
+        assert!(payloads.len() > 10, "{}", payloads.len());
+        for p in &payloads {
+            let direct = crate::vllm_direct::decode(p).expect("the common case decodes directly");
+            assert_eq!(direct, decode_batch_tree(p).unwrap());
+        }
+    }
+
+    /// On damaged payloads (each byte replaced in turn by a few values, cut at every length)
+    /// the direct decoder either steps aside or agrees with the tree decoder.
+    #[test]
+    fn the_direct_decoder_agrees_or_steps_aside_on_damaged_input() {
+        let (mut direct, mut checked) = (0, 0);
+        for p in known_payloads().iter().step_by(7) {
+            let p = &p[..p.len().min(600)];
+            let mut damaged: Vec<Vec<u8>> = (0..p.len()).map(|n| p[..n].to_vec()).collect();
+            for i in 0..p.len() {
+                for b in [0x00, 0x7f, 0x90, 0xa1, 0xc0, 0xc1, 0xcc, 0xd0, 0xdc, 0xff] {
+                    let mut d = p.to_vec();
+                    d[i] = b;
+                    damaged.push(d);
+                }
+            }
+            for d in damaged {
+                checked += 1;
+                if let Some(batch) = crate::vllm_direct::decode(&d) {
+                    direct += 1;
+                    assert_eq!(Ok(batch), decode_batch_tree(&d), "{d:?}");
+                }
+            }
+        }
+        assert!(direct > 100 && checked > 1000, "{direct} of {checked}");
     }
 
     #[test]

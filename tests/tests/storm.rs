@@ -1,11 +1,12 @@
 //! An event storm on a real nats-server ([`kvroute_harness::bench_storm`]): 200,000 Dynamo KV
 //! events from 64 workers, sent as fast as one publisher can, one event per message.
 
-use kvroute_harness::bench_storm::{run, StormBench};
+use kvroute_harness::bench_storm::{run, Plane, StormBench};
 use kvroute_harness::paths;
 
 fn burst(nats_toml: &str) -> StormBench {
     StormBench {
+        plane: Plane::Nats,
         workers: 64,
         rates: Vec::new(),
         seconds: 0.0,

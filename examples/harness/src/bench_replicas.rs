@@ -353,7 +353,7 @@ async fn ask_and_close(
 }
 
 /// Report `answer`'s ticket (if any) finished to the sidecar at `base`.
-async fn close(http: &reqwest::Client, base: &str, answer: &HintResponse) -> Result<()> {
+pub async fn close(http: &reqwest::Client, base: &str, answer: &HintResponse) -> Result<()> {
     let Some(ticket) = answer.ticket else {
         return Ok(());
     };

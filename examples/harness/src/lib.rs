@@ -40,6 +40,7 @@ pub mod process;
 pub mod prometheus;
 pub mod queue;
 pub mod report;
+pub mod soak;
 pub mod stack;
 pub mod traces;
 pub mod vllm;

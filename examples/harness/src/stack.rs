@@ -353,26 +353,8 @@ impl Stack {
         let mut processes = Vec::new();
 
         let nats_port = free_port()?;
-        let mut nats = Command::new(paths::venv_tool("nats-server")?);
-        nats.args(["-a", "127.0.0.1", "-p", &nats_port.to_string()]);
-        processes.push(Process::spawn("nats", nats, &dir)?);
+        processes.push(start_nats(nats_port, &dir).await?);
         let nats_url = format!("nats://127.0.0.1:{nats_port}");
-        // Ready when it greets with its INFO line: a bare connect can succeed before it listens
-        // (a loopback socket that happens to get the port as its source connects to itself).
-        wait_for("nats-server", Duration::from_secs(10), || async move {
-            use tokio::io::AsyncReadExt as _;
-            let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", nats_port))
-                .await
-                .ok()?;
-            let mut greeting = [0u8; 4];
-            let read = stream.read_exact(&mut greeting);
-            tokio::time::timeout(Duration::from_millis(500), read)
-                .await
-                .ok()?
-                .ok()?;
-            (&greeting == b"INFO").then_some(())
-        })
-        .await?;
 
         let discovery = dir.join("discovery");
         let pin_mode = opts.pin_mode();
@@ -692,6 +674,31 @@ impl Stack {
         self.kill("sidecar");
         let sidecar = start_sidecar(&self.dir, "sidecar", &url, &self.http).await?;
         self.processes.push(sidecar);
+        Ok(())
+    }
+
+    /// Start nats-server again on its port (after [`Stack::kill`]`("nats")`), with nothing
+    /// of what it held: clients reconnect by themselves.
+    pub async fn restart_nats(&mut self) -> Result<()> {
+        let port: u16 = self
+            .nats_url
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .context("the stack's NATS URL has no port")?;
+        self.kill("nats");
+        let nats = start_nats(port, &self.dir).await?;
+        self.processes.push(nats);
+        Ok(())
+    }
+
+    /// [`StackOptions::transport_loss`]: sidecar `replica` (0: the stack's own) loses this
+    /// share of its KV-event messages from now on (1.0: it is cut off from them).
+    pub fn set_transport_loss(&self, replica: usize, loss: f64) -> Result<()> {
+        self.proxies
+            .get(replica)
+            .context("no lossy transport for that sidecar")?
+            .set_loss(loss);
         Ok(())
     }
 
@@ -1063,6 +1070,29 @@ fn parse_upstreams(upstreams: &[String]) -> Result<Vec<std::net::SocketAddr>> {
                 .with_context(|| format!("upstream {a} is not ip:port"))
         })
         .collect()
+}
+
+/// nats-server on `port`, once it greets with its INFO line: a bare connect can succeed before
+/// it listens (a loopback socket that happens to get the port as its source connects to itself).
+async fn start_nats(port: u16, dir: &Path) -> Result<Process> {
+    let mut nats = Command::new(paths::venv_tool("nats-server")?);
+    nats.args(["-a", "127.0.0.1", "-p", &port.to_string()]);
+    let process = Process::spawn("nats", nats, dir)?;
+    wait_for("nats-server", Duration::from_secs(10), || async move {
+        use tokio::io::AsyncReadExt as _;
+        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .ok()?;
+        let mut greeting = [0u8; 4];
+        let read = stream.read_exact(&mut greeting);
+        tokio::time::timeout(Duration::from_millis(500), read)
+            .await
+            .ok()?
+            .ok()?;
+        (&greeting == b"INFO").then_some(())
+    })
+    .await?;
+    Ok(process)
 }
 
 /// Write the EDS file of a stack in `dir` as a control plane's push: beside it, then renamed

@@ -55,9 +55,13 @@ enum Command {
     },
     /// Plain Envoy vs Envoy + kvroute on an instant upstream.
     Datapath,
-    /// Dynamo KV events on a real nats-server at a ladder of rates, then a burst: what one
-    /// sidecar applies and indexes, against what was published.
+    /// KV events at a ladder of rates, then a burst, on one event plane: what one sidecar
+    /// applies and indexes, against what was published.
     Storm {
+        /// `nats` (Dynamo on a real nats-server), `vllm-zmq` (a PUB socket per engine) or
+        /// `dynamo-zmq` (Dynamo's default plane, found in discovery records).
+        #[arg(long, default_value = "nats")]
+        plane: String,
         /// Dynamo workers the publisher plays.
         #[arg(long, default_value_t = 256)]
         workers: usize,
@@ -76,6 +80,14 @@ enum Command {
         /// Extra `[nats]` lines, e.g. `"buffer_messages = 65536"`.
         #[arg(long, default_value = "")]
         nats_toml: String,
+    },
+    /// A fleet under steady load while faults are applied one at a time (nats-server, engines,
+    /// a sidecar and a replica restarted, events lost, a replica cut off from them): failed
+    /// requests, and how long until the indexes agree with the engines again.
+    Soak {
+        /// The short run `make test` holds (3 faults, held 3 s).
+        #[arg(long)]
+        smoke: bool,
     },
     /// 1, 2, 4 and 8 sidecar + Envoy pairs on one fleet whose caches evict, each sidecar losing
     /// 10% of the KV events on its transport (a lossy NATS proxy) and repairing from the others,
@@ -345,6 +357,7 @@ async fn main() -> Result<()> {
             println!("written to {}", out.join("replicas.{json,md}").display());
         }
         Command::Storm {
+            plane,
             workers,
             rates,
             seconds,
@@ -352,9 +365,10 @@ async fn main() -> Result<()> {
             batch,
             nats_toml,
         } => {
-            use kvroute_harness::bench_storm::{run, StormBench};
+            use kvroute_harness::bench_storm::{run, Plane, StormBench};
             let full = StormBench::full();
             let bench = StormBench {
+                plane: Plane::parse(&plane)?,
                 workers,
                 rates: rates.unwrap_or(full.rates),
                 seconds,
@@ -365,11 +379,22 @@ async fn main() -> Result<()> {
             };
             let doc = run(&bench, &out).await?;
             println!("\n{}", kvroute_harness::bench_storm::markdown(&doc));
-            let stem = kvroute_harness::bench_storm::file_stem(bench.batch);
+            let stem = kvroute_harness::bench_storm::file_stem(bench.plane, bench.batch);
             println!(
                 "written to {}",
                 out.join(format!("{stem}.{{json,md}}")).display()
             );
+        }
+        Command::Soak { smoke } => {
+            use kvroute_harness::soak::{markdown, run, SoakBench};
+            let bench = if smoke {
+                SoakBench::smoke()
+            } else {
+                SoakBench::full()
+            };
+            let doc = run(&bench, &out).await?;
+            println!("\n{}", markdown(&doc));
+            println!("written to {}", out.join("soak.{json,md}").display());
         }
         Command::Datapath => {
             datapath::run(scale, &out).await?;

@@ -1,0 +1,570 @@
+//! `kvroute-bench soak` (`make soak`): a fleet under steady load while a scheduler breaks it,
+//! one fault at a time, and measures how long each takes to heal — judged from outside, against
+//! what the engines hold.
+//!
+//! The fleet: simulated engines whose caches evict, half publishing Dynamo's events on a real
+//! nats-server, half vLLM's on ZMQ, every event late (p50 2 ms, p95 50 ms, as measured on real
+//! vLLM); two sidecar + Envoy pairs on one replica plane, each sidecar reading NATS through its
+//! own lossy proxy. Clients hold multi-turn conversations spread over both Envoys the whole time;
+//! a failed request is sent again once, and a failure the second try serves is one a retry
+//! could have saved (Envoy's retry policy should have).
+//!
+//! Each fault is applied, held, undone; then every second both sidecars are probed until their
+//! indexes agree with the engines again ([`engine_agreement`]: for recent prompts, each
+//! sidecar's matched blocks per worker, read from its `/debug/explain`, against each engine's
+//! `/oracle`). At the end the load stops, and the indexes are compared with the engines and with
+//! each other once more.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result};
+use serde_json::{json, Value};
+
+use crate::bench_replicas::{ask_hint, close, prompt_hashes};
+use crate::client::{self, Outcome};
+use crate::stack::{Mode, ReplicaOptions, SimOptions, Stack, StackOptions, TransportLoss, MODEL};
+use crate::workload::{ChatSpec, ChatWorkload, Rng};
+
+/// One thing that goes wrong.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// nats-server killed and started again on its port (Dynamo on NATS replays nothing:
+    /// what its engines published meanwhile is lost to every replica).
+    NatsRestart,
+    /// Engine `n` restarts: its cache empties, its event numbering starts over.
+    EngineRestart(usize),
+    /// Engine `n` (a vLLM publisher) sends none of its next 50 messages live; its replay
+    /// buffer keeps them.
+    EngineDropsEvents(usize),
+    /// The second sidecar loses 20% of its KV-event messages on the way from NATS.
+    EventLoss,
+    /// The second sidecar receives no KV event from NATS at all (its peers still reach it).
+    Partition,
+    /// The first sidecar SIGKILLed and started again: its index starts empty.
+    SidecarKill,
+    /// The second sidecar SIGKILLed and started again.
+    ReplicaKill,
+}
+
+impl Fault {
+    /// Its name in reports.
+    pub fn name(self) -> String {
+        match self {
+            Fault::NatsRestart => "nats_restart".into(),
+            Fault::EngineRestart(n) => format!("engine_{n}_restart"),
+            Fault::EngineDropsEvents(n) => format!("engine_{n}_drops_events"),
+            Fault::EventLoss => "replica_1_loses_20pct".into(),
+            Fault::Partition => "replica_1_partitioned_from_events".into(),
+            Fault::SidecarKill => "sidecar_0_killed".into(),
+            Fault::ReplicaKill => "sidecar_1_killed".into(),
+        }
+    }
+}
+
+/// The soak's inputs.
+#[derive(Debug, Clone)]
+pub struct SoakBench {
+    /// Simulated engines (even ones publish Dynamo's events on NATS, odd ones vLLM's on ZMQ).
+    pub engines: usize,
+    /// Each engine's cache, in blocks (small: caches evict under the load).
+    pub capacity_blocks: usize,
+    /// Concurrent clients.
+    pub clients: usize,
+    /// The faults, in order.
+    pub faults: Vec<Fault>,
+    /// Steady load before the first fault and between a recovery and the next fault.
+    pub steady: Duration,
+    /// How long a fault with a duration (loss, partition, a process down) lasts.
+    pub hold: Duration,
+    /// A fault not healed after this long is reported as not recovered.
+    pub deadline: Duration,
+    /// Prompts per probe.
+    pub probes: usize,
+    /// Healed: every sidecar agrees with the engines on at least this share of the probes.
+    pub healed_share: f64,
+}
+
+impl SoakBench {
+    /// `make soak`: every fault, each held 8 s.
+    pub fn full() -> Self {
+        SoakBench {
+            engines: 4,
+            capacity_blocks: 384,
+            clients: 4,
+            faults: vec![
+                Fault::NatsRestart,
+                Fault::EngineRestart(0),
+                Fault::EngineRestart(1),
+                Fault::EngineDropsEvents(1),
+                Fault::EventLoss,
+                Fault::Partition,
+                Fault::SidecarKill,
+                Fault::ReplicaKill,
+            ],
+            steady: Duration::from_secs(8),
+            hold: Duration::from_secs(8),
+            deadline: Duration::from_secs(45),
+            probes: 32,
+            healed_share: 0.9,
+        }
+    }
+
+    /// The smoke `make test` runs: one fault of each kind of component, held 3 s.
+    pub fn smoke() -> Self {
+        SoakBench {
+            faults: vec![
+                Fault::EngineRestart(0),
+                Fault::Partition,
+                Fault::SidecarKill,
+            ],
+            steady: Duration::from_secs(4),
+            hold: Duration::from_secs(3),
+            deadline: Duration::from_secs(30),
+            ..SoakBench::full()
+        }
+    }
+}
+
+/// What the clients saw.
+#[derive(Debug, Default)]
+struct Tally {
+    sent: AtomicUsize,
+    failed: AtomicUsize,
+    /// Failed, and the one retry was served.
+    saved_by_retry: AtomicUsize,
+    cached_tokens: AtomicUsize,
+    prompt_tokens: AtomicUsize,
+    /// The last prompts sent (the probes' pool).
+    recent: Mutex<Vec<Value>>,
+    errors: Mutex<Vec<String>>,
+}
+
+const RECENT: usize = 64;
+const ERRORS_KEPT: usize = 8;
+
+impl Tally {
+    fn record(&self, body: &Value, first: &Outcome, retry: Option<&Outcome>) {
+        self.sent.fetch_add(1, Ordering::Relaxed);
+        let served = if first.ok() { Some(first) } else { retry };
+        if !first.ok() {
+            self.failed.fetch_add(1, Ordering::Relaxed);
+            if retry.is_some_and(Outcome::ok) {
+                self.saved_by_retry.fetch_add(1, Ordering::Relaxed);
+            }
+            let mut errors = self.errors.lock().unwrap_or_else(|e| e.into_inner());
+            if errors.len() < ERRORS_KEPT {
+                errors.push(format!("status {}: {:?}", first.status, first.error));
+            }
+        }
+        if let Some(o) = served.filter(|o| o.ok()) {
+            self.cached_tokens
+                .fetch_add(o.cached_tokens as usize, Ordering::Relaxed);
+            self.prompt_tokens
+                .fetch_add(o.prompt_tokens as usize, Ordering::Relaxed);
+        }
+        let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+        if recent.len() >= RECENT {
+            recent.remove(0);
+        }
+        recent.push(body.clone());
+    }
+
+    fn recent(&self) -> Vec<Value> {
+        self.recent
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+/// Clients holding conversations until `stop`: each request to the next Envoy in turn, a
+/// failure sent again once after 200 ms.
+async fn clients(
+    http: reqwest::Client,
+    routers: Vec<String>,
+    workload: Arc<ChatWorkload>,
+    n: usize,
+    stop: Arc<AtomicBool>,
+    tally: Arc<Tally>,
+) {
+    let next_conversation = Arc::new(AtomicUsize::new(0));
+    let tasks = (0..n).map(|k| {
+        let (http, routers, workload) = (http.clone(), routers.clone(), workload.clone());
+        let (stop, tally, next) = (stop.clone(), tally.clone(), next_conversation.clone());
+        async move {
+            tokio::time::sleep(client::CLIENT_START_GAP * k as u32).await;
+            let mut sent = k;
+            while !stop.load(Ordering::Relaxed) {
+                let conv = next.fetch_add(1, Ordering::Relaxed) % workload.conversations.len();
+                for turn in 0..workload.conversations[conv].user_turns.len() {
+                    if stop.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    let body = workload.body(MODEL, conv, turn);
+                    sent += 1;
+                    let url = format!("{}/v1/chat/completions", routers[sent % routers.len()]);
+                    let first = client::send_streaming(&http, &url, &body).await;
+                    let retry = if first.ok() {
+                        None
+                    } else {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        Some(client::send_streaming(&http, &url, &body).await)
+                    };
+                    tally.record(&body, &first, retry.as_ref());
+                }
+            }
+        }
+    });
+    futures::future::join_all(tasks).await;
+}
+
+/// One sidecar's index view of a prompt: matched blocks per worker, read back from its
+/// `/debug/explain` right after asking (its ticket closed at once). `None`: the sidecar did
+/// not answer, or its decision was not found among the newest.
+async fn index_view(
+    http: &reqwest::Client,
+    base: &str,
+    hint: &kvroute_protocol::hint::HintRequest,
+) -> Option<Vec<(String, u64)>> {
+    let answer = ask_hint(http, base, hint).await?;
+    close(http, base, &answer).await.ok()?;
+    let last = format!("{:016x}", hint.hashes.last()?.0);
+    let entries = client::get_json(http, &format!("{base}/debug/explain")).await;
+    let entry = entries
+        .as_array()?
+        .iter()
+        .take(512)
+        .find(|e| e["last_block"].as_str() == Some(last.as_str()))?;
+    let mut matched: Vec<(String, u64)> = entry["decision"]["candidates"]
+        .as_array()?
+        .iter()
+        .map(|c| {
+            (
+                c["worker"].as_str().unwrap_or("").to_owned(),
+                c["matched_blocks"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect();
+    matched.sort();
+    Some(matched)
+}
+
+/// What each engine's cache holds of a prompt (its `/oracle`), by address.
+async fn engines_view(
+    http: &reqwest::Client,
+    engines: &[String],
+    body: &Value,
+) -> Vec<(String, u64)> {
+    let asks = engines.iter().map(|e| async move {
+        let r = http
+            .post(format!("http://{e}/oracle"))
+            .json(body)
+            .send()
+            .await
+            .ok()?;
+        r.json::<Value>().await.ok()?["cached_blocks"].as_u64()
+    });
+    let cached = futures::future::join_all(asks).await;
+    engines
+        .iter()
+        .cloned()
+        .zip(cached.into_iter().map(|c| c.unwrap_or(0)))
+        .collect()
+}
+
+/// Per sidecar, the share of `bodies` whose index view equals the engines' caches on every
+/// worker (a worker the sidecar does not list: 0 blocks); a sidecar that does not answer
+/// agrees on nothing. Every prompt is asked at once, each sidecar right after the engines, so a
+/// probe takes about one round trip under load and requests in flight change little between
+/// the two.
+pub async fn engine_agreement(
+    http: &reqwest::Client,
+    sidecars: &[String],
+    engines: &[String],
+    bodies: &[Value],
+) -> Result<Vec<f64>> {
+    let one = |body: &Value| {
+        let hashes = prompt_hashes(body);
+        let body = body.clone();
+        async move {
+            let hint = kvroute_protocol::hint::HintRequest {
+                model: MODEL.into(),
+                hashes: hashes?,
+                finished: Vec::new(),
+            };
+            let per_sidecar = sidecars.iter().map(|base| {
+                let (hint, body) = (&hint, &body);
+                async move {
+                    let truth = engines_view(http, engines, body).await;
+                    let Some(view) = index_view(http, base, hint).await else {
+                        return false;
+                    };
+                    let held = |w: &str| view.iter().find(|(v, _)| v == w).map_or(0, |(_, m)| *m);
+                    truth.iter().all(|(e, cached)| held(e) == *cached)
+                }
+            });
+            anyhow::Ok(futures::future::join_all(per_sidecar).await)
+        }
+    };
+    let answers = futures::future::join_all(bodies.iter().map(one)).await;
+    let mut agreed = vec![0usize; sidecars.len()];
+    for answer in answers {
+        for (i, ok) in answer?.into_iter().enumerate() {
+            agreed[i] += usize::from(ok);
+        }
+    }
+    let n = bodies.len().max(1) as f64;
+    Ok(agreed.into_iter().map(|a| a as f64 / n).collect())
+}
+
+/// `probes` of the recent prompts, at random.
+fn pick(recent: &[Value], probes: usize, rng: &mut Rng) -> Vec<Value> {
+    if recent.is_empty() {
+        return Vec::new();
+    }
+    (0..probes)
+        .map(|_| recent[rng.range(0, recent.len() - 1)].clone())
+        .collect()
+}
+
+/// Break the fleet as `fault` says, hold it, undo it.
+async fn apply(stack: &mut Stack, fault: Fault, hold: Duration) -> Result<()> {
+    let http = stack.http.clone();
+    let admin = |n: usize, what: &str| format!("http://{}/admin/{what}", stack.engines[n].address);
+    match fault {
+        Fault::NatsRestart => {
+            stack.kill("nats");
+            tokio::time::sleep(hold).await;
+            stack.restart_nats().await?;
+        }
+        Fault::EngineRestart(n) => {
+            http.post(admin(n, "restart"))
+                .send()
+                .await?
+                .error_for_status()?;
+        }
+        Fault::EngineDropsEvents(n) => {
+            http.post(admin(n, "drop_events"))
+                .body("50")
+                .send()
+                .await?
+                .error_for_status()?;
+            tokio::time::sleep(hold).await;
+        }
+        Fault::EventLoss | Fault::Partition => {
+            let loss = if fault == Fault::Partition { 1.0 } else { 0.2 };
+            stack.set_transport_loss(1, loss)?;
+            tokio::time::sleep(hold).await;
+            stack.set_transport_loss(1, 0.0)?;
+        }
+        Fault::SidecarKill => {
+            stack.kill("sidecar");
+            tokio::time::sleep(hold).await;
+            stack.restart_sidecar().await?;
+        }
+        Fault::ReplicaKill => {
+            stack.kill("sidecar-1");
+            tokio::time::sleep(hold).await;
+            stack.restart_replica_sidecar(1, |toml| toml).await?;
+        }
+    }
+    Ok(())
+}
+
+/// How a fault healed: after how long, and every probe on the way.
+struct Healing {
+    /// `None`: not within the deadline.
+    after: Option<Duration>,
+    /// Per probe: seconds since the fault was undone, and each sidecar's agreement with the
+    /// engines.
+    probes: Vec<(f64, Vec<f64>)>,
+}
+
+/// Probe every second until every sidecar agrees with the engines on `healed_share` of the
+/// probes, or the deadline passes.
+async fn heal(stack: &Stack, bench: &SoakBench, tally: &Tally, rng: &mut Rng) -> Result<Healing> {
+    let start = Instant::now();
+    let sidecars: Vec<String> = stack
+        .replicas
+        .iter()
+        .map(|r| r.sidecar_url.clone())
+        .collect();
+    let engines: Vec<String> = stack.engines.iter().map(|e| e.address.clone()).collect();
+    let mut probes = Vec::new();
+    loop {
+        let bodies = pick(&tally.recent(), bench.probes, rng);
+        let shares = engine_agreement(&stack.http, &sidecars, &engines, &bodies).await?;
+        let healed = shares.iter().all(|s| *s >= bench.healed_share);
+        probes.push((start.elapsed().as_secs_f64(), shares));
+        if healed {
+            return Ok(Healing {
+                after: Some(start.elapsed()),
+                probes,
+            });
+        }
+        if start.elapsed() > bench.deadline {
+            return Ok(Healing {
+                after: None,
+                probes,
+            });
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Run the soak; writes `soak.json` and `soak.md` into `out`.
+pub async fn run(bench: &SoakBench, out: &std::path::Path) -> Result<Value> {
+    let mut opts = StackOptions::new("soak", Mode::Kvroute);
+    opts.sim = SimOptions {
+        engines: bench.engines,
+        capacity_blocks: bench.capacity_blocks,
+        event_formats: vec!["dynamo".into(), "vllm-map".into()],
+        event_delay_ms: "2,50,100".into(),
+        ..SimOptions::default()
+    };
+    opts.replicas = Some(ReplicaOptions {
+        count: 2,
+        interval_ms: 1000,
+        loss: 0.0,
+        lossy: None,
+        reconcile: true,
+        share_load: true,
+        load_interval_ms: 10,
+    });
+    opts.transport_loss = Some(TransportLoss { loss: 0.0, seed: 7 });
+    let mut stack = Stack::start(opts)
+        .await
+        .context("starting the soak's fleet")?;
+    let workload = Arc::new(ChatWorkload::generate(&ChatSpec {
+        conversations: 96,
+        turns: 6,
+        ..ChatSpec::demo()
+    }));
+    let routers: Vec<String> = stack.replicas.iter().map(|r| r.envoy_url.clone()).collect();
+    let (stop, tally) = (Arc::new(AtomicBool::new(false)), Arc::new(Tally::default()));
+    let load = tokio::spawn(clients(
+        stack.http.clone(),
+        routers,
+        workload,
+        bench.clients,
+        stop.clone(),
+        tally.clone(),
+    ));
+    let mut rng = Rng::new(99);
+    let started = Instant::now();
+    tokio::time::sleep(bench.steady).await;
+    let baseline: Vec<f64> = heal(&stack, bench, &tally, &mut rng)
+        .await?
+        .probes
+        .pop()
+        .map(|p| p.1)
+        .unwrap_or_default();
+    println!("soak: steady state, indexes agree with the engines on {baseline:?} of the probes");
+    let mut faults = Vec::new();
+    for &fault in &bench.faults {
+        let failed_before = tally.failed.load(Ordering::Relaxed);
+        let at = started.elapsed();
+        apply(&mut stack, fault, bench.hold)
+            .await
+            .with_context(|| format!("applying {}", fault.name()))?;
+        let healing = heal(&stack, bench, &tally, &mut rng).await?;
+        let healed = healing.after;
+        let row = json!({
+            "fault": fault.name(),
+            "at_s": at.as_secs_f64(),
+            "held_s": bench.hold.as_secs_f64(),
+            "healed_after_s": healed.map(|d| d.as_secs_f64()),
+            "agreement_with_engines": healing.probes.last().map(|p| p.1.clone()),
+            "probes": healing.probes,
+            "failed_requests": tally.failed.load(Ordering::Relaxed) - failed_before,
+        });
+        println!(
+            "soak: {} at {:.0} s: healed {} after it was undone; requests failed meanwhile: {}",
+            fault.name(),
+            at.as_secs_f64(),
+            healed.map_or("never (past the deadline)".to_owned(), |d| format!(
+                "{:.1} s",
+                d.as_secs_f64()
+            )),
+            row["failed_requests"],
+        );
+        faults.push(row);
+        stack.check_alive()?;
+        tokio::time::sleep(bench.steady).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    load.await.context("the clients")?;
+    // Load stopped: let late events land and the replicas compare once more.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let sidecars: Vec<String> = stack
+        .replicas
+        .iter()
+        .map(|r| r.sidecar_url.clone())
+        .collect();
+    let engines: Vec<String> = stack.engines.iter().map(|e| e.address.clone()).collect();
+    let recent = tally.recent();
+    let final_engines = engine_agreement(&stack.http, &sidecars, &engines, &recent).await?;
+    let final_replicas = crate::bench_replicas::agreement(&stack.http, &sidecars, &recent).await?;
+    let (sent, failed, saved) = (
+        tally.sent.load(Ordering::Relaxed),
+        tally.failed.load(Ordering::Relaxed),
+        tally.saved_by_retry.load(Ordering::Relaxed),
+    );
+    let doc = json!({
+        "engines": bench.engines,
+        "capacity_blocks": bench.capacity_blocks,
+        "clients": bench.clients,
+        "seconds": started.elapsed().as_secs_f64(),
+        "requests": sent,
+        "failed_requests": failed,
+        "failures_a_retry_saved": saved,
+        "errors": *tally.errors.lock().unwrap_or_else(|e| e.into_inner()),
+        "hit_rate": tally.cached_tokens.load(Ordering::Relaxed) as f64
+            / tally.prompt_tokens.load(Ordering::Relaxed).max(1) as f64,
+        "baseline_agreement_with_engines": baseline,
+        "faults": faults,
+        "final_agreement_with_engines": final_engines,
+        "final_agreement_between_replicas": final_replicas,
+        "transport_counts": stack.transport_counts().iter().map(|c| json!({"forwarded": c.forwarded, "dropped": c.dropped})).collect::<Vec<_>>(),
+    });
+    std::fs::create_dir_all(out)?;
+    std::fs::write(out.join("soak.json"), serde_json::to_string_pretty(&doc)?)?;
+    std::fs::write(out.join("soak.md"), markdown(&doc))?;
+    Ok(doc)
+}
+
+/// The report docs/benchmarks.md quotes.
+pub fn markdown(doc: &Value) -> String {
+    let mut s = format!(
+        "{} engines ({} blocks each), 2 replicas, {} clients, {:.0} s: {} requests, {} failed, {} of them a retry served; hit rate {:.1}%\n\nIndexes agreeing with the engines: steady {}, final {}; replicas agreeing with each other at the end: {:.1}%\n\n| fault | at | held | healed after undone | agreement with engines then | requests failed |\n|---|---|---|---|---|---|\n",
+        doc["engines"],
+        doc["capacity_blocks"],
+        doc["clients"],
+        doc["seconds"].as_f64().unwrap_or(0.0),
+        doc["requests"],
+        doc["failed_requests"],
+        doc["failures_a_retry_saved"],
+        100.0 * doc["hit_rate"].as_f64().unwrap_or(0.0),
+        doc["baseline_agreement_with_engines"],
+        doc["final_agreement_with_engines"],
+        100.0 * doc["final_agreement_between_replicas"].as_f64().unwrap_or(0.0),
+    );
+    for f in doc["faults"].as_array().into_iter().flatten() {
+        s.push_str(&format!(
+            "| {} | {:.0} s | {:.0} s | {} | {} | {} |\n",
+            f["fault"].as_str().unwrap_or(""),
+            f["at_s"].as_f64().unwrap_or(0.0),
+            f["held_s"].as_f64().unwrap_or(0.0),
+            f["healed_after_s"]
+                .as_f64()
+                .map_or("not within the deadline".to_owned(), |s| format!(
+                    "{s:.1} s"
+                )),
+            f["agreement_with_engines"],
+            f["failed_requests"],
+        ));
+    }
+    s
+}
