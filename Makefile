@@ -157,6 +157,7 @@ bench-index:
 
 bench-hint:
 	cargo bench -p kvroute-sidecar --bench hint_under_ingest
+	cargo bench -p kvroute-sidecar --bench hint_under_ingest -- --scale
 
 bench-prepare:
 	cargo bench -p kvroute-prompt --bench prepare

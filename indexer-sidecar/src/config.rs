@@ -76,10 +76,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// The whole configuration.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     /// TCP address of the HTTP API.
@@ -131,7 +131,7 @@ pub struct Config {
 }
 
 /// The API's connections (docs/operations.md, "Connections").
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ApiConfig {
     /// Connections open at once (each Envoy worker thread keeps a few); at the bound the one
@@ -163,7 +163,7 @@ fn default_idle_timeout_s() -> u64 {
 
 /// The index kept on local disk (docs/operations.md, "A snapshot on disk"): written every
 /// `interval_ms`, read at start.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct SnapshotConfig {
     /// The file (relative paths are relative to the config file); written next to it under
@@ -188,7 +188,7 @@ fn default_restore_wait_ms() -> u64 {
 
 /// The replica plane: every sidecar of a fleet publishes its caches' digests on NATS and
 /// compares them with its peers' (docs/operations.md, "Replicas").
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ReplicasConfig {
     /// The fleet's name: replicas of one group compare with each other (subject
@@ -275,7 +275,7 @@ impl ReplicasConfig {
 /// (`dir`) or etcd (`etcd`, Dynamo's default backend). They are hinted by instance id: the filter sends `x-worker-instance-id` (aggregated workers) or
 /// `x-prefill-instance-id` (prefill workers of a disaggregated fleet) and the frontend serves
 /// the request there (see docs/operations.md, "Dynamo fleets: pin mode").
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct DiscoveryConfig {
     /// The file store's root (the workers' `DYN_FILE_KV`, holding `v1/instances/…`; relative
@@ -365,7 +365,7 @@ fn default_discovery_poll_ms() -> u64 {
 }
 
 /// Where to read Envoy's view of the workers cluster.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct EnvoyConfig {
     /// Envoy's admin URL, e.g. `http://127.0.0.1:9901`.
@@ -387,7 +387,7 @@ pub struct EnvoyConfig {
 /// A model served by the hosts of an Envoy cluster (`[[envoy.members]]`): each host Envoy lists
 /// is a worker, hinted by its address, its KV events read from the endpoints the templates give
 /// for it; hosts EDS adds and removes are followed without a restart.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct MembersConfig {
     /// The cluster (default: `[envoy] cluster`).
@@ -437,7 +437,7 @@ fn default_listen() -> SocketAddr {
 }
 
 /// Where Dynamo KV events come from.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct NatsConfig {
     /// NATS server URL (`nats://`, `tls://`; `user:password@` in it works, but is better in
@@ -568,7 +568,7 @@ pub fn default_subjects() -> Vec<String> {
 }
 
 /// One vLLM KV-event publisher (`--kv-events-config` with `"publisher": "zmq"`).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ZmqConfig {
     /// vLLM's `endpoint`, e.g. `tcp://10.0.0.5:5557`.
@@ -601,7 +601,7 @@ pub fn default_max_message_bytes() -> u64 {
 }
 
 /// One served model.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
     /// Model name, as requests send it.
@@ -616,7 +616,7 @@ pub struct ModelConfig {
 }
 
 /// One worker.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct WorkerConfig {
     /// `ip:port` exactly as in Envoy's cluster (override_host matches on it).
@@ -638,7 +638,7 @@ pub struct WorkerConfig {
 
 /// What the network can make the index hold: events are not authenticated beyond their
 /// transport, and a lost removal is never seen (see docs/operations.md, "Bounds").
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct IndexConfig {
     /// Blocks one cache (worker × data-parallel rank) may hold when neither its engine nor
@@ -660,7 +660,7 @@ impl Default for IndexConfig {
 }
 
 /// Hint policy knobs (see docs/operations.md for how to tune them).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RoutingConfig {
     /// Matches shorter than this many blocks count as none (the least loaded worker wins).
@@ -953,7 +953,7 @@ impl Config {
 }
 
 /// Alarm thresholds (`[alarms]` in the configuration).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AlarmConfig {
     /// Seconds without events before `no_events` / `silent_worker` fire.

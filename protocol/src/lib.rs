@@ -18,7 +18,6 @@ pub mod hash;
 pub mod headers;
 pub mod hint;
 pub mod vllm;
-mod vllm_direct;
 
 pub use hash::{HashSeed, LocalBlockHash, PrefixHash};
 

@@ -22,6 +22,8 @@
 use rmpv::Value;
 use xxhash_rust::xxh3::xxh3_64;
 
+mod direct;
+
 /// The sequence number vLLM's replay socket sends after the last buffered message.
 pub const REPLAY_END: u64 = u64::MAX;
 
@@ -162,7 +164,7 @@ pub fn decode_seq(frame: &[u8]) -> Result<u64, VllmDecodeError> {
 
 /// Decode a payload frame. Malformed events inside a well-formed batch are skipped and counted.
 pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, VllmDecodeError> {
-    if let Some(batch) = crate::vllm_direct::decode(payload) {
+    if let Some(batch) = direct::decode(payload) {
         return Ok(batch);
     }
     decode_batch_tree(payload)
@@ -747,7 +749,7 @@ mod tests {
         let payloads = known_payloads();
         assert!(payloads.len() > 10, "{}", payloads.len());
         for p in &payloads {
-            let direct = crate::vllm_direct::decode(p).expect("the common case decodes directly");
+            let direct = direct::decode(p).expect("the common case decodes directly");
             assert_eq!(direct, decode_batch_tree(p).unwrap());
         }
     }
@@ -769,13 +771,32 @@ mod tests {
             }
             for d in damaged {
                 checked += 1;
-                if let Some(batch) = crate::vllm_direct::decode(&d) {
+                if let Some(batch) = direct::decode(&d) {
                     direct += 1;
                     assert_eq!(Ok(batch), decode_batch_tree(&d), "{d:?}");
                 }
             }
         }
         assert!(direct > 100 && checked > 1000, "{direct} of {checked}");
+    }
+
+    /// A length that lies (4 billion events, or tokens, in a few bytes) allocates nothing it
+    /// cannot fill: an error, not an abort.
+    #[test]
+    fn a_lying_length_is_an_error_not_an_allocation() {
+        let mut batch = vec![0x92, 0xcb];
+        batch.extend_from_slice(&1.5f64.to_bits().to_be_bytes());
+        let mut events = batch.clone();
+        events.extend_from_slice(&[0xdd, 0xff, 0xff, 0xff, 0xff]);
+        let mut tokens = batch;
+        // [["BlockStored", [7], nil, <4 billion tokens>: 1]]
+        tokens.extend_from_slice(&[0x91, 0x94, 0xab]);
+        tokens.extend_from_slice(b"BlockStored");
+        tokens.extend_from_slice(&[0x91, 0x07, 0xc0, 0xdd, 0xff, 0xff, 0xff, 0xff, 0x01]);
+        for payload in [events, tokens] {
+            assert!(direct::decode(&payload).is_none());
+            assert!(decode_batch(&payload).is_err());
+        }
     }
 
     #[test]

@@ -369,6 +369,12 @@ async fn a_restarted_sidecar_warms_from_the_dynamo_workers_engines() {
         "kvroute_rejected_messages_total{{worker=\"{}\",reason=\"read_over_zmq\"}}",
         pinned_label(&stack, 1)
     );
+    // The relay's copy travels through NATS and may land after the ZMQ original indexed.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while sidecar_metric(&stack, &relayed).await < Some(1.0) && std::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
     assert!(
         sidecar_metric(&stack, &relayed).await >= Some(1.0),
         "the relay's NATS copies are refused: {}",

@@ -407,7 +407,7 @@ async fn a_replica_hitting_less_than_its_peer_is_named_until_repaired() {
     // Redeployed with its events and reconciliation: it warms from its peer and hits.
     stack
         .restart_replica_sidecar(1, |toml| {
-            toml.replace("test_drop_events = 1", "test_drop_events = 0")
+            toml.replace("test_drop_events = 1.0", "test_drop_events = 0.0")
                 .replace("reconcile = false", "reconcile = true")
         })
         .await

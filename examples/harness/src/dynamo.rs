@@ -64,14 +64,6 @@ impl Discovery {
         }
     }
 
-    /// The line of that entry that says where (`dir = …` or `etcd = […]`).
-    pub fn toml(&self) -> String {
-        match self {
-            Discovery::File(dir) => format!("dir = \"{}\"", dir.display()),
-            Discovery::Etcd(url) => format!("etcd = [\"{url}\"]"),
-        }
-    }
-
     /// Every record now, as the sidecar reads them.
     pub async fn records(&self) -> Result<discovery::Records> {
         let http = reqwest::Client::new();

@@ -275,17 +275,36 @@ async fn engines_view(
         .collect()
 }
 
+/// One sidecar's verdict on one prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    /// Its index matched what every engine held, on every worker.
+    Agrees,
+    /// It did not (or did not answer).
+    Differs,
+    /// An engine's cache changed while it was asked: nothing to judge by.
+    Unsettled,
+}
+
+/// Longer than an event takes to arrive (the soak's engines publish at most 100 ms late): an
+/// engine whose cache did not change over this long before the sidecar was asked must be
+/// indexed as it is.
+const SETTLE: Duration = Duration::from_millis(150);
+/// Prompts probed at once (each costs every engine two `/oracle` answers under load).
+const PROBES_AT_ONCE: usize = 8;
+
 /// Per sidecar, the share of `bodies` whose index view equals the engines' caches on every
-/// worker (a worker the sidecar does not list: 0 blocks); a sidecar that does not answer
-/// agrees on nothing. Every prompt is asked at once, each sidecar right after the engines, so a
-/// probe takes about one round trip under load and requests in flight change little between
-/// the two.
+/// worker (a worker the sidecar does not list: 0 blocks), among the prompts the engines held
+/// still for: each engine is asked before and after the sidecar, [`SETTLE`] apart, and a prompt
+/// whose cached blocks changed meanwhile is not judged. A sidecar that does not answer agrees
+/// on nothing. `None` for a sidecar when no prompt held still.
 pub async fn engine_agreement(
     http: &reqwest::Client,
     sidecars: &[String],
     engines: &[String],
     bodies: &[Value],
-) -> Result<Vec<f64>> {
+) -> Result<Vec<Option<f64>>> {
+    use futures::StreamExt as _;
     let one = |body: &Value| {
         let hashes = prompt_hashes(body);
         let body = body.clone();
@@ -298,26 +317,42 @@ pub async fn engine_agreement(
             let per_sidecar = sidecars.iter().map(|base| {
                 let (hint, body) = (&hint, &body);
                 async move {
-                    let truth = engines_view(http, engines, body).await;
-                    let Some(view) = index_view(http, base, hint).await else {
-                        return false;
+                    let before = engines_view(http, engines, body).await;
+                    tokio::time::sleep(SETTLE).await;
+                    let view = index_view(http, base, hint).await;
+                    if engines_view(http, engines, body).await != before {
+                        return Verdict::Unsettled;
+                    }
+                    let Some(view) = view else {
+                        return Verdict::Differs;
                     };
                     let held = |w: &str| view.iter().find(|(v, _)| v == w).map_or(0, |(_, m)| *m);
-                    truth.iter().all(|(e, cached)| held(e) == *cached)
+                    if before.iter().all(|(e, cached)| held(e) == *cached) {
+                        Verdict::Agrees
+                    } else {
+                        Verdict::Differs
+                    }
                 }
             });
             anyhow::Ok(futures::future::join_all(per_sidecar).await)
         }
     };
-    let answers = futures::future::join_all(bodies.iter().map(one)).await;
-    let mut agreed = vec![0usize; sidecars.len()];
+    let answers: Vec<Result<Vec<Verdict>>> = futures::stream::iter(bodies.iter().map(one))
+        .buffer_unordered(PROBES_AT_ONCE)
+        .collect()
+        .await;
+    let (mut agreed, mut judged) = (vec![0usize; sidecars.len()], vec![0usize; sidecars.len()]);
     for answer in answers {
-        for (i, ok) in answer?.into_iter().enumerate() {
-            agreed[i] += usize::from(ok);
+        for (i, verdict) in answer?.into_iter().enumerate() {
+            agreed[i] += usize::from(verdict == Verdict::Agrees);
+            judged[i] += usize::from(verdict != Verdict::Unsettled);
         }
     }
-    let n = bodies.len().max(1) as f64;
-    Ok(agreed.into_iter().map(|a| a as f64 / n).collect())
+    Ok(agreed
+        .into_iter()
+        .zip(judged)
+        .map(|(a, n)| (n > 0).then(|| a as f64 / n as f64))
+        .collect())
 }
 
 /// `probes` of the recent prompts, at random.
@@ -379,8 +414,8 @@ struct Healing {
     /// `None`: not within the deadline.
     after: Option<Duration>,
     /// Per probe: seconds since the fault was undone, and each sidecar's agreement with the
-    /// engines.
-    probes: Vec<(f64, Vec<f64>)>,
+    /// engines (`None`: no prompt held still).
+    probes: Vec<(f64, Vec<Option<f64>>)>,
 }
 
 /// Probe every second until every sidecar agrees with the engines on `healed_share` of the
@@ -397,7 +432,9 @@ async fn heal(stack: &Stack, bench: &SoakBench, tally: &Tally, rng: &mut Rng) ->
     loop {
         let bodies = pick(&tally.recent(), bench.probes, rng);
         let shares = engine_agreement(&stack.http, &sidecars, &engines, &bodies).await?;
-        let healed = shares.iter().all(|s| *s >= bench.healed_share);
+        let healed = shares
+            .iter()
+            .all(|s| s.is_some_and(|s| s >= bench.healed_share));
         probes.push((start.elapsed().as_secs_f64(), shares));
         if healed {
             return Ok(Healing {
@@ -456,7 +493,7 @@ pub async fn run(bench: &SoakBench, out: &std::path::Path) -> Result<Value> {
     let mut rng = Rng::new(99);
     let started = Instant::now();
     tokio::time::sleep(bench.steady).await;
-    let baseline: Vec<f64> = heal(&stack, bench, &tally, &mut rng)
+    let baseline: Vec<Option<f64>> = heal(&stack, bench, &tally, &mut rng)
         .await?
         .probes
         .pop()

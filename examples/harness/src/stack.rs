@@ -7,6 +7,8 @@ use std::time::Duration;
 use anyhow::{bail, Context as _, Result};
 use serde::Deserialize;
 
+use kvroute_sidecar::config::Config;
+
 use crate::dynamo::{Discovery, DynamoOptions};
 pub use crate::engines::{EngineInfo, MODEL};
 
@@ -410,20 +412,14 @@ impl Stack {
                 }
                 None => nats_url.clone(),
             };
-            let mut text = sidecar_text(
-                &opts,
-                &engines,
-                &nats_url,
-                &events_url,
-                sidecar_port,
+            let place = SidecarPlace {
+                replica: 0,
+                port: sidecar_port,
+                unix_socket: opts.sidecar_uds.then(|| dir.join("sidecar.sock")),
                 admin,
-                0,
-                &discovery,
-            );
-            if opts.sidecar_uds {
-                let socket = dir.join("sidecar.sock");
-                text = format!("unix_socket = \"{}\"\n{text}", socket.display());
-            }
+                events_url: &events_url,
+            };
+            let text = sidecar_text(&opts, &engines, &nats_url, &place, &discovery)?;
             std::fs::write(dir.join("sidecar.toml"), text)?;
             let url = format!("http://127.0.0.1:{sidecar_port}");
             processes.push(start_sidecar(&dir, "sidecar", &url, &http).await?);
@@ -573,16 +569,14 @@ impl Stack {
                 }
                 None => self.nats_url.clone(),
             };
-            let text = sidecar_text(
-                opts,
-                &self.engines,
-                &self.nats_url,
-                &events_url,
+            let place = SidecarPlace {
+                replica: i,
                 port,
+                unix_socket: None,
                 admin,
-                i,
-                &self.discovery,
-            );
+                events_url: &events_url,
+            };
+            let text = sidecar_text(opts, &self.engines, &self.nats_url, &place, &self.discovery)?;
             std::fs::write(dir.join("sidecar.toml"), text)?;
             let sidecar_url = format!("http://127.0.0.1:{port}");
             let sidecar =
@@ -965,29 +959,61 @@ fn start_sim(
     Ok((ready.engines, ready.frontend))
 }
 
+/// A value of one of the sidecar's configuration types from JSON: the fields given, every other
+/// at its default, refused (by the sidecar's own `deny_unknown_fields`) when a field is not one.
+fn typed<T: serde::de::DeserializeOwned>(what: &str, value: serde_json::Value) -> Result<T> {
+    serde_json::from_value(value).with_context(|| format!("the harness's {what} configuration"))
+}
+
+/// Where one sidecar of a stack listens and what it reads.
+struct SidecarPlace<'a> {
+    /// 0: the stack's own; 1…: a replica's.
+    replica: usize,
+    /// Its API port on 127.0.0.1.
+    port: u16,
+    /// Its Unix socket, when it serves one too.
+    unix_socket: Option<PathBuf>,
+    /// The admin port of the Envoy beside it.
+    admin: u16,
+    /// Where it reads KV events: the stack's nats-server, or a lossy proxy in front of it.
+    events_url: &'a str,
+}
+
+/// The configuration of one sidecar of the stack, built from the sidecar's own configuration
+/// types: the model, the workers (`[[workers]]` and `[[zmq]]`, Dynamo discovery in pin mode,
+/// Envoy's membership with EDS), NATS, Envoy's admin, the replica plane.
 fn sidecar_config(
     opts: &StackOptions,
     engines: &[EngineInfo],
     nats_url: &str,
-    port: u16,
-) -> String {
-    let subjects = opts
-        .nats_subjects
-        .as_ref()
-        .map(|s| format!("subjects = {s:?}\n"))
-        .unwrap_or_default();
-    let mut out = format!(
-        "listen = \"127.0.0.1:{port}\"\n\n[nats]\nurl = \"{nats_url}\"\n{subjects}\n[[models]]\nname = \"{MODEL}\"\ndir = \"{}\"\nblock_size = {}\n",
-        paths::model_dir().display(),
-        opts.block_size()
-    );
+    place: &SidecarPlace<'_>,
+    discovery: &Discovery,
+) -> Result<Config> {
+    let mut nats = serde_json::json!({"url": place.events_url});
+    if let Some(subjects) = &opts.nats_subjects {
+        nats["subjects"] = serde_json::json!(subjects);
+    }
+    let mut config: Config = typed(
+        "sidecar",
+        serde_json::json!({
+            "listen": format!("127.0.0.1:{}", place.port),
+            "unix_socket": place.unix_socket,
+            "nats": nats,
+            "models": [{"name": MODEL, "dir": paths::model_dir(), "block_size": opts.block_size()}],
+            "envoy": {
+                "admin_url": format!("http://127.0.0.1:{}", place.admin),
+                "cluster": opts.workers_cluster,
+                "poll_interval_ms": 100,
+            },
+        }),
+    )?;
     // In pin mode the engines are found through Dynamo discovery, with EDS through Envoy.
     for e in engines.iter().filter(|_| !opts.eds_membership) {
         if !opts.pin_mode() {
-            out.push_str(&format!(
-                "\n[[workers]]\naddress = \"{}\"\nmodel = \"{MODEL}\"\ndynamo_worker_id = {}\n",
-                e.address, e.dynamo_worker_id
-            ));
+            config.workers.push(typed(
+                "worker",
+                serde_json::json!({"address": e.address, "model": MODEL, "dynamo_worker_id": e.dynamo_worker_id}),
+            )?);
         }
         if let (Some(events), Some(replay)) = (&e.zmq_endpoint, &e.replay_endpoint) {
             // Dynamo's mocker publishes on vLLM's default topic, the empty one.
@@ -996,65 +1022,86 @@ fn sidecar_config(
             } else {
                 "kv-events"
             };
-            out.push_str(&format!(
-                "\n[[zmq]]\nendpoint = \"{events}\"\nreplay_endpoint = \"{replay}\"\nworker = \"{}\"\ntopic = \"{topic}\"\n",
-                e.address
-            ));
+            config.zmq.push(typed(
+                "zmq",
+                serde_json::json!({"endpoint": events, "replay_endpoint": replay, "worker": e.address, "topic": topic}),
+            )?);
         }
     }
-    out
-}
-
-/// The configuration of sidecar `replica` (0: the stack's own) on `port`, beside the Envoy
-/// whose admin port is `admin`: KV events from `events_url` (`nats_url`, or a proxy in front of
-/// it), the replica plane on `nats_url`.
-#[allow(clippy::too_many_arguments)]
-fn sidecar_text(
-    opts: &StackOptions,
-    engines: &[EngineInfo],
-    nats_url: &str,
-    events_url: &str,
-    port: u16,
-    admin: u16,
-    replica: usize,
-    discovery: &Discovery,
-) -> String {
-    let mut text = sidecar_config(opts, engines, events_url, port);
     if opts.pin_mode() {
-        text.push_str(&format!(
-            "\n[[dynamo_discovery]]\n{}\nmodel = \"{MODEL}\"\npoll_interval_ms = 100\n",
-            discovery.toml(),
-        ));
+        let mut d = discovery.config(MODEL);
+        d.poll_interval_ms = 100;
+        config.dynamo_discovery.push(d);
     }
-    text.push_str(&format!(
-        "\n[envoy]\nadmin_url = \"http://127.0.0.1:{admin}\"\ncluster = \"{}\"\npoll_interval_ms = 100\n",
-        opts.workers_cluster
-    ));
     if opts.eds_membership {
-        text.push_str(&format!(
-            "\n[[envoy.members]]\nmodel = \"{MODEL}\"\nevents = \"tcp://{{host}}:{{port+1}}\"\nreplay = \"tcp://{{host}}:{{port+2}}\"\ntopic = \"kv-events\"\n"
-        ));
+        if let Some(envoy) = &mut config.envoy {
+            envoy.members.push(typed(
+                "members",
+                serde_json::json!({"model": MODEL, "events": "tcp://{host}:{port+1}", "replay": "tcp://{host}:{port+2}", "topic": "kv-events"}),
+            )?);
+        }
     }
     if let Some(r) = &opts.replicas {
-        let loss = if r.lossy.is_none_or(|l| l == replica) {
+        let loss = if r.lossy.is_none_or(|l| l == place.replica) {
             r.loss
         } else {
             0.0
         };
-        text.push_str(&format!(
-            "\n[replicas]\ngroup = \"stack\"\nid = \"r{replica}\"\ninterval_ms = {}\nreconcile = {}\nshare_load = {}\nload_interval_ms = {}\n",
-            r.interval_ms, r.reconcile, r.share_load, r.load_interval_ms
-        ));
-        if loss > 0.0 {
-            text.push_str(&format!("test_drop_events = {loss}\n"));
-        }
-        if events_url != nats_url {
-            text.push_str(&format!("nats_url = \"{nats_url}\"\n"));
+        config.replicas = Some(typed(
+            "replicas",
+            serde_json::json!({
+                "group": "stack",
+                "id": format!("r{}", place.replica),
+                "interval_ms": r.interval_ms,
+                "reconcile": r.reconcile,
+                "share_load": r.share_load,
+                "load_interval_ms": r.load_interval_ms,
+                "test_drop_events": loss,
+                // Events through a proxy: the replica plane stays on the real server.
+                "nats_url": (place.events_url != nats_url).then_some(nats_url),
+            }),
+        )?);
+    }
+    Ok(config)
+}
+
+/// [`sidecar_config`] as the TOML the sidecar reads, with [`StackOptions::sidecar_toml`]'s
+/// tables merged over it (a key given there replaces the stack's; an array of tables given
+/// there is appended to).
+fn sidecar_text(
+    opts: &StackOptions,
+    engines: &[EngineInfo],
+    nats_url: &str,
+    place: &SidecarPlace<'_>,
+    discovery: &Discovery,
+) -> Result<String> {
+    let config = sidecar_config(opts, engines, nats_url, place, discovery)?;
+    let mut table =
+        toml::Table::try_from(&config).context("the sidecar's configuration as TOML")?;
+    let extra: toml::Table = toml::from_str(&opts.sidecar_toml).with_context(|| {
+        format!(
+            "StackOptions::sidecar_toml is not TOML: {}",
+            opts.sidecar_toml
+        )
+    })?;
+    merge(&mut table, extra);
+    // Parsed back as the sidecar will: a key the merge got wrong fails here, not in a sidecar.
+    let text = toml::to_string(&table)?;
+    toml::from_str::<Config>(&text).context("the merged sidecar configuration")?;
+    Ok(text)
+}
+
+/// `extra` over `base`: tables merged key by key, arrays appended, anything else replaced.
+fn merge(base: &mut toml::Table, extra: toml::Table) {
+    for (key, value) in extra {
+        match (base.get_mut(&key), value) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(e)) => merge(b, e),
+            (Some(toml::Value::Array(b)), toml::Value::Array(e)) => b.extend(e),
+            (_, value) => {
+                base.insert(key, value);
+            }
         }
     }
-    text.push('\n');
-    text.push_str(&opts.sidecar_toml);
-    text
 }
 
 /// The EDS file of a stack in `dir` ([`StackOptions::eds_membership`]).
@@ -1229,4 +1276,92 @@ fn all_threads_stopped(pid: u32) -> bool {
                 == Some('T')
         })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn engines() -> Vec<EngineInfo> {
+        (0..2)
+            .map(|i| EngineInfo {
+                index: i,
+                address: format!("127.0.0.1:{}", 9000 + i),
+                dynamo_worker_id: 100 + i as u64,
+                zmq_endpoint: (i == 1).then(|| "tcp://127.0.0.1:9101".to_owned()),
+                replay_endpoint: (i == 1).then(|| "tcp://127.0.0.1:9102".to_owned()),
+            })
+            .collect()
+    }
+
+    fn place(replica: usize, events_url: &str) -> SidecarPlace<'_> {
+        SidecarPlace {
+            replica,
+            port: 7000,
+            unix_socket: None,
+            admin: 7001,
+            events_url,
+        }
+    }
+
+    /// The text the sidecar reads back is the stack's fleet: both engines as workers, the vLLM
+    /// one's sockets, NATS through the proxy, the replica plane on the real server, the lossy
+    /// replica losing and the other not.
+    #[test]
+    fn a_replicas_configuration_reads_back_as_the_stack_built_it() {
+        let mut opts = StackOptions::new("t", Mode::Kvroute);
+        opts.replicas = Some(ReplicaOptions {
+            count: 2,
+            interval_ms: 500,
+            loss: 0.1,
+            lossy: Some(1),
+            reconcile: true,
+            share_load: false,
+            load_interval_ms: 10,
+        });
+        let discovery = Discovery::File(PathBuf::from("/nowhere"));
+        for (replica, loss) in [(0, 0.0), (1, 0.1)] {
+            let text = sidecar_text(
+                &opts,
+                &engines(),
+                "nats://127.0.0.1:4222",
+                &place(replica, "nats://127.0.0.1:5555"),
+                &discovery,
+            )
+            .unwrap();
+            let config: Config = toml::from_str(&text).unwrap();
+            assert_eq!(config.listen.port(), 7000);
+            assert_eq!(config.workers.len(), 2);
+            assert_eq!(config.workers[1].dynamo_worker_id, Some(101));
+            assert_eq!(config.zmq.len(), 1, "{text}");
+            assert_eq!(config.zmq[0].worker.as_deref(), Some("127.0.0.1:9001"));
+            assert_eq!(config.nats.unwrap().url, "nats://127.0.0.1:5555");
+            let r = config.replicas.unwrap();
+            assert_eq!(r.id.as_deref(), Some(format!("r{replica}").as_str()));
+            assert_eq!(r.nats_url.as_deref(), Some("nats://127.0.0.1:4222"));
+            assert_eq!(r.test_drop_events, loss);
+            assert!(config.dynamo_discovery.is_empty());
+        }
+    }
+
+    /// A test's extra TOML goes over the stack's: a key replaces, a table it alone names is
+    /// added, an array of tables is appended to; a field the sidecar does not know is refused
+    /// here, not in a sidecar that fails to start.
+    #[test]
+    fn extra_toml_merges_over_the_stacks_and_is_checked() {
+        let mut opts = StackOptions::new("t", Mode::Kvroute);
+        opts.sidecar_toml = "[routing]\nmax_hinted_workers = 1\n[alarms]\nmin_hints = 3\n[[workers]]\naddress = \"127.0.0.1:9999\"\nmodel = \"tiny-llama\"\n".into();
+        let discovery = Discovery::File(PathBuf::from("/nowhere"));
+        let url = "nats://127.0.0.1:4222";
+        let text = sidecar_text(&opts, &engines(), url, &place(0, url), &discovery).unwrap();
+        let config: Config = toml::from_str(&text).unwrap();
+        assert_eq!(config.routing.max_hinted_workers, 1);
+        assert_eq!(config.alarms.min_hints, 3);
+        assert_eq!(config.workers.len(), 3);
+        assert!(config.replicas.is_none());
+
+        opts.sidecar_toml = "[routing]\nmax_hinted_worker = 1\n".into();
+        let err = sidecar_text(&opts, &engines(), url, &place(0, url), &discovery).unwrap_err();
+        assert!(format!("{err:#}").contains("max_hinted_worker"), "{err:#}");
+    }
 }

@@ -11,7 +11,7 @@
 
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::vllm::{EngineBlockHash, EventBatch, VllmEvent, KNOWN_FIELDS};
+use super::{EngineBlockHash, EventBatch, VllmEvent, KNOWN_FIELDS};
 
 /// The batch, or `None` when it needs the general decoder.
 pub(crate) fn decode(payload: &[u8]) -> Option<EventBatch> {
@@ -269,9 +269,19 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// Room for `n` elements of at least a byte each: never more than the bytes left, so a
+    /// length that lies allocates nothing it cannot fill.
+    fn room<T>(&self, n: usize) -> Vec<T> {
+        Vec::with_capacity(n.min(self.buf.len()))
+    }
+
     fn hashes(&mut self) -> Option<Vec<EngineBlockHash>> {
         let n = self.array()?;
-        (0..n).map(|_| self.hash()).collect()
+        let mut hashes = self.room(n);
+        for _ in 0..n {
+            hashes.push(self.hash()?);
+        }
+        Some(hashes)
     }
 
     fn parent(&mut self) -> Option<Option<EngineBlockHash>> {
@@ -285,12 +295,14 @@ impl<'a> Reader<'a> {
 
     fn tokens(&mut self) -> Option<Vec<u32>> {
         let n = self.array()?;
-        (0..n)
-            .map(|_| match self.head()? {
-                Head::Uint(t) => u32::try_from(t).ok(),
-                _ => None,
-            })
-            .collect()
+        let mut tokens = self.room(n);
+        for _ in 0..n {
+            match self.head()? {
+                Head::Uint(t) => tokens.push(u32::try_from(t).ok()?),
+                _ => return None,
+            }
+        }
+        Some(tokens)
     }
 
     /// An array's elements as "not nil"; anything else: `None` (read past).
@@ -300,7 +312,7 @@ impl<'a> Reader<'a> {
             self.buf = before;
             return self.skip(0).map(|()| None);
         };
-        let mut keys = Vec::with_capacity(n);
+        let mut keys = self.room(n);
         for _ in 0..n {
             let at = self.buf;
             let nil = matches!(self.head()?, Head::Nil);
@@ -315,7 +327,7 @@ impl<'a> Reader<'a> {
 
     fn events(&mut self) -> Option<Vec<VllmEvent>> {
         let n = self.array()?;
-        let mut events = Vec::with_capacity(n);
+        let mut events = self.room(n);
         for _ in 0..n {
             let fields = match self.head()? {
                 Head::Map(len) => self.map_fields(len)?,
