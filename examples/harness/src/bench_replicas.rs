@@ -380,6 +380,23 @@ struct Seen {
     candidates: Value,
 }
 
+/// What a decision (an entry of `/debug/explain`) says the index matched on each candidate
+/// worker, sorted by worker.
+pub fn matched_by_worker(decision: &Value) -> Option<Vec<(String, u64)>> {
+    let mut matched: Vec<(String, u64)> = decision["candidates"]
+        .as_array()?
+        .iter()
+        .map(|c| {
+            (
+                c["worker"].as_str().unwrap_or("").to_owned(),
+                c["matched_blocks"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect();
+    matched.sort();
+    Some(matched)
+}
+
 /// The decisions of the last `last_blocks.len()` hints of the sidecar at `base` (oldest
 /// first), each `None` unless it was for the probe's prompt (`last_blocks`): nothing else asks
 /// it after the traffic, so they are the probes'.
@@ -398,20 +415,9 @@ async fn seen_by(
             if e["last_block"].as_str() != last_blocks[i].as_deref() {
                 return None;
             }
-            let mut matched: Vec<(String, u64)> = e["decision"]["candidates"]
-                .as_array()?
-                .iter()
-                .map(|c| {
-                    (
-                        c["worker"].as_str().unwrap_or("").to_owned(),
-                        c["matched_blocks"].as_u64().unwrap_or(0),
-                    )
-                })
-                .collect();
-            matched.sort();
             Some(Seen {
                 rule: e["decision"]["rule"].clone(),
-                matched,
+                matched: matched_by_worker(&e["decision"])?,
                 candidates: e["decision"]["candidates"].clone(),
             })
         })
@@ -602,7 +608,7 @@ fn probe_bodies(workload: &bench::Workload, probes: usize) -> Vec<Value> {
 }
 
 /// The sidecars' distinct URLs, in replica order (one for a shared index).
-fn sidecars_of(stack: &Stack) -> Vec<String> {
+pub fn sidecars_of(stack: &Stack) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
     for r in &stack.replicas {
         if !out.contains(&r.sidecar_url) {

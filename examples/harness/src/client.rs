@@ -212,26 +212,29 @@ pub enum Target {
     Oracle(Vec<String>),
 }
 
+/// What the simulated engine at `engine` holds of `body`'s prompt, in blocks (its `/oracle`);
+/// 0 when it does not answer.
+pub async fn oracle_cached(http: &reqwest::Client, engine: &str, body: &Value) -> u64 {
+    let answer = async {
+        let r = http
+            .post(format!("http://{engine}/oracle"))
+            .json(body)
+            .send()
+            .await
+            .ok()?;
+        r.json::<Value>().await.ok()?["cached_blocks"].as_u64()
+    };
+    answer.await.unwrap_or(0)
+}
+
 async fn oracle_pick(
     http: &reqwest::Client,
     engines: &[String],
     body: &Value,
     turn: usize,
 ) -> usize {
-    let asks = engines.iter().map(|e| async move {
-        let r = http
-            .post(format!("http://{e}/oracle"))
-            .json(body)
-            .send()
-            .await
-            .ok()?;
-        r.json::<Value>().await.ok()?["cached_blocks"].as_u64()
-    });
-    let cached: Vec<u64> = futures::future::join_all(asks)
-        .await
-        .into_iter()
-        .map(|c| c.unwrap_or(0))
-        .collect();
+    let asks = engines.iter().map(|e| oracle_cached(http, e, body));
+    let cached: Vec<u64> = futures::future::join_all(asks).await;
     let best = cached.iter().copied().max().unwrap_or(0);
     let tied: Vec<usize> = (0..engines.len()).filter(|&i| cached[i] == best).collect();
     tied[turn % tied.len()]

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result};
 use serde_json::{json, Value};
 
-use crate::bench_replicas::{ask_hint, close, prompt_hashes};
+use crate::bench_replicas::{ask_hint, close, matched_by_worker, prompt_hashes, sidecars_of};
 use crate::client::{self, Outcome};
 use crate::stack::{Mode, ReplicaOptions, SimOptions, Stack, StackOptions, TransportLoss, MODEL};
 use crate::workload::{ChatSpec, ChatWorkload, Rng};
@@ -238,18 +238,7 @@ async fn index_view(
         .iter()
         .take(512)
         .find(|e| e["last_block"].as_str() == Some(last.as_str()))?;
-    let mut matched: Vec<(String, u64)> = entry["decision"]["candidates"]
-        .as_array()?
-        .iter()
-        .map(|c| {
-            (
-                c["worker"].as_str().unwrap_or("").to_owned(),
-                c["matched_blocks"].as_u64().unwrap_or(0),
-            )
-        })
-        .collect();
-    matched.sort();
-    Some(matched)
+    matched_by_worker(&entry["decision"])
 }
 
 /// What each engine's cache holds of a prompt (its `/oracle`), by address.
@@ -258,21 +247,10 @@ async fn engines_view(
     engines: &[String],
     body: &Value,
 ) -> Vec<(String, u64)> {
-    let asks = engines.iter().map(|e| async move {
-        let r = http
-            .post(format!("http://{e}/oracle"))
-            .json(body)
-            .send()
-            .await
-            .ok()?;
-        r.json::<Value>().await.ok()?["cached_blocks"].as_u64()
-    });
-    let cached = futures::future::join_all(asks).await;
-    engines
-        .iter()
-        .cloned()
-        .zip(cached.into_iter().map(|c| c.unwrap_or(0)))
-        .collect()
+    let cached =
+        futures::future::join_all(engines.iter().map(|e| client::oracle_cached(http, e, body)))
+            .await;
+    engines.iter().cloned().zip(cached).collect()
 }
 
 /// One sidecar's verdict on one prompt.
@@ -295,7 +273,7 @@ const PROBES_AT_ONCE: usize = 8;
 
 /// Per sidecar, the share of `bodies` whose index view equals the engines' caches on every
 /// worker (a worker the sidecar does not list: 0 blocks), among the prompts the engines held
-/// still for: each engine is asked before and after the sidecar, [`SETTLE`] apart, and a prompt
+/// still for: each engine is asked before and after the sidecar, 150 ms apart, and a prompt
 /// whose cached blocks changed meanwhile is not judged. A sidecar that does not answer agrees
 /// on nothing. `None` for a sidecar when no prompt held still.
 pub async fn engine_agreement(
@@ -418,16 +396,16 @@ struct Healing {
     probes: Vec<(f64, Vec<Option<f64>>)>,
 }
 
+/// The engines' addresses.
+fn engines_of(stack: &Stack) -> Vec<String> {
+    stack.engines.iter().map(|e| e.address.clone()).collect()
+}
+
 /// Probe every second until every sidecar agrees with the engines on `healed_share` of the
 /// probes, or the deadline passes.
 async fn heal(stack: &Stack, bench: &SoakBench, tally: &Tally, rng: &mut Rng) -> Result<Healing> {
     let start = Instant::now();
-    let sidecars: Vec<String> = stack
-        .replicas
-        .iter()
-        .map(|r| r.sidecar_url.clone())
-        .collect();
-    let engines: Vec<String> = stack.engines.iter().map(|e| e.address.clone()).collect();
+    let (sidecars, engines) = (sidecars_of(stack), engines_of(stack));
     let mut probes = Vec::new();
     loop {
         let bodies = pick(&tally.recent(), bench.probes, rng);
@@ -536,12 +514,7 @@ pub async fn run(bench: &SoakBench, out: &std::path::Path) -> Result<Value> {
     load.await.context("the clients")?;
     // Load stopped: let late events land and the replicas compare once more.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let sidecars: Vec<String> = stack
-        .replicas
-        .iter()
-        .map(|r| r.sidecar_url.clone())
-        .collect();
-    let engines: Vec<String> = stack.engines.iter().map(|e| e.address.clone()).collect();
+    let (sidecars, engines) = (sidecars_of(&stack), engines_of(&stack));
     let recent = tally.recent();
     let final_engines = engine_agreement(&stack.http, &sidecars, &engines, &recent).await?;
     let final_replicas = crate::bench_replicas::agreement(&stack.http, &sidecars, &recent).await?;
