@@ -42,15 +42,20 @@ const CONCURRENCY: usize = 4;
 
 /// Replica 1's configuration with its KV events read through `proxy` and its replica plane
 /// still on the real `nats` server.
-fn behind_proxy(toml: &str, nats: &str, proxy: &str) -> String {
-    let (events, plane) = (
-        format!("\n[nats]\nurl = \"{nats}\"\n"),
-        "\n[replicas]\n".to_owned(),
-    );
-    assert!(toml.contains(&events), "no [nats] url in:\n{toml}");
-    assert!(toml.contains(&plane), "no [replicas] in:\n{toml}");
-    toml.replace(&events, &format!("\n[nats]\nurl = \"{proxy}\"\n"))
-        .replace(&plane, &format!("\n[replicas]\nnats_url = \"{nats}\"\n"))
+fn behind_proxy(text: &str, nats: &str, proxy: &str) -> String {
+    let mut config: toml::Table = toml::from_str(text).unwrap();
+    let events = config
+        .get_mut("nats")
+        .and_then(toml::Value::as_table_mut)
+        .unwrap_or_else(|| panic!("no [nats] in:\n{text}"));
+    assert_eq!(events["url"].as_str(), Some(nats), "{text}");
+    events.insert("url".into(), proxy.into());
+    config
+        .get_mut("replicas")
+        .and_then(toml::Value::as_table_mut)
+        .unwrap_or_else(|| panic!("no [replicas] in:\n{text}"))
+        .insert("nats_url".into(), nats.into());
+    toml::to_string(&config).unwrap()
 }
 
 /// A sidecar's `/metrics` (empty if it does not answer).
