@@ -974,23 +974,25 @@ impl Sidecar {
         let at_unix_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64);
-        let entry = serde_json::json!({
-            "at_unix_ms": at_unix_ms,
-            "request_id": request_id,
-            "model": req.model,
-            "prompt_blocks": req.hashes.len(),
-            "first_block": req.hashes.first().map(|h| format!("{:016x}", h.0)),
-            // The prefix hash of the whole hashed prompt: equal to `kvroute-sidecar tokenize`'s
-            // `last_block` exactly when the filter saw the same tokens.
-            "last_block": req.hashes.last().map(|h| format!("{:016x}", h.0)),
-            "decision": {
-                // Without the ticket: whoever reads this must not be able to close it.
-                "hint": HintResponse { ticket: None, ..resp.clone() },
-                "rule": decision.rule,
-                "candidates": decision.candidates,
+        // Written straight to text: through a `serde_json::Value` first, the candidates' maps
+        // were most of a hint's time at 256 workers.
+        let entry = serde_json::to_string(&ExplainEntry {
+            at_unix_ms,
+            request_id,
+            model: &req.model,
+            prompt_blocks: req.hashes.len(),
+            first_block: req.hashes.first().map(|h| format!("{:016x}", h.0)),
+            last_block: req.hashes.last().map(|h| format!("{:016x}", h.0)),
+            decision: ExplainDecision {
+                hint: HintResponse {
+                    ticket: None,
+                    ..resp.clone()
+                },
+                rule: decision.rule,
+                candidates: &decision.candidates,
             },
-        });
-        let entry = entry.to_string();
+        })
+        .unwrap_or_default();
         lock(&self.explained).push(resp.ticket, entry);
     }
 
@@ -1136,6 +1138,28 @@ impl Sidecar {
             on = now;
         }
     }
+}
+
+/// One decision as `/debug/explain` shows it.
+#[derive(serde::Serialize)]
+struct ExplainEntry<'a> {
+    at_unix_ms: u64,
+    request_id: Option<&'a str>,
+    model: &'a str,
+    prompt_blocks: usize,
+    first_block: Option<String>,
+    /// The prefix hash of the whole hashed prompt: equal to `kvroute-sidecar tokenize`'s
+    /// `last_block` exactly when the filter saw the same tokens.
+    last_block: Option<String>,
+    decision: ExplainDecision<'a>,
+}
+
+#[derive(serde::Serialize)]
+struct ExplainDecision<'a> {
+    /// Without the ticket: whoever reads this must not be able to close it.
+    hint: HintResponse,
+    rule: crate::core::policy::Rule,
+    candidates: &'a [crate::core::policy::Candidate],
 }
 
 #[cfg(test)]
