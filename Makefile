@@ -142,7 +142,7 @@ bench-vllm: venv venv-vllm build
 	target/release/kvroute-bench vllm --out target/bench/vllm
 
 # kvroute vs Dynamo's own KV router on real Dynamo mocker workers (aggregated on Dynamo's
-# defaults: etcd discovery, ZMQ events; then disaggregated prefill/decode, on NATS);
+# defaults: etcd discovery, ZMQ events; then disaggregated prefill/decode, on the same);
 # docs/benchmarks.md, "Against Dynamo's KV router".
 bench-dynamo: venv venv-dynamo build
 	target/release/kvroute-bench dynamo --out target/bench/dynamo-agg
@@ -183,7 +183,7 @@ precision-fixtures:
 FUZZ_SECONDS ?= 60
 FUZZ_RUNS    ?=
 FUZZ_SANITIZER ?= address
-FUZZ_TARGETS := vllm_batch dynamo_message hint_request llm_request chat_template filter_plan response_usage
+FUZZ_TARGETS := vllm_batch dynamo_message dynamo_zmq_message hint_request llm_request chat_template filter_plan response_usage
 fuzz:
 	@rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
 	@command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
