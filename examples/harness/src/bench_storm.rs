@@ -29,9 +29,9 @@ use kvroute_protocol::vllm::{encode_batch, EngineBlockHash, EventBatch, EventEnc
 use serde_json::{json, Value};
 
 use crate::paths;
-use crate::process::{free_port, wait_for, wait_log, Process};
+use crate::process::{free_port, wait_log, Process};
 use crate::prometheus;
-use crate::stack::SIDECAR_SUBSCRIBED;
+use crate::stack::{start_nats, SIDECAR_SUBSCRIBED};
 
 /// The event plane the storm comes over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -622,18 +622,7 @@ pub async fn run(bench: &StormBench, out: &std::path::Path) -> Result<Value> {
     let dir = paths::run_dir("bench-storm")?;
     let nats_port = free_port()?;
     let _server = match bench.plane {
-        Plane::Nats => {
-            let mut server = Command::new(paths::venv_tool("nats-server")?);
-            server.args(["-a", "127.0.0.1", "-p", &nats_port.to_string()]);
-            let server = Process::spawn("nats", server, &dir)?;
-            wait_for("nats-server", Duration::from_secs(10), || async move {
-                tokio::net::TcpStream::connect(("127.0.0.1", nats_port))
-                    .await
-                    .ok()
-            })
-            .await?;
-            Some(server)
-        }
+        Plane::Nats => Some(start_nats(nats_port, &dir).await?),
         _ => None,
     };
     let mut steps = Vec::new();

@@ -1121,7 +1121,7 @@ fn parse_upstreams(upstreams: &[String]) -> Result<Vec<std::net::SocketAddr>> {
 
 /// nats-server on `port`, once it greets with its INFO line: a bare connect can succeed before
 /// it listens (a loopback socket that happens to get the port as its source connects to itself).
-async fn start_nats(port: u16, dir: &Path) -> Result<Process> {
+pub(crate) async fn start_nats(port: u16, dir: &Path) -> Result<Process> {
     let mut nats = Command::new(paths::venv_tool("nats-server")?);
     nats.args(["-a", "127.0.0.1", "-p", &port.to_string()]);
     let process = Process::spawn("nats", nats, dir)?;
