@@ -10,7 +10,7 @@ STATIC_SIDECAR := target/static/x86_64-unknown-linux-gnu/release/kvroute-sidecar
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 
 .PHONY: images all build venv venv-peers venv-dynamo venv-vllm toolchain check test test-live lint demo clean \
-	bench-routing bench-routing-quick bench-replicas bench-replicas-quick bench-storm soak bench-datapath bench-dynamo bench-vllm bench-index bench-hint bench-prepare bench-usage fuzz \
+	bench-routing bench-routing-quick bench-load bench-load-quick bench-replicas bench-replicas-quick bench-storm soak bench-datapath bench-dynamo bench-vllm bench-index bench-hint bench-prepare bench-usage fuzz \
 	precision-fixtures
 
 all: build
@@ -123,6 +123,17 @@ soak: venv build
 
 bench-routing: venv venv-peers build
 	target/release/kvroute-bench routing
+
+# Open-loop load (about 25 minutes; --quick about 5): Poisson arrivals at a ladder of rates to
+# past saturation on 8 engines that share their GPU and evict, then the shared-prefix ladder on
+# 16; per mode the highest rate whose TTFT p90 stays within the target. target/bench/load.* and
+# target/bench/load-16/load.*.
+bench-load: venv build
+	target/release/kvroute-bench load
+	target/release/kvroute-bench load --engines 16 --workloads shared_prefix --suffix 16
+
+bench-load-quick: venv build
+	target/release/kvroute-bench --quick load
 
 bench-routing-quick: venv build
 	target/release/kvroute-bench routing --quick

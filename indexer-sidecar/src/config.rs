@@ -64,10 +64,12 @@
 //! max_waiting = 8                   # saturation thresholds: queued requests,
 //! max_in_flight = 16                #   requests (running + queued, or hinted and unfinished),
 //! # max_kv_usage = 0.95             #   KV cache usage (unset: not a threshold)
+//! saturation_slack = 4              # over a threshold counts only 4 requests above the mean
 //! load_penalty_blocks = 2           # one request on a worker costs as much as 2 uncached blocks
 //! scrape_interval_ms = 250          # engines' /metrics (vLLM names) are read this often
 //! home_key_blocks = 8               # cold prompts go to the home of their first 8 blocks
-//! spread_slack = 4                  # a popular prefix spreads to a worker this many requests less busy
+//! spread_slack = 4                  # a popular prefix spreads to a worker this many requests less
+//!                                   #   busy, from a holder this many above the mean
 //! predict_survival = true           # weigh what a worker will still hold, not all the index matched
 //! ```
 
@@ -677,6 +679,10 @@ pub struct RoutingConfig {
     pub max_kv_usage: Option<f64>,
     /// A worker with this many requests (see [`crate::core::load::Load::busy`]) is saturated.
     pub max_in_flight: f64,
+    /// A worker over a threshold counts as saturated only with this many requests more than
+    /// the fleet's mean: when every worker is that busy, moving a request pays its prefill
+    /// and saves no queue.
+    pub saturation_slack: f64,
     /// Cost of one request in flight on a worker, in blocks of prefill: how many cached blocks
     /// are worth waiting behind one more request.
     pub load_penalty_blocks: f64,
@@ -695,7 +701,8 @@ pub struct RoutingConfig {
     pub home_slack_blocks: Option<f64>,
     /// A popular prefix (requests lately branched off it in different ways, or several workers hold it)
     /// goes to another worker, which then holds it too, when each holder has this many
-    /// requests more than that worker: it spreads instead of queueing where it first landed.
+    /// requests more than that worker and than the fleet's mean: it spreads instead of
+    /// queueing where it first landed.
     pub spread_slack: f64,
     /// Weigh what a worker will still hold when the request gets there: the prompt blocks its
     /// running requests share, and of its other matched blocks the share its engine's reports
@@ -729,6 +736,7 @@ impl Default for RoutingConfig {
             max_waiting: 8.0,
             max_kv_usage: None,
             max_in_flight: 16.0,
+            saturation_slack: 4.0,
             load_penalty_blocks: 2.0,
             scrape_interval_ms: 250,
             home_key_blocks: 8,
@@ -937,6 +945,7 @@ impl Config {
             ("load_penalty_blocks", r.load_penalty_blocks),
             ("home_slack", r.home_slack),
             ("spread_slack", r.spread_slack),
+            ("saturation_slack", r.saturation_slack),
             ("max_waiting", r.max_waiting),
             ("max_kv_usage", r.max_kv_usage.unwrap_or(0.0)),
             ("max_in_flight", r.max_in_flight),

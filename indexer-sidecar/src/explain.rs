@@ -32,6 +32,17 @@ impl Entry {
     }
 }
 
+/// Which entries `GET /debug/explain` lists (its query string): a tool looking for one
+/// decision asks for it, not for a minute of traffic.
+#[derive(Debug, Default, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExplainQuery {
+    /// At most this many, newest first.
+    pub limit: Option<usize>,
+    /// Only decisions on prompts whose last block hash is this (16 hex digits, as shown).
+    pub last_block: Option<String>,
+}
+
 /// The recent decisions within a byte budget.
 #[derive(Debug)]
 pub struct ExplainLog {
@@ -89,11 +100,23 @@ impl ExplainLog {
         entry.served = Some(served);
     }
 
-    /// Every entry, newest first; `open` says whether a ticket is still counted against its
-    /// worker (the request runs).
-    pub fn list(&self, open: impl Fn(Ticket) -> bool) -> Vec<Value> {
+    /// The entries `query` asks for, newest first; `open` says whether a ticket is still
+    /// counted against its worker (the request runs).
+    pub fn list(&self, query: &ExplainQuery, open: impl Fn(Ticket) -> bool) -> Vec<Value> {
+        // Matched in the stored text: parsing every entry to compare one field would cost as
+        // much as listing them all.
+        let block = query
+            .last_block
+            .as_ref()
+            .map(|b| format!("\"last_block\":\"{}\"", b.to_ascii_lowercase()));
         self.entries
             .iter()
+            .filter(|e| {
+                block
+                    .as_ref()
+                    .is_none_or(|b| e.decision.contains(b.as_str()))
+            })
+            .take(query.limit.unwrap_or(usize::MAX))
             .map(|e| {
                 let mut v: Value = serde_json::from_str(&e.decision).unwrap_or(Value::Null);
                 let outcome = match (e.ticket, &e.served) {
@@ -152,7 +175,7 @@ mod tests {
             cached_tokens: 64,
         };
         log.served(Ticket(1), 64, usage);
-        let list = log.list(|t| t == Ticket(2));
+        let list = log.list(&ExplainQuery::default(), |t| t == Ticket(2));
         let outcomes: Vec<&str> = list
             .iter()
             .map(|v| v["outcome"].as_str().unwrap())
@@ -173,9 +196,59 @@ mod tests {
             assert!(log.bytes() <= 10_000);
         }
         assert!(log.len() >= 7 && log.len() < 10, "{}", log.len());
-        let newest = log.list(|_| true);
+        let newest = log.list(&ExplainQuery::default(), |_| true);
         assert_eq!(newest.len(), log.len());
         log.served(Ticket(0), 0, Usage::Missing);
-        assert!(log.list(|_| true).iter().all(|v| v["outcome"] == "pending"));
+        assert!(log
+            .list(&ExplainQuery::default(), |_| true)
+            .iter()
+            .all(|v| v["outcome"] == "pending"));
+    }
+
+    /// A tool asks for the decision on one prompt, or the newest few.
+    #[test]
+    fn the_query_picks_entries() {
+        let mut log = ExplainLog::new(1 << 20);
+        for (t, block) in [
+            (1, "00000000000000aa"),
+            (2, "00000000000000bb"),
+            (3, "00000000000000aa"),
+        ] {
+            let entry = json!({"last_block": block, "request_id": t.to_string()});
+            log.push(Some(Ticket(t)), entry.to_string());
+        }
+        let ids = |q: ExplainQuery| -> Vec<String> {
+            log.list(&q, |_| true)
+                .iter()
+                .map(|v| v["request_id"].as_str().unwrap().to_owned())
+                .collect()
+        };
+        let block = |b: &str| Some(b.to_owned());
+        assert_eq!(
+            ids(ExplainQuery {
+                limit: None,
+                last_block: block("00000000000000AA")
+            }),
+            ["3", "1"]
+        );
+        assert_eq!(
+            ids(ExplainQuery {
+                limit: Some(1),
+                last_block: block("00000000000000aa")
+            }),
+            ["3"]
+        );
+        assert_eq!(
+            ids(ExplainQuery {
+                limit: Some(2),
+                last_block: None
+            }),
+            ["3", "2"]
+        );
+        assert!(ids(ExplainQuery {
+            limit: None,
+            last_block: block("ff")
+        })
+        .is_empty());
     }
 }

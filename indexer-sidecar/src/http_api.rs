@@ -4,14 +4,16 @@
 //! - `POST /v1/finished` — tickets of hinted requests that finished (binary, see the protocol).
 //! - `GET /v1/models` — the bundle catalog; `GET /v1/models/{name}/bundle` — one bundle.
 //! - `GET /metrics` — Prometheus text; `GET /healthz` — `ok`.
-//! - `GET /debug/explain` — the last 100 decisions: candidates, matched blocks, load, rule.
+//! - `GET /debug/explain` — the recent decisions: candidates, matched blocks, load, rule
+//!   (`?limit=N` the newest N, `?last_block=<hex>` those on one prompt).
 //! - `GET /debug/sources` — every event source: state, counters, subjects, last event age.
 //! - `GET /debug/discovery` — every `[[dynamo_discovery]]` entry: what its last scan found.
 
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{Path, State};
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -20,6 +22,7 @@ use kvroute_protocol::headers::REQUEST_ID;
 use kvroute_protocol::hint::{decode_finished, HintRequest, FINISHED_PATH, HINT_PATH};
 
 use crate::core::Input;
+use crate::explain::ExplainQuery;
 use crate::metrics::{HintLabels, HintResult};
 use crate::sidecar::Sidecar;
 
@@ -104,8 +107,14 @@ async fn metrics(State(state): State<Arc<Sidecar>>) -> Response {
         .into_response()
 }
 
-async fn explain(State(state): State<Arc<Sidecar>>) -> Response {
-    Json(state.explained()).into_response()
+async fn explain(
+    State(state): State<Arc<Sidecar>>,
+    query: Result<Query<ExplainQuery>, QueryRejection>,
+) -> Response {
+    match query {
+        Ok(Query(query)) => Json(state.explained(&query)).into_response(),
+        Err(e) => (StatusCode::BAD_REQUEST, e.body_text()).into_response(),
+    }
 }
 
 async fn sources(State(state): State<Arc<Sidecar>>) -> Response {

@@ -976,6 +976,7 @@ impl Sidecar {
             .map_or(0, |d| d.as_millis() as u64);
         // Written straight to text: through a `serde_json::Value` first, the candidates' maps
         // were most of a hint's time at 256 workers.
+        let shown = explained_candidates(&decision.candidates);
         let entry = serde_json::to_string(&ExplainEntry {
             at_unix_ms,
             request_id,
@@ -989,18 +990,19 @@ impl Sidecar {
                     ..resp.clone()
                 },
                 rule: decision.rule,
-                candidates: &decision.candidates,
+                candidates_not_shown: decision.candidates.len() - shown.len(),
+                candidates: shown,
             },
         })
         .unwrap_or_default();
         lock(&self.explained).push(resp.ticket, entry);
     }
 
-    /// The recent decisions, newest first, with their outcomes.
-    pub fn explained(&self) -> Vec<serde_json::Value> {
+    /// The recent decisions `query` asks for, newest first, with their outcomes.
+    pub fn explained(&self, query: &crate::explain::ExplainQuery) -> Vec<serde_json::Value> {
         let tickets = lock(&self.explained).tickets();
         let open = self.core().open_tickets(&tickets);
-        lock(&self.explained).list(|t| open.contains(&t))
+        lock(&self.explained).list(query, |t| open.contains(&t))
     }
 
     /// The configured workers, whose engines are scraped: (id, address).
@@ -1159,7 +1161,26 @@ struct ExplainDecision<'a> {
     /// Without the ticket: whoever reads this must not be able to close it.
     hint: HintResponse,
     rule: crate::core::policy::Rule,
-    candidates: &'a [crate::core::policy::Candidate],
+    candidates: Vec<&'a crate::core::policy::Candidate>,
+    /// Candidates left out: neither among the first nor holding any of the prompt.
+    candidates_not_shown: usize,
+}
+
+/// The first candidates shown whatever they hold: the hinted workers and their runners-up.
+const EXPLAINED_FIRST: usize = 8;
+
+/// The candidates a decision's record shows, in the rule's order: the first
+/// [`EXPLAINED_FIRST`] and every other that holds some of the prompt (so a worker not shown
+/// matched nothing). At 256 workers, recording every candidate was most of a hint's time.
+fn explained_candidates(
+    candidates: &[crate::core::policy::Candidate],
+) -> Vec<&crate::core::policy::Candidate> {
+    candidates
+        .iter()
+        .enumerate()
+        .filter(|(i, c)| *i < EXPLAINED_FIRST || c.matched_blocks > 0 || c.in_flight_blocks > 0)
+        .map(|(_, c)| c)
+        .collect()
 }
 
 #[cfg(test)]
@@ -1230,11 +1251,11 @@ pub(crate) mod tests {
         };
         let resp = sidecar.hint(&req, Some("req-1"), Instant::now()).unwrap();
         assert!(resp.ticket.is_some(), "the filter gets its ticket");
-        let shown = &sidecar.explained()[0]["decision"]["hint"];
+        let shown = &sidecar.explained(&Default::default())[0]["decision"]["hint"];
         assert!(shown.get("ticket").is_none(), "{shown}");
         assert_eq!(shown["workers"][0], "127.0.0.1:9000");
         // Each candidate shows its load field by field beside its cost.
-        let candidate = &sidecar.explained()[0]["decision"]["candidates"][0];
+        let candidate = &sidecar.explained(&Default::default())[0]["decision"]["candidates"][0];
         for field in [
             "worker",
             "matched_blocks",

@@ -1,80 +1,51 @@
-//! Affinity with an escape hatch: under a hot prefix, kvroute keeps the queues short and the hit
-//! rate close to the oracle's.
+//! The load ladder's smoke ([`kvroute_harness::bench_load`]): a shared-prefix stream arriving
+//! open-loop at two rates on engines that share their GPU and evict, through round robin and
+//! through kvroute. Every request is answered, the report has the shape `make bench-load`
+//! writes, and at the same rates kvroute finds more of the prompts cached than round robin (the
+//! groups' prefixes outgrow one engine's cache, so spreading them evicts). `make bench-load`
+//! runs the whole ladder.
 
-use std::time::Duration;
+use kvroute_harness::bench::Scale;
+use kvroute_harness::bench_load::{run, LoadBench};
+use kvroute_harness::paths;
 
-use indicatif::ProgressBar;
-use kvroute_harness::bench::{fleet, CHAT_CAPACITY};
-use kvroute_harness::client::{run_sessions, Target};
-use kvroute_harness::queue::QueueWatch;
-use kvroute_harness::report::ModeReport;
-use kvroute_harness::stack::MODEL;
-use kvroute_harness::workload::{ChatSpec, ChatWorkload};
-use kvroute_harness::{Mode, Stack, StackOptions};
-
-/// The longest queue allowed: half the sidecar's default saturation threshold (`[routing]
-/// max_waiting` = 8), since the load penalty and the spread rule should keep queues short long
-/// before a worker counts as saturated.
-const MAX_WAITING: f64 = 4.0;
-/// "Not for long": the longest any engine's queue may stay above the threshold.
-const LONGEST_OVER: Duration = Duration::from_millis(500);
-
-/// 85% of requests share one system prompt. Pure affinity would queue them all on one engine;
-/// kvroute spreads the overflow (cold prefills) so no queue stays above `MAX_WAITING`, and
-/// still hits within 10% of the oracle, which knows every cache exactly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hot_prefix_keeps_queues_bounded_near_the_oracle_hit_rate() {
-    let sessions = ChatWorkload::generate(&ChatSpec {
-        conversations: 240,
-        ..ChatSpec::hot_prefix()
-    })
-    .sessions(MODEL);
-    let engines = 4;
-    let run = |mode: Mode, name: &'static str| {
-        let sessions = &sessions;
-        async move {
-            let mut opts = StackOptions::new(name, mode);
-            opts.sim = fleet(engines, CHAT_CAPACITY);
-            let stack = Stack::start(opts).await.expect("stack starts");
-            let addresses: Vec<String> = stack.engines.iter().map(|e| e.address.clone()).collect();
-            let target = match name {
-                "load-oracle" => Target::Oracle(addresses.clone()),
-                _ => Target::Router(stack.envoy_url.clone()),
-            };
-            let watch = QueueWatch::start(stack.http.clone(), addresses, Duration::from_millis(10));
-            let outcomes = run_sessions(
-                &stack.http,
-                &target,
-                sessions,
-                24,
-                Duration::ZERO,
-                &ProgressBar::hidden(),
-            )
-            .await;
-            let queues = watch.stop(MAX_WAITING);
-            (ModeReport::new(name, &outcomes, engines), queues)
-        }
+async fn the_ladder_runs_and_kvroute_keeps_prefixes_round_robin_evicts() {
+    let out = paths::run_dir("load-smoke").unwrap();
+    let bench = LoadBench::new(Scale::Smoke, 4);
+    let doc = run(&bench, &out).await.unwrap();
+    let w = &doc["workloads"]["shared_prefix"];
+    assert!(w["target_ttft_ms"].as_f64().unwrap() > 0.0, "{w}");
+    let hit = |mode: &str| -> Vec<f64> {
+        let m = &w["modes"][mode];
+        assert_eq!(m["available"], true, "{m}");
+        assert!(m["max_rate_within_target"].is_f64(), "{m}");
+        let points = m["points"].as_array().unwrap();
+        assert_eq!(points.len(), bench.rates.len(), "{m}");
+        points
+            .iter()
+            .map(|p| {
+                for field in [
+                    "ttft_p50_ms",
+                    "ttft_p90_ms",
+                    "ttft_p99_ms",
+                    "throughput",
+                    "imbalance",
+                ] {
+                    assert!(p[field].is_f64(), "{field} missing: {p}");
+                }
+                assert_eq!(p["errors"], 0, "{p}");
+                assert!(p["requests"].as_u64().unwrap() > 0, "{p}");
+                p["hit_rate"].as_f64().unwrap()
+            })
+            .collect()
     };
-    let (kvroute, queues) = run(Mode::Kvroute, "load-kvroute").await;
-    let (oracle, _) = run(Mode::RoundRobin, "load-oracle").await;
-    eprintln!(
-        "kvroute hit {:.3} per engine {:?} queues {queues:?}; oracle hit {:.3}",
-        kvroute.hit_rate, kvroute.requests_per_engine, oracle.hit_rate
-    );
-    assert_eq!(kvroute.errors, 0);
-    assert_eq!(oracle.errors, 0);
-    for (i, q) in queues.iter().enumerate() {
-        assert!(q.samples > 10, "engine {i} was not watched: {q:?}");
+    let (kvroute, round_robin) = (hit("kvroute"), hit("round_robin"));
+    for (k, r) in kvroute.iter().zip(&round_robin) {
         assert!(
-            q.longest_over <= LONGEST_OVER,
-            "engine {i}'s queue stayed above {MAX_WAITING} for {:?}: {q:?}",
-            q.longest_over
+            k > r,
+            "kvroute {kvroute:?} against round robin {round_robin:?}"
         );
     }
-    assert!(
-        kvroute.hit_rate >= 0.9 * oracle.hit_rate,
-        "kvroute {:.3} vs oracle {:.3}",
-        kvroute.hit_rate,
-        oracle.hit_rate
-    );
+    assert!(out.join("load.png").exists() && out.join("load.md").exists());
 }

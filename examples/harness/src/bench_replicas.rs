@@ -405,9 +405,9 @@ async fn seen_by(
     base: &str,
     last_blocks: &[Option<String>],
 ) -> Vec<Option<Seen>> {
-    let entries = crate::client::get_json(http, &format!("{base}/debug/explain")).await;
-    let entries = entries.as_array().cloned().unwrap_or_default();
     let n = last_blocks.len();
+    let entries = crate::client::get_json(http, &format!("{base}/debug/explain?limit={n}")).await;
+    let entries = entries.as_array().cloned().unwrap_or_default();
     // Newest first: the last probe's decision is the first entry.
     (0..n)
         .map(|i| {

@@ -35,6 +35,8 @@ pub struct Outcome {
     pub error: Option<String>,
     /// Time to the first streamed chunk.
     pub ttft: Duration,
+    /// Time to the last byte of the answer (streamed requests).
+    pub latency: Duration,
     /// Prompt tokens, as the engine counted them.
     pub prompt_tokens: u64,
     /// Prompt tokens served from the engine's prefix cache.
@@ -164,6 +166,7 @@ pub async fn send_streaming(http: &reqwest::Client, url: &str, body: &Value) -> 
             }
         }
     }
+    out.latency = start.elapsed();
     let text = String::from_utf8_lossy(&text);
     for line in text.lines() {
         let Some(data) = line.strip_prefix("data: ") else {

@@ -25,6 +25,7 @@
 
 pub mod bench;
 pub mod bench_dynamo;
+pub mod bench_load;
 pub mod bench_replicas;
 pub mod bench_storm;
 pub mod bench_vllm;

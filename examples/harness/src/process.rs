@@ -191,3 +191,14 @@ pub async fn wait_log(path: &Path, text: &str, timeout: Duration) -> Result<()> 
     )
     .await
 }
+
+/// CPU time (user + system) process `pid` has used, in seconds, from `/proc/<pid>/stat`;
+/// `None` when it is gone or the file reads otherwise.
+pub fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After the command name's closing parenthesis: state is field 3, utime 14, stime 15.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i - 3)?.parse::<f64>().ok();
+    // The kernel's USER_HZ: 100 on every Linux this runs on.
+    Some((ticks(14)? + ticks(15)?) / 100.0)
+}

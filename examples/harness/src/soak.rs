@@ -126,6 +126,19 @@ impl SoakBench {
             ..SoakBench::full()
         }
     }
+
+    /// Keep only the faults named (as in reports); a name no fault has is an error.
+    pub fn only(&mut self, names: &[String]) -> Result<()> {
+        if let Some(unknown) = names
+            .iter()
+            .find(|n| !self.faults.iter().any(|f| f.name() == **n))
+        {
+            let known: Vec<String> = self.faults.iter().map(|f| f.name()).collect();
+            anyhow::bail!("no fault {unknown:?}; the faults: {}", known.join(", "));
+        }
+        self.faults.retain(|f| names.contains(&f.name()));
+        Ok(())
+    }
 }
 
 /// What the clients saw.
@@ -232,13 +245,9 @@ async fn index_view(
     let answer = ask_hint(http, base, hint).await?;
     close(http, base, &answer).await.ok()?;
     let last = format!("{:016x}", hint.hashes.last()?.0);
-    let entries = client::get_json(http, &format!("{base}/debug/explain")).await;
-    let entry = entries
-        .as_array()?
-        .iter()
-        .take(512)
-        .find(|e| e["last_block"].as_str() == Some(last.as_str()))?;
-    matched_by_worker(&entry["decision"])
+    let url = format!("{base}/debug/explain?last_block={last}&limit=1");
+    let entries = client::get_json(http, &url).await;
+    matched_by_worker(&entries.as_array()?.first()?["decision"])
 }
 
 /// What each engine's cache holds of a prompt (its `/oracle`), by address.
@@ -254,12 +263,12 @@ async fn engines_view(
 }
 
 /// One sidecar's verdict on one prompt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Verdict {
     /// Its index matched what every engine held, on every worker.
     Agrees,
-    /// It did not (or did not answer).
-    Differs,
+    /// It did not (or did not answer): how.
+    Differs(String),
     /// An engine's cache changed while it was asked: nothing to judge by.
     Unsettled,
 }
@@ -271,6 +280,19 @@ const SETTLE: Duration = Duration::from_millis(150);
 /// Prompts probed at once (each costs every engine two `/oracle` answers under load).
 const PROBES_AT_ONCE: usize = 8;
 
+/// How the indexes compare with the engines.
+#[derive(Debug, Clone, Default)]
+pub struct EngineAgreement {
+    /// Per sidecar, the share of the prompts judged on which it agreed (`None`: none judged).
+    pub shares: Vec<Option<f64>>,
+    /// How the first disagreements went, per sidecar, worker by worker (matched blocks in the
+    /// index against those the engine held).
+    pub disagreements: Vec<String>,
+}
+
+/// Disagreements kept per probe round, for the report.
+const DISAGREEMENTS_KEPT: usize = 6;
+
 /// Per sidecar, the share of `bodies` whose index view equals the engines' caches on every
 /// worker (a worker the sidecar does not list: 0 blocks), among the prompts the engines held
 /// still for: each engine is asked before and after the sidecar, 150 ms apart, and a prompt
@@ -281,7 +303,7 @@ pub async fn engine_agreement(
     sidecars: &[String],
     engines: &[String],
     bodies: &[Value],
-) -> Result<Vec<Option<f64>>> {
+) -> Result<EngineAgreement> {
     use futures::StreamExt as _;
     let one = |body: &Value| {
         let hashes = prompt_hashes(body);
@@ -302,13 +324,18 @@ pub async fn engine_agreement(
                         return Verdict::Unsettled;
                     }
                     let Some(view) = view else {
-                        return Verdict::Differs;
+                        return Verdict::Differs(format!("{base}: no decision found"));
                     };
                     let held = |w: &str| view.iter().find(|(v, _)| v == w).map_or(0, |(_, m)| *m);
-                    if before.iter().all(|(e, cached)| held(e) == *cached) {
+                    let wrong: Vec<String> = before
+                        .iter()
+                        .filter(|(e, cached)| held(e) != *cached)
+                        .map(|(e, cached)| format!("{e} indexed {} held {cached}", held(e)))
+                        .collect();
+                    if wrong.is_empty() {
                         Verdict::Agrees
                     } else {
-                        Verdict::Differs
+                        Verdict::Differs(format!("{base}: {}", wrong.join(", ")))
                     }
                 }
             });
@@ -320,17 +347,27 @@ pub async fn engine_agreement(
         .collect()
         .await;
     let (mut agreed, mut judged) = (vec![0usize; sidecars.len()], vec![0usize; sidecars.len()]);
+    let mut disagreements = Vec::new();
     for answer in answers {
         for (i, verdict) in answer?.into_iter().enumerate() {
             agreed[i] += usize::from(verdict == Verdict::Agrees);
             judged[i] += usize::from(verdict != Verdict::Unsettled);
+            if let Verdict::Differs(how) = verdict {
+                if disagreements.len() < DISAGREEMENTS_KEPT {
+                    disagreements.push(how);
+                }
+            }
         }
     }
-    Ok(agreed
+    let shares = agreed
         .into_iter()
         .zip(judged)
         .map(|(a, n)| (n > 0).then(|| a as f64 / n as f64))
-        .collect())
+        .collect();
+    Ok(EngineAgreement {
+        shares,
+        disagreements,
+    })
 }
 
 /// `probes` of the recent prompts, at random.
@@ -391,9 +428,9 @@ async fn apply(stack: &mut Stack, fault: Fault, hold: Duration) -> Result<()> {
 struct Healing {
     /// `None`: not within the deadline.
     after: Option<Duration>,
-    /// Per probe: seconds since the fault was undone, and each sidecar's agreement with the
-    /// engines (`None`: no prompt held still).
-    probes: Vec<(f64, Vec<Option<f64>>)>,
+    /// Per probe: seconds since the fault was undone, each sidecar's agreement with the
+    /// engines (`None`: no prompt held still), and how the first disagreements went.
+    probes: Vec<(f64, Vec<Option<f64>>, Vec<String>)>,
 }
 
 /// The engines' addresses.
@@ -409,11 +446,16 @@ async fn heal(stack: &Stack, bench: &SoakBench, tally: &Tally, rng: &mut Rng) ->
     let mut probes = Vec::new();
     loop {
         let bodies = pick(&tally.recent(), bench.probes, rng);
-        let shares = engine_agreement(&stack.http, &sidecars, &engines, &bodies).await?;
-        let healed = shares
+        let agreement = engine_agreement(&stack.http, &sidecars, &engines, &bodies).await?;
+        let healed = agreement
+            .shares
             .iter()
             .all(|s| s.is_some_and(|s| s >= bench.healed_share));
-        probes.push((start.elapsed().as_secs_f64(), shares));
+        probes.push((
+            start.elapsed().as_secs_f64(),
+            agreement.shares,
+            agreement.disagreements,
+        ));
         if healed {
             return Ok(Healing {
                 after: Some(start.elapsed()),
@@ -493,6 +535,7 @@ pub async fn run(bench: &SoakBench, out: &std::path::Path) -> Result<Value> {
             "held_s": bench.hold.as_secs_f64(),
             "healed_after_s": healed.map(|d| d.as_secs_f64()),
             "agreement_with_engines": healing.probes.last().map(|p| p.1.clone()),
+            "disagreements": healing.probes.last().map(|p| p.2.clone()),
             "probes": healing.probes,
             "failed_requests": tally.failed.load(Ordering::Relaxed) - failed_before,
         });
@@ -506,6 +549,9 @@ pub async fn run(bench: &SoakBench, out: &std::path::Path) -> Result<Value> {
             )),
             row["failed_requests"],
         );
+        if healed.is_none() {
+            println!("soak: still disagreeing: {}", row["disagreements"]);
+        }
         faults.push(row);
         stack.check_alive()?;
         tokio::time::sleep(bench.steady).await;
@@ -517,6 +563,7 @@ pub async fn run(bench: &SoakBench, out: &std::path::Path) -> Result<Value> {
     let (sidecars, engines) = (sidecars_of(&stack), engines_of(&stack));
     let recent = tally.recent();
     let final_engines = engine_agreement(&stack.http, &sidecars, &engines, &recent).await?;
+    let (final_engines, final_disagreements) = (final_engines.shares, final_engines.disagreements);
     let final_replicas = crate::bench_replicas::agreement(&stack.http, &sidecars, &recent).await?;
     let (sent, failed, saved) = (
         tally.sent.load(Ordering::Relaxed),
@@ -537,6 +584,7 @@ pub async fn run(bench: &SoakBench, out: &std::path::Path) -> Result<Value> {
         "baseline_agreement_with_engines": baseline,
         "faults": faults,
         "final_agreement_with_engines": final_engines,
+        "final_disagreements": final_disagreements,
         "final_agreement_between_replicas": final_replicas,
         "transport_counts": stack.transport_counts().iter().map(|c| json!({"forwarded": c.forwarded, "dropped": c.dropped})).collect::<Vec<_>>(),
     });

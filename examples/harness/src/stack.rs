@@ -85,6 +85,9 @@ pub struct SimOptions {
     pub frontend_delay_ms: u64,
     /// How late engines answer `/metrics`, ms (`kvroute-sim --metrics-delay-ms`).
     pub metrics_delay_ms: u64,
+    /// Running requests share each engine's GPU a step at a time (`kvroute-sim --batching`):
+    /// `Some(decode_us_per_seq)`, a step's cost per request decoding in it.
+    pub batching: Option<u64>,
 }
 
 impl Default for SimOptions {
@@ -104,6 +107,7 @@ impl Default for SimOptions {
             event_delay_ms: "0,0,0".into(),
             frontend_delay_ms: 0,
             metrics_delay_ms: 0,
+            batching: None,
         }
     }
 }
@@ -876,6 +880,15 @@ impl Stack {
         })
     }
 
+    /// CPU time (user + system) each of the stack's processes has used so far, by name, in
+    /// seconds: where a load step's CPU went.
+    pub fn cpu_seconds(&self) -> Vec<(String, f64)> {
+        self.processes
+            .iter()
+            .filter_map(|p| Some((p.name().to_owned(), crate::process::cpu_seconds(p.pid())?)))
+            .collect()
+    }
+
     /// The sidecar's `/metrics` text.
     pub async fn sidecar_metrics(&self) -> Result<String> {
         let url = self
@@ -945,6 +958,9 @@ fn start_sim(
     }
     if s.instant {
         sim.arg("--instant");
+    }
+    if let Some(per_seq) = s.batching {
+        sim.args(["--batching", "--decode-us-per-seq", &per_seq.to_string()]);
     }
     if opts.eds_membership {
         sim.arg("--zmq-beside");

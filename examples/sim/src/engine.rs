@@ -11,6 +11,7 @@ use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::cache::PrefixCache;
+use crate::gpu::{Gpu, GpuConfig};
 use crate::publish::CacheChange;
 
 /// Settings of one engine.
@@ -39,6 +40,9 @@ pub struct EngineConfig {
     pub frontend_delay: Duration,
     /// How late `/metrics` answers, with the numbers of when it was asked: a busy API server.
     pub metrics_delay: Duration,
+    /// Running requests share one GPU, a step at a time ([`crate::gpu`]); `None`: each
+    /// request pays its own prefill and decode time, whatever its neighbours do.
+    pub batching: Option<GpuConfig>,
 }
 
 /// Counters in vLLM's terms.
@@ -123,6 +127,30 @@ pub struct Engine {
     freed: Notify,
     events: Option<mpsc::UnboundedSender<Vec<CacheChange>>>,
     hash_salt: u64,
+    gpu: Option<Gpu>,
+}
+
+/// A running request's output tokens still to come.
+pub enum Decode {
+    /// One every `step`, whatever else runs.
+    Timed {
+        /// A token's time.
+        step: Duration,
+    },
+    /// One at the end of each of the shared GPU's steps.
+    Batched(mpsc::UnboundedReceiver<()>),
+}
+
+impl Decode {
+    /// Wait for the next token.
+    pub async fn next(&mut self) {
+        match self {
+            Decode::Timed { step } => tokio::time::sleep(*step).await,
+            Decode::Batched(tokens) => {
+                let _ = tokens.recv().await;
+            }
+        }
+    }
 }
 
 impl Engine {
@@ -141,6 +169,7 @@ impl Engine {
             // Engines name blocks with their own hash (vLLM: seeded sha256); a per-engine salt
             // keeps the index honest: it must map engine hashes, not assume they are ours.
             hash_salt: 0x5eed_0000 + config.index as u64,
+            gpu: config.batching.map(Gpu::start),
             config,
             preprocessor,
             events,
@@ -251,9 +280,16 @@ impl Engine {
         self.stats
             .prefix_hits
             .fetch_add(running.prefilled.cached_tokens as u64, Ordering::Relaxed);
-        let uncached = (prompt_tokens - running.prefilled.cached_tokens) as u64;
-        let cost = self.config.base_latency_us + uncached * self.config.prefill_us_per_token;
+        let uncached = prompt_tokens - running.prefilled.cached_tokens;
+        let per_token = match &self.gpu {
+            Some(_) => 0,
+            None => self.config.prefill_us_per_token,
+        };
+        let cost = self.config.base_latency_us + uncached as u64 * per_token;
         tokio::time::sleep(Duration::from_micros(cost)).await;
+        if let Some(gpu) = &self.gpu {
+            gpu.prefill(uncached).await;
+        }
         Ok(Some(running))
     }
 
@@ -333,9 +369,28 @@ impl Engine {
             .store(cache.used() as u64, Ordering::Relaxed);
     }
 
-    /// Decode time for `tokens` output tokens.
-    pub fn decode_time(&self, tokens: u32) -> Duration {
-        Duration::from_micros(self.config.decode_us_per_token * u64::from(tokens))
+    /// The output tokens after the first (which prefill yields): `tokens` of them.
+    pub fn decode(&self, tokens: u32) -> Decode {
+        match &self.gpu {
+            Some(gpu) => Decode::Batched(gpu.decode(tokens)),
+            None => Decode::Timed {
+                step: Duration::from_micros(self.config.decode_us_per_token),
+            },
+        }
+    }
+
+    /// Wait until a whole answer of `tokens` output tokens is decoded.
+    pub async fn decode_all(&self, tokens: u32) {
+        match &self.gpu {
+            Some(gpu) => {
+                let mut each = gpu.decode(tokens.saturating_sub(1));
+                while each.recv().await.is_some() {}
+            }
+            None => {
+                let all = self.config.decode_us_per_token * u64::from(tokens);
+                tokio::time::sleep(Duration::from_micros(all)).await;
+            }
+        }
     }
 }
 
@@ -358,6 +413,7 @@ mod tests {
             max_model_len: 32768,
             frontend_delay: Duration::ZERO,
             metrics_delay: Duration::ZERO,
+            batching: None,
         };
         let preprocessor = Preprocessor::from_bundle(&bundle).unwrap();
         Arc::new(Engine::new(config, Arc::new(preprocessor), None))

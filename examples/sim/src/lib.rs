@@ -17,6 +17,7 @@
 pub mod cache;
 pub mod delay;
 pub mod engine;
+pub mod gpu;
 pub mod publish;
 pub mod server;
 pub mod vllm_hash;

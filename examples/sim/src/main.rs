@@ -56,6 +56,17 @@ struct Args {
     /// Decode cost per output token, µs.
     #[arg(long, default_value_t = 1000)]
     decode_us_per_token: u64,
+    /// Running requests share one GPU a step at a time, as continuous batching does: a step
+    /// lasts `decode_us_per_token` + `prefill_us_per_token` × the prompt tokens it computes +
+    /// `decode_us_per_seq` × the requests decoding in it (else each request pays its own time).
+    #[arg(long)]
+    batching: bool,
+    /// With `--batching`: a step's cost per request decoding in it, µs.
+    #[arg(long, default_value_t = 50)]
+    decode_us_per_seq: u64,
+    /// With `--batching`: prompt tokens computed per step at most (chunked prefill).
+    #[arg(long, default_value_t = 2048)]
+    chunk_tokens: usize,
     /// Output tokens when a request sets no max_tokens.
     #[arg(long, default_value_t = 8)]
     output_tokens: u32,
@@ -150,6 +161,12 @@ async fn main() -> anyhow::Result<()> {
             max_model_len: args.max_model_len,
             frontend_delay: std::time::Duration::from_millis(args.frontend_delay_ms),
             metrics_delay: std::time::Duration::from_millis(args.metrics_delay_ms),
+            batching: args.batching.then_some(kvroute_sim::gpu::GpuConfig {
+                step_us: args.decode_us_per_token,
+                prefill_us_per_token: args.prefill_us_per_token,
+                decode_us_per_seq: args.decode_us_per_seq,
+                chunk_tokens: args.chunk_tokens.max(1),
+            }),
         };
         let position = index - args.first_index;
         let format = args.event_format[position % args.event_format.len().max(1)].as_str();

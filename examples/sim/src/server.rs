@@ -221,7 +221,7 @@ async fn generate(engine: Arc<Engine>, body: Bytes, api: Api) -> Response {
         )
             .into_response();
     }
-    tokio::time::sleep(engine.decode_time(max_tokens)).await;
+    engine.decode_all(max_tokens).await;
     let text = " token".repeat(max_tokens as usize);
     let choice = match api {
         Api::Chat => {
@@ -293,7 +293,6 @@ fn token_stream(
     include_usage: bool,
     shape: Shape,
 ) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> {
-    let step = engine.decode_time(1);
     let object = match api {
         Api::Chat => "chat.completion.chunk",
         Api::Completions => "text_completion",
@@ -318,16 +317,17 @@ fn token_stream(
             Api::Completions => json!([{"index": 0, "text": " token", "finish_reason": finish}]),
         }
     };
-    futures::stream::unfold((0u32, Some(running)), move |(sent, running)| {
+    let decode = engine.decode(max_tokens.saturating_sub(1));
+    futures::stream::unfold((0u32, Some((running, decode))), move |(sent, state)| {
         let chunk = chunk.clone();
         async move {
-            let running = running?;
+            let (running, mut decode) = state?;
             if sent > 0 && sent < max_tokens {
-                tokio::time::sleep(step).await;
+                decode.next().await;
             }
             if sent < max_tokens {
                 let out = chunk(delta(sent + 1 == max_tokens), None);
-                return Some((Ok(out), (sent + 1, Some(running))));
+                return Some((Ok(out), (sent + 1, Some((running, decode)))));
             }
             let mut tail = Vec::new();
             if let Some(u) = shape.usage(&running, max_tokens).filter(|_| include_usage) {

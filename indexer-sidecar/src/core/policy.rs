@@ -105,6 +105,14 @@ pub fn saturated(load: &Load, routing: &RoutingConfig) -> bool {
         || load.busy() >= routing.max_in_flight
 }
 
+/// The mean of the candidates' requests ([`Load::busy`]); 0 for none.
+fn mean_busy(candidates: &[Candidate]) -> f64 {
+    if candidates.is_empty() {
+        return 0.0;
+    }
+    candidates.iter().map(|c| c.load.busy()).sum::<f64>() / candidates.len() as f64
+}
+
 /// A cold prompt's home score on `address`: rendezvous hashing, the same on every replica.
 fn home_score(key: u64, address: &str) -> u64 {
     xxh3_64_with_seed(address.as_bytes(), key)
@@ -189,7 +197,7 @@ pub fn choose<'a>(
                     1.0
                 },
                 load: w.load,
-                saturated: saturated(&w.load, routing),
+                saturated: false,
                 home_slack_blocks: routing.home_slack_blocks_for(w.prefill),
                 cost: 0.0,
                 tie: home_score(tie_key, w.address),
@@ -200,6 +208,15 @@ pub fn choose<'a>(
             c
         })
         .collect();
+    // Over a threshold counts only on a worker busier than the fleet's mean: where every worker
+    // is as busy, a move pays the prompt's prefill (and evicts another's prefix) to save no
+    // queue, and a fleet near saturation that moves its requests that way loses its hit rate
+    // and collapses (docs/benchmarks.md, "Under load").
+    let mean = mean_busy(&candidates);
+    for c in &mut candidates {
+        c.saturated =
+            saturated(&c.load, routing) && c.load.busy() >= mean + routing.saturation_slack;
+    }
     // Unsaturated first, then the cheapest, then the fewest hinted requests, the longest match,
     // the prompt's rendezvous order.
     candidates.sort_by(|a, b| {
@@ -274,6 +291,19 @@ fn spread(
         return false;
     };
     if holders < 2 && !shared {
+        return false;
+    }
+    // Only from a holder busier than the other workers are on average, not merely than the
+    // least busy of them: under even load every prefix is "popular", the least busy worker
+    // is a few requests below any holder by chance, and each copy made evicts another prefix
+    // for no queue saved.
+    let others: Vec<f64> = candidates
+        .iter()
+        .filter(|c| c.held() < longest)
+        .map(|c| c.load.busy())
+        .collect();
+    let others_mean = others.iter().sum::<f64>() / others.len().max(1) as f64;
+    if others.is_empty() || first.load.busy() < others_mean + routing.spread_slack {
         return false;
     }
     let busiest_allowed = first.load.busy() - routing.spread_slack;
@@ -840,5 +870,70 @@ mod tests {
         };
         let d = decide(&three, false, &[5.0, 5.0, 5.0, 1.0], &off);
         assert_eq!(d.rule, Rule::LongestMatch);
+    }
+
+    /// A fleet busy all over keeps each prompt where its prefix is: a holder over
+    /// `max_in_flight`, but no busier than the rest, is not passed over for a worker a couple
+    /// of requests less busy (that move would pay 20 blocks of prefill to save no queue); an
+    /// outlier still is.
+    #[test]
+    fn an_evenly_busy_fleet_keeps_prompts_on_their_holders() {
+        let reg = registry(4);
+        let routing = RoutingConfig::default();
+        let matches = [(WorkerId(0), 20)];
+        let d = choose(
+            23,
+            None,
+            &matches,
+            &reg,
+            &routing,
+            running(&[16.0, 14.0, 15.0, 14.0]),
+            all,
+        );
+        assert_eq!(d.rule, Rule::LongestMatch);
+        assert_eq!(order(&d)[0], addr(0));
+        assert!(d.candidates.iter().all(|c| !c.saturated));
+        let d = choose(
+            23,
+            None,
+            &matches,
+            &reg,
+            &routing,
+            running(&[22.0, 14.0, 15.0, 14.0]),
+            all,
+        );
+        assert_eq!(
+            d.rule,
+            Rule::LeastLoaded,
+            "8 requests above the others' mean"
+        );
+        assert_ne!(order(&d)[0], addr(0));
+    }
+
+    /// Under even load a popular prefix stays where it is: its holders are busier than the
+    /// least busy worker by the slack, but not than the other workers on average.
+    #[test]
+    fn a_popular_prefix_does_not_spread_under_even_load() {
+        let reg = registry(6);
+        let routing = RoutingConfig::default();
+        let matches = [(WorkerId(0), 20), (WorkerId(1), 20)];
+        let decide = |requests: &'static [f64]| {
+            let load = running(requests);
+            let workers = reg
+                .iter()
+                .enumerate()
+                .map(|(i, a)| worker(i, a, load(WorkerId(i as u32))));
+            let prompt = Prompt {
+                blocks: 23,
+                shared: true,
+                ..Prompt::default()
+            };
+            super::choose(prompt, &matches, workers, &routing)
+        };
+        let d = decide(&[10.0, 10.0, 6.0, 12.0, 11.0, 11.0]);
+        assert_eq!(d.rule, Rule::LongestMatch);
+        let d = decide(&[10.0, 10.0, 6.0, 2.0, 3.0, 5.0]);
+        assert_eq!(d.rule, Rule::Spread);
+        assert_eq!(order(&d)[0], addr(3));
     }
 }

@@ -55,6 +55,42 @@ enum Command {
     },
     /// Plain Envoy vs Envoy + kvroute on an instant upstream.
     Datapath,
+    /// Open-loop load: Poisson arrivals at a ladder of rates to past saturation, every mode on
+    /// the same request stream; per mode the highest rate whose TTFT p90 stays within the
+    /// target.
+    Load {
+        /// Simulated engines.
+        #[arg(long, default_value_t = 8)]
+        engines: usize,
+        /// The short run `make test` holds.
+        #[arg(long)]
+        smoke: bool,
+        /// Only these workloads (comma-separated: `shared_prefix`, `chat`).
+        #[arg(long, value_delimiter = ',')]
+        workloads: Option<Vec<String>>,
+        /// Cache capacity per engine in blocks.
+        #[arg(long)]
+        capacity_blocks: Option<usize>,
+        /// The ladder, req/s, comma-separated (default: per engine 0.5 … 8).
+        #[arg(long, value_delimiter = ',')]
+        rates: Option<Vec<f64>>,
+        /// Seconds of arrivals per rate.
+        #[arg(long)]
+        step_s: Option<f64>,
+        /// Write into `<out>/load-<suffix>/` instead of `<out>` (several fleet sizes side by side).
+        #[arg(long)]
+        suffix: Option<String>,
+        /// Also run Dynamo 1.6.1 on the ladder: this many mocker workers behind a frontend in
+        /// `kv` and in `round-robin` mode, and kvroute in pin mode in front of a `kv` frontend.
+        #[arg(long)]
+        dynamo: Option<usize>,
+        /// Extra sidecar configuration, e.g. `"[routing]\nmax_in_flight = 64"`.
+        #[arg(long, default_value = "")]
+        sidecar_toml: String,
+        /// Only these modes (comma-separated, as in the report).
+        #[arg(long, value_delimiter = ',')]
+        modes: Option<Vec<String>>,
+    },
     /// KV events at a ladder of rates, then a burst, on one event plane: what one sidecar
     /// applies and indexes, against what was published.
     Storm {
@@ -88,6 +124,10 @@ enum Command {
         /// The short run `make test` holds (3 faults, held 3 s).
         #[arg(long)]
         smoke: bool,
+        /// Only these faults of the full run, by their report names, comma-separated (e.g.
+        /// `replica_1_partitioned_from_events`).
+        #[arg(long, value_delimiter = ',')]
+        faults: Vec<String>,
     },
     /// 1, 2, 4 and 8 sidecar + Envoy pairs on one fleet whose caches evict, each sidecar losing
     /// 10% of the KV events on its transport (a lossy NATS proxy) and repairing from the others,
@@ -385,16 +425,65 @@ async fn main() -> Result<()> {
                 out.join(format!("{stem}.{{json,md}}")).display()
             );
         }
-        Command::Soak { smoke } => {
+        Command::Soak { smoke, faults } => {
             use kvroute_harness::soak::{markdown, run, SoakBench};
-            let bench = if smoke {
+            let mut bench = if smoke {
                 SoakBench::smoke()
             } else {
                 SoakBench::full()
             };
+            if !faults.is_empty() {
+                bench.only(&faults)?;
+            }
             let doc = run(&bench, &out).await?;
             println!("\n{}", markdown(&doc));
             println!("written to {}", out.join("soak.{json,md}").display());
+        }
+        Command::Load {
+            engines,
+            smoke,
+            workloads,
+            capacity_blocks,
+            rates,
+            step_s,
+            suffix,
+            dynamo,
+            sidecar_toml,
+            modes,
+        } => {
+            use kvroute_harness::bench_load::{markdown, run, LoadBench};
+            let scale = if smoke { Scale::Smoke } else { scale };
+            let mut bench = LoadBench::new(scale, engines);
+            if let Some(names) = workloads {
+                bench
+                    .workloads
+                    .retain(|w| names.iter().any(|n| n == w.name));
+                anyhow::ensure!(!bench.workloads.is_empty(), "no such workload: {names:?}");
+            }
+            if let Some(c) = capacity_blocks {
+                bench.capacity_blocks = c;
+            }
+            if let Some(r) = rates {
+                bench.rates = r;
+            }
+            if let Some(s) = step_s {
+                bench.step = Duration::from_secs_f64(s);
+            }
+            if let Some(workers) = dynamo {
+                bench.with_dynamo(workers);
+            }
+            bench.sidecar_toml = sidecar_toml;
+            if let Some(names) = modes {
+                bench.modes.retain(|m| names.contains(&m.name()));
+                anyhow::ensure!(!bench.modes.is_empty(), "no such mode: {names:?}");
+            }
+            let dir = match &suffix {
+                Some(s) => out.join(format!("load-{s}")),
+                None => out.clone(),
+            };
+            let doc = run(&bench, &dir).await?;
+            println!("\n{}", markdown(&doc));
+            println!("written to {}", dir.join("load.{json,md,png}").display());
         }
         Command::Datapath => {
             datapath::run(scale, &out).await?;

@@ -1,0 +1,795 @@
+//! `kvroute-bench load` (`make bench-load`): open-loop load, the regime users decide in.
+//!
+//! Sessions arrive as a Poisson process at a ladder of request rates up to past saturation;
+//! each session sends its turns in order, waiting for each answer and a think time before the
+//! next (a single-turn session is one request). Every mode gets a fresh fleet and exactly the
+//! same sessions at the same offsets. The fleet can be full: engines share their GPU a step at
+//! a time (`kvroute-sim --batching`: a prefill slows its neighbours), the working set outgrows
+//! one engine's cache but fits the fleet's, their events arrive as late as real vLLM's. With
+//! `--dynamo N` the same stream and rates also run on N Dynamo mocker workers behind Dynamo's
+//! KV router, its round robin, and kvroute in pin mode.
+//!
+//! Per rate: TTFT p50/p90/p99, end-to-end latency, throughput, hit rate, imbalance, errors, and
+//! the CPU each process used (on a small machine the proxy side can saturate before the
+//! engines: the report says which did). Per mode: the highest rate whose TTFT p90 stays within
+//! the target — [`TARGET_MULTIPLE`] × the TTFT of a cold prompt on an idle fleet, measured at
+//! the start of the run — and its goodput (requests a second answered within the target).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result};
+use serde_json::{json, Value};
+
+use crate::bench::Scale;
+use crate::client::{send_streaming, Outcome};
+use crate::report::quantile;
+use crate::stack::{Mode, SimOptions, Stack, StackOptions, MODEL};
+use crate::workload::{words, ChatSpec, ChatWorkload, Rng, CHAT};
+
+/// The TTFT target, in cold prefills of an idle fleet.
+pub const TARGET_MULTIPLE: f64 = 2.0;
+
+/// A mode's ladder stops after this many rates past the target: higher ones only queue more.
+const PAST_SATURATION: usize = 2;
+
+/// A request not answered within this long is an error (keeps every step bounded).
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// One workload of the ladder.
+#[derive(Debug, Clone)]
+pub struct LoadWorkload {
+    /// Name in reports.
+    pub name: &'static str,
+    /// Its conversations (one turn each for single-turn workloads).
+    pub spec: ChatSpec,
+    /// Mean think time between a session's turns.
+    pub think: Duration,
+}
+
+impl LoadWorkload {
+    /// llm-d's shared-prefix shape scaled to this machine: 32 groups each behind its own long
+    /// prefix, single-turn questions; the working set is about three engines' caches.
+    pub fn shared_prefix() -> Self {
+        LoadWorkload {
+            name: "shared_prefix",
+            spec: ChatSpec {
+                seed: 21,
+                system_prompt_words: vec![360; 32],
+                conversations: 0,
+                turns: 1,
+                user_words: (40, 80),
+                reply_words: (0, 0),
+                max_tokens: 8,
+                hot_share: None,
+            },
+            think: Duration::ZERO,
+        }
+    }
+
+    /// Multi-turn chat behind 16 apps' system prompts, users thinking between turns: the
+    /// system prompts alone outgrow one engine's cache.
+    pub fn chat() -> Self {
+        LoadWorkload {
+            name: "chat",
+            spec: ChatSpec {
+                seed: 23,
+                system_prompt_words: (0..16).map(|i| 160 + 20 * i).collect(),
+                conversations: 0,
+                turns: 4,
+                user_words: (30, 60),
+                reply_words: (20, 40),
+                max_tokens: 8,
+                hot_share: None,
+            },
+            think: Duration::from_millis(1000),
+        }
+    }
+}
+
+/// Who routes a ladder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadMode {
+    /// Envoy in this mode over the simulated engines.
+    Sim(Mode),
+    /// Straight to a Dynamo 1.6.1 frontend over mocker workers, in this `--router-mode`
+    /// (`kv`: Dynamo's KV router; `round-robin`).
+    Dynamo(&'static str),
+    /// Envoy + kvroute in pin mode in front of a `kv` Dynamo frontend.
+    KvrouteOnDynamo,
+}
+
+impl LoadMode {
+    /// Its name in reports.
+    pub fn name(self) -> String {
+        match self {
+            LoadMode::Sim(mode) => mode.name().to_owned(),
+            LoadMode::Dynamo(router) => format!("dynamo_{}", router.replace('-', "_")),
+            LoadMode::KvrouteOnDynamo => "kvroute_pin_dynamo".into(),
+        }
+    }
+
+    /// Whether it runs on the Dynamo mocker fleet (its own engines, so its own target).
+    fn on_dynamo(self) -> bool {
+        !matches!(self, LoadMode::Sim(_))
+    }
+}
+
+/// What the load benchmark runs.
+#[derive(Debug, Clone)]
+pub struct LoadBench {
+    /// Simulated engines.
+    pub engines: usize,
+    /// KV cache per engine, in blocks.
+    pub capacity_blocks: usize,
+    /// The ladder: request rates, req/s, ascending.
+    pub rates: Vec<f64>,
+    /// How long sessions keep arriving at each rate.
+    pub step: Duration,
+    /// The workloads.
+    pub workloads: Vec<LoadWorkload>,
+    /// The modes.
+    pub modes: Vec<LoadMode>,
+    /// The engines' settings beyond the above.
+    pub sim: SimOptions,
+    /// The Dynamo mocker fleet of the Dynamo modes.
+    pub dynamo: crate::dynamo::DynamoOptions,
+    /// Appended to the sidecar's configuration (the kvroute modes), for A/B runs.
+    pub sidecar_toml: String,
+}
+
+impl LoadBench {
+    /// The ladder at `scale` on `engines` engines.
+    pub fn new(scale: Scale, engines: usize) -> Self {
+        let sim = SimOptions {
+            engines,
+            // A GPU whose step is ~100 prompt tokens long, as on a datacenter GPU; scaled so the
+            // fleet saturates at rates the proxy side serves on two cores.
+            batching: Some(1000),
+            prefill_us_per_token: 1000,
+            decode_us_per_token: 40_000,
+            base_latency_us: 0,
+            max_running: 16,
+            output_tokens: 8,
+            event_formats: vec!["vllm-map".into()],
+            event_delay_ms: crate::bench::REAL_EVENT_DELAY_MS.into(),
+            ..SimOptions::default()
+        };
+        let per_engine = |r: &[f64]| r.iter().map(|x| x * engines as f64).collect::<Vec<_>>();
+        let dynamo = crate::dynamo::DynamoOptions {
+            aggregated: engines,
+            capacity_blocks: 512,
+            ..Default::default()
+        };
+        let sim_modes = |modes: &[Mode]| modes.iter().map(|&m| LoadMode::Sim(m)).collect();
+        match scale {
+            Scale::Smoke => LoadBench {
+                engines,
+                capacity_blocks: 512,
+                rates: per_engine(&[0.5, 2.0]),
+                step: Duration::from_secs(4),
+                workloads: vec![LoadWorkload::shared_prefix()],
+                modes: sim_modes(&[Mode::RoundRobin, Mode::Kvroute]),
+                sim,
+                dynamo,
+                sidecar_toml: String::new(),
+            },
+            Scale::Quick => LoadBench {
+                engines,
+                capacity_blocks: 512,
+                rates: per_engine(&[0.5, 1.0, 2.0, 3.0, 4.0, 6.0]),
+                step: Duration::from_secs(10),
+                workloads: vec![LoadWorkload::shared_prefix()],
+                modes: sim_modes(&[Mode::RoundRobin, Mode::RingHash, Mode::Kvroute]),
+                sim,
+                dynamo,
+                sidecar_toml: String::new(),
+            },
+            Scale::Full => LoadBench {
+                engines,
+                capacity_blocks: 512,
+                rates: per_engine(&[0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0]),
+                step: Duration::from_secs(12),
+                workloads: vec![LoadWorkload::shared_prefix(), LoadWorkload::chat()],
+                modes: sim_modes(&[Mode::RoundRobin, Mode::RingHash, Mode::Kvroute]),
+                sim,
+                dynamo,
+                sidecar_toml: String::new(),
+            },
+        }
+    }
+
+    /// Run the Dynamo modes too: a fleet of `workers` mocker workers ([`LoadMode::Dynamo`],
+    /// [`LoadMode::KvrouteOnDynamo`]), the same rates and request stream.
+    pub fn with_dynamo(&mut self, workers: usize) {
+        self.dynamo.aggregated = workers;
+        self.dynamo.capacity_blocks = self.capacity_blocks;
+        self.modes.extend([
+            LoadMode::Dynamo("kv"),
+            LoadMode::Dynamo("round-robin"),
+            LoadMode::KvrouteOnDynamo,
+        ]);
+    }
+}
+
+/// One session of the stream: when it starts, and each turn's body with the think time before
+/// it.
+#[derive(Debug, Clone)]
+pub struct Planned {
+    /// Offset from the step's start.
+    pub at: Duration,
+    /// (think time before the turn, body).
+    pub turns: Vec<(Duration, Value)>,
+}
+
+/// The request stream of every step, the same for every mode: step `k` holds the sessions
+/// arriving at `rates[k]` over `step` (Poisson), drawn from one workload so the steps share
+/// its system prompts and a fleet carries its caches up the ladder.
+pub fn plan(workload: &LoadWorkload, rates: &[f64], step: Duration) -> Vec<Vec<Planned>> {
+    let turns = workload.spec.turns.max(1);
+    let counts: Vec<usize> = rates
+        .iter()
+        .map(|r| ((r * step.as_secs_f64()) / turns as f64).round().max(1.0) as usize)
+        .collect();
+    let all = ChatWorkload::generate(&ChatSpec {
+        conversations: counts.iter().sum(),
+        ..workload.spec.clone()
+    });
+    let mut rng = Rng::new(workload.spec.seed ^ 0x10ad);
+    // Sessions in a random order: an app's users do not arrive in turn.
+    let mut order: Vec<usize> = (0..all.conversations.len()).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.range(0, i));
+    }
+    let mut next = order.into_iter();
+    let exp = |rng: &mut Rng, mean: f64| {
+        let u = ((rng.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+        -mean * u.ln()
+    };
+    rates
+        .iter()
+        .zip(&counts)
+        .map(|(rate, &n)| {
+            let mean_gap = turns as f64 / rate;
+            let mut at = 0.0;
+            (0..n)
+                .filter_map(|_| {
+                    let conv = next.next()?;
+                    let planned = Planned {
+                        at: Duration::from_secs_f64(at),
+                        turns: (0..turns)
+                            .map(|t| {
+                                let think = if t == 0 {
+                                    0.0
+                                } else {
+                                    exp(&mut rng, workload.think.as_secs_f64())
+                                };
+                                (Duration::from_secs_f64(think), all.body(MODEL, conv, t))
+                            })
+                            .collect(),
+                    };
+                    at += exp(&mut rng, mean_gap);
+                    Some(planned)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Run one step's sessions against `url`; every outcome.
+async fn run_step(http: &reqwest::Client, url: &str, sessions: &[Planned]) -> Vec<Outcome> {
+    let start = tokio::time::Instant::now();
+    let runs = sessions.iter().map(|s| async move {
+        tokio::time::sleep_until(start + s.at).await;
+        let mut outcomes = Vec::new();
+        for (think, body) in &s.turns {
+            tokio::time::sleep(*think).await;
+            let o = match tokio::time::timeout(REQUEST_TIMEOUT, send_streaming(http, url, body))
+                .await
+            {
+                Ok(o) => o,
+                Err(_) => Outcome {
+                    error: Some(format!("no answer within {REQUEST_TIMEOUT:?}")),
+                    ..Outcome::default()
+                },
+            };
+            let failed = !o.ok();
+            outcomes.push(o);
+            if failed {
+                break;
+            }
+        }
+        outcomes
+    });
+    futures::future::join_all(runs)
+        .await
+        .into_iter()
+        .flatten()
+        .collect()
+}
+
+/// A cold prompt's TTFT on the idle fleet behind `url`, ms: the median of three prompts no
+/// engine has seen, one at a time.
+async fn cold_ttft_ms(http: &reqwest::Client, url: &str, workload: &LoadWorkload) -> Result<f64> {
+    let mut rng = Rng::new(0xc01d);
+    let mut ttfts = Vec::new();
+    for _ in 0..3 {
+        let words_in = |(lo, hi): (usize, usize), rng: &mut Rng| rng.range(lo, hi.max(lo));
+        let system = words(
+            &mut rng,
+            workload
+                .spec
+                .system_prompt_words
+                .iter()
+                .max()
+                .copied()
+                .unwrap_or(0),
+        );
+        let n = words_in(workload.spec.user_words, &mut rng);
+        let user = words(&mut rng, n);
+        let body = json!({"model": MODEL, "max_tokens": workload.spec.max_tokens,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]});
+        let o = send_streaming(http, url, &body).await;
+        anyhow::ensure!(o.ok(), "a cold prompt on the idle fleet failed: {o:?}");
+        ttfts.push(o.ttft.as_secs_f64() * 1e3);
+    }
+    Ok(quantile(&ttfts, 0.5))
+}
+
+/// CPU cores each kind of process used between two readings `seconds` apart: the simulated
+/// engines, Envoy, the sidecar, and this harness (the clients).
+fn cores(before: &[(String, f64)], after: &[(String, f64)], seconds: f64) -> BTreeMap<String, f64> {
+    let kind = |name: &str| {
+        ["sim", "envoy", "sidecar", "nats"]
+            .into_iter()
+            .find(|k| name.starts_with(k))
+            .unwrap_or("other")
+            .to_owned()
+    };
+    let mut out = BTreeMap::new();
+    for (name, t) in after {
+        let t0 = before
+            .iter()
+            .find(|(n, _)| n == name)
+            .map_or(0.0, |(_, t)| *t);
+        *out.entry(kind(name)).or_insert(0.0) += (t - t0) / seconds.max(1e-9);
+    }
+    out
+}
+
+/// The sidecar's hints so far by the part of the rule that chose (none without a sidecar):
+/// how often load moved a prompt off its longest match.
+async fn hint_rules(stack: &Stack) -> BTreeMap<String, f64> {
+    let Ok(text) = stack.sidecar_metrics().await else {
+        return BTreeMap::new();
+    };
+    crate::prometheus::series(&text, "kvroute_hint_rules_total{")
+        .filter_map(|(series, n)| {
+            let rule = series.split("rule=\"").nth(1)?.split('"').next()?;
+            Some((rule.to_owned(), n))
+        })
+        .collect()
+}
+
+/// One rate's figures.
+pub fn point(
+    rate: f64,
+    outcomes: &[Outcome],
+    seconds: f64,
+    engines: usize,
+    target_ms: f64,
+) -> Value {
+    let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok()).collect();
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let ttft: Vec<f64> = ok.iter().map(|o| ms(o.ttft)).collect();
+    let e2e: Vec<f64> = ok.iter().map(|o| ms(o.latency)).collect();
+    let (prompt, cached) = ok.iter().fold((0, 0), |(p, c), o| {
+        (p + o.prompt_tokens, c + o.cached_tokens)
+    });
+    let mut per_engine = vec![0usize; engines];
+    for o in &ok {
+        if let Some(n) = o.engine.and_then(|e| per_engine.get_mut(e)) {
+            *n += 1;
+        }
+    }
+    let mean = ok.len() as f64 / engines.max(1) as f64;
+    let max = per_engine.iter().copied().max().unwrap_or(0) as f64;
+    let within = ttft.iter().filter(|&&t| t <= target_ms).count();
+    json!({
+        "rate": rate,
+        "requests": outcomes.len(),
+        "errors": outcomes.len() - ok.len(),
+        "ttft_p50_ms": quantile(&ttft, 0.5),
+        "ttft_p90_ms": quantile(&ttft, 0.9),
+        "ttft_p99_ms": quantile(&ttft, 0.99),
+        "e2e_p50_ms": quantile(&e2e, 0.5),
+        "e2e_p90_ms": quantile(&e2e, 0.9),
+        "throughput": ok.len() as f64 / seconds.max(1e-9),
+        "goodput": within as f64 / seconds.max(1e-9),
+        "hit_rate": if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 },
+        "imbalance": if mean > 0.0 { max / mean } else { 0.0 },
+        "requests_per_engine": per_engine,
+        "first_error": outcomes.iter().find(|o| !o.ok()).map(|o| format!("status {}: {}", o.status, o.error.clone().unwrap_or_default())),
+    })
+}
+
+/// Whether a rate's TTFT p90 stays within the target with at most 1% errors.
+fn meets(point: &Value, target_ms: f64) -> bool {
+    let errors = point["errors"].as_f64().unwrap_or(0.0);
+    let requests = point["requests"].as_f64().unwrap_or(0.0).max(1.0);
+    point["ttft_p90_ms"].as_f64().unwrap_or(f64::MAX) <= target_ms && errors / requests <= 0.01
+}
+
+/// The highest rate of the ladder, counted from the bottom, whose TTFT p90 stays within the
+/// target with at most 1% errors (0 when the first already does not); and the best goodput.
+pub fn within_target(points: &[Value], target_ms: f64) -> (f64, f64) {
+    let best = points
+        .iter()
+        .take_while(|p| meets(p, target_ms))
+        .last()
+        .map_or(0.0, |p| p["rate"].as_f64().unwrap_or(0.0));
+    let goodput = points
+        .iter()
+        .filter_map(|p| p["goodput"].as_f64())
+        .fold(0.0, f64::max);
+    (best, goodput)
+}
+
+/// What limited the first rate past `max_rate`: this machine's CPU when the processes used
+/// most of its cores there (the proxy side, the engines' tokenizers and the clients share
+/// them), else the engines' GPUs (their steps queue). `none` when no rate went past.
+fn saturated_by(points: &[Value], max_rate: f64) -> String {
+    let Some(past) = points
+        .iter()
+        .find(|p| p["rate"].as_f64().unwrap_or(0.0) > max_rate)
+    else {
+        return "none".into();
+    };
+    let cores: f64 = past["cpu_cores"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter_map(|(_, c)| c.as_f64())
+        .sum();
+    let machine = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    if cores > 0.75 * machine {
+        format!("this machine's CPU ({cores:.2} of {machine} cores busy)")
+    } else {
+        format!("the engines ({cores:.2} of {machine} cores busy)")
+    }
+}
+
+/// A fleet for `mode` and the URL its requests go to.
+async fn start(bench: &LoadBench, workload: &str, mode: LoadMode) -> Result<(Stack, String)> {
+    let name = format!("load-{workload}-{}", mode.name());
+    let (stack_mode, dynamo_router) = match mode {
+        LoadMode::Sim(m) => (m, None),
+        LoadMode::Dynamo(router) => (Mode::RoundRobin, Some(router)),
+        LoadMode::KvrouteOnDynamo => (Mode::Kvroute, Some("kv")),
+    };
+    let mut opts = StackOptions::new(&name, stack_mode);
+    opts.sidecar_toml = bench.sidecar_toml.clone();
+    opts.sim = SimOptions {
+        capacity_blocks: bench.capacity_blocks,
+        ..bench.sim.clone()
+    };
+    if let Some(router) = dynamo_router {
+        opts.dynamo = Some(crate::dynamo::DynamoOptions {
+            router_mode: router.into(),
+            ..bench.dynamo.clone()
+        });
+    }
+    let stack = Stack::start(opts).await?;
+    let base = match mode {
+        LoadMode::Dynamo(_) => format!(
+            "http://{}",
+            stack
+                .frontend
+                .as_deref()
+                .context("the Dynamo fleet has no frontend")?
+        ),
+        _ => stack.envoy_url.clone(),
+    };
+    Ok((stack, format!("{base}{CHAT}")))
+}
+
+/// The stream as a Dynamo frontend is asked it: each body asks which worker served it.
+fn naming_workers(steps: &[Vec<Planned>]) -> Vec<Vec<Planned>> {
+    let mut steps = steps.to_vec();
+    for (_, body) in steps.iter_mut().flatten().flat_map(|s| s.turns.iter_mut()) {
+        body["nvext"] = json!({"extra_fields": ["worker_id"]});
+    }
+    steps
+}
+
+/// One mode's ladder: its points, the highest rate within the target, where it saturated.
+/// `target` is the fleet's (measured on the first mode to run on it).
+async fn run_mode(
+    bench: &LoadBench,
+    workload: &LoadWorkload,
+    mode: LoadMode,
+    steps: &[Vec<Planned>],
+    target: &mut Option<(f64, f64)>,
+) -> Result<Value> {
+    let (mut stack, url) = start(bench, workload.name, mode).await?;
+    let cold_ms = cold_ttft_ms(&stack.http, &url, workload).await?;
+    let (_, target_ms) = *target.get_or_insert((cold_ms, TARGET_MULTIPLE * cold_ms));
+    // Dynamo names the worker by instance id; reports number them in the fleet's order.
+    let ids: Vec<u64> = stack.engines.iter().map(|e| e.dynamo_worker_id).collect();
+    let engines = if mode.on_dynamo() {
+        ids.len()
+    } else {
+        bench.engines
+    };
+    let (mut points, mut past) = (Vec::new(), 0);
+    let (warm_up, steps) = steps.split_first().context("an empty ladder")?;
+    run_step(&stack.http, &url, warm_up).await;
+    for (rate, sessions) in bench.rates.iter().zip(steps) {
+        let (cpu0, t0) = (stack.cpu_seconds(), Instant::now());
+        let harness0 = crate::process::cpu_seconds(std::process::id()).unwrap_or(0.0);
+        let rules0 = hint_rules(&stack).await;
+        let mut outcomes = run_step(&stack.http, &url, sessions).await;
+        let seconds = t0.elapsed().as_secs_f64();
+        for o in &mut outcomes {
+            if let Some((worker, _)) = o.dynamo_workers {
+                o.engine = ids.iter().position(|&id| id == worker);
+            }
+        }
+        let mut p = point(*rate, &outcomes, seconds, engines, target_ms);
+        let mut used = cores(&cpu0, &stack.cpu_seconds(), seconds);
+        let harness = crate::process::cpu_seconds(std::process::id()).unwrap_or(0.0);
+        used.insert("harness".into(), (harness - harness0) / seconds);
+        p["cpu_cores"] = json!(used);
+        let rules: BTreeMap<String, f64> = hint_rules(&stack)
+            .await
+            .into_iter()
+            .map(|(rule, n)| {
+                let before = rules0.get(&rule).copied().unwrap_or(0.0);
+                (rule, n - before)
+            })
+            .filter(|(_, n)| *n > 0.0)
+            .collect();
+        if !rules.is_empty() {
+            p["hint_rules"] = json!(rules);
+        }
+        println!(
+            "load: {} / {} at {rate:.1} req/s: TTFT p50 {:.0} ms p90 {:.0} ms (target {target_ms:.0}), hit rate {:.1}%, {:.1} req/s, errors {}, CPU {}{}",
+            workload.name,
+            mode.name(),
+            p["ttft_p50_ms"].as_f64().unwrap_or(0.0),
+            p["ttft_p90_ms"].as_f64().unwrap_or(0.0),
+            100.0 * p["hit_rate"].as_f64().unwrap_or(0.0),
+            p["throughput"].as_f64().unwrap_or(0.0),
+            p["errors"],
+            used.iter().map(|(k, v)| format!("{k} {v:.2}")).collect::<Vec<_>>().join(", "),
+            match p.get("hint_rules") {
+                Some(rules) => format!(", rules {rules}"),
+                None => String::new(),
+            },
+        );
+        let missed = !meets(&p, target_ms);
+        points.push(p);
+        past += usize::from(missed);
+        if past == PAST_SATURATION {
+            println!(
+                "load: {} / {}: {PAST_SATURATION} rates past the target, the ladder stops here",
+                workload.name,
+                mode.name()
+            );
+            break;
+        }
+        // Let the fleet drain before the next rate.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    stack.check_alive()?;
+    let (max_rate, goodput) = within_target(&points, target_ms);
+    let saturated_by = saturated_by(&points, max_rate);
+    println!(
+        "load: {} / {}: highest rate within target {max_rate} req/s, best goodput {goodput:.1} req/s; past it, saturated by {saturated_by}",
+        workload.name,
+        mode.name()
+    );
+    Ok(
+        json!({"available": true, "cold_ttft_ms": cold_ms, "target_ttft_ms": target_ms,
+              "max_rate_within_target": max_rate, "goodput": goodput,
+              "saturated_by": saturated_by, "points": points}),
+    )
+}
+
+/// Run every mode's ladder of one workload: the cold TTFT and target of each fleet (the
+/// simulated one, Dynamo's), and per mode its points. A Dynamo mode whose fleet does not start
+/// (Dynamo not installed) is reported unavailable.
+async fn run_workload(bench: &LoadBench, workload: &LoadWorkload) -> Result<Value> {
+    // A first step at the lowest rate, not measured: a fleet in service has warm caches.
+    let ladder: Vec<f64> = bench
+        .rates
+        .first()
+        .into_iter()
+        .chain(&bench.rates)
+        .copied()
+        .collect();
+    let steps = plan(workload, &ladder, bench.step);
+    let dynamo_steps = naming_workers(&steps);
+    let (mut sim_target, mut dynamo_target) = (None, None);
+    let mut modes = serde_json::Map::new();
+    for &mode in &bench.modes {
+        let result = if mode.on_dynamo() {
+            match run_mode(bench, workload, mode, &dynamo_steps, &mut dynamo_target).await {
+                Ok(r) => r,
+                Err(e) => {
+                    println!(
+                        "load: {} / {}: unavailable: {e:#}",
+                        workload.name,
+                        mode.name()
+                    );
+                    json!({"available": false, "reason": format!("{e:#}")})
+                }
+            }
+        } else {
+            run_mode(bench, workload, mode, &steps, &mut sim_target).await?
+        };
+        modes.insert(mode.name(), result);
+    }
+    Ok(json!({
+        "cold_ttft_ms": sim_target.map(|t| t.0),
+        "target_ttft_ms": sim_target.map(|t| t.1),
+        "dynamo_cold_ttft_ms": dynamo_target.map(|t| t.0),
+        "dynamo_target_ttft_ms": dynamo_target.map(|t| t.1),
+        "turns": workload.spec.turns,
+        "think_ms": workload.think.as_secs_f64() * 1e3,
+        "modes": modes,
+    }))
+}
+
+/// Run the ladder; writes `load.json`, `load.md` and `load.png` into `out`.
+pub async fn run(bench: &LoadBench, out: &Path) -> Result<Value> {
+    let mut workloads = serde_json::Map::new();
+    for w in &bench.workloads {
+        let result = run_workload(bench, w)
+            .await
+            .with_context(|| format!("workload {}", w.name))?;
+        workloads.insert(w.name.to_owned(), result);
+    }
+    let doc = json!({
+        "engines": bench.engines,
+        "capacity_blocks": bench.capacity_blocks,
+        "step_s": bench.step.as_secs_f64(),
+        "target_multiple_of_cold_ttft": TARGET_MULTIPLE,
+        "engine": {
+            "prefill_us_per_token": bench.sim.prefill_us_per_token,
+            "step_us": bench.sim.decode_us_per_token,
+            "decode_us_per_seq": bench.sim.batching,
+            "max_running": bench.sim.max_running,
+            "event_delay_ms": bench.sim.event_delay_ms,
+        },
+        "workloads": workloads,
+    });
+    std::fs::create_dir_all(out)?;
+    std::fs::write(out.join("load.json"), serde_json::to_string_pretty(&doc)?)?;
+    std::fs::write(out.join("load.md"), markdown(&doc))?;
+    crate::plot::load_png(&out.join("load.png"), &doc)?;
+    Ok(doc)
+}
+
+/// The report docs/benchmarks.md quotes: per workload, each mode's highest rate within the
+/// target and its TTFT p90 and hit rate at every rate.
+pub fn markdown(doc: &Value) -> String {
+    let mut s = String::new();
+    for (name, w) in doc["workloads"].as_object().into_iter().flatten() {
+        s.push_str(&format!(
+            "## {name}: {} simulated engines, target TTFT p90 {:.0} ms ({}× a cold prompt's {:.0} ms)\n\n| mode | target TTFT p90 (ms) | highest rate within target (req/s) | best goodput (req/s) | past it, saturated by |\n|---|---|---|---|---|\n",
+            doc["engines"],
+            w["target_ttft_ms"].as_f64().unwrap_or(0.0),
+            doc["target_multiple_of_cold_ttft"],
+            w["cold_ttft_ms"].as_f64().unwrap_or(0.0),
+        ));
+        let modes = w["modes"].as_object().cloned().unwrap_or_default();
+        for (mode, m) in &modes {
+            if m["available"] != true {
+                s.push_str(&format!(
+                    "| {mode} | unavailable: {} | | | |\n",
+                    m["reason"]
+                        .as_str()
+                        .unwrap_or("")
+                        .lines()
+                        .next()
+                        .unwrap_or("")
+                ));
+                continue;
+            }
+            s.push_str(&format!(
+                "| {mode} | {:.0} | {} | {:.1} | {} |\n",
+                m["target_ttft_ms"].as_f64().unwrap_or(0.0),
+                m["max_rate_within_target"],
+                m["goodput"].as_f64().unwrap_or(0.0),
+                m["saturated_by"].as_str().unwrap_or(""),
+            ));
+        }
+        s.push_str("\nTTFT p90 ms / hit rate / imbalance per rate:\n\n| rate |");
+        for mode in modes.keys() {
+            s.push_str(&format!(" {mode} |"));
+        }
+        s.push_str("\n|---|");
+        s.push_str(&"---|".repeat(modes.len()));
+        s.push('\n');
+        let rates: Vec<f64> = modes
+            .values()
+            .filter_map(|m| m["points"].as_array())
+            .max_by_key(|ps| ps.len())
+            .map(|ps| ps.iter().filter_map(|p| p["rate"].as_f64()).collect())
+            .unwrap_or_default();
+        for (i, rate) in rates.iter().enumerate() {
+            s.push_str(&format!("| {rate:.1} |"));
+            for m in modes.values() {
+                let p = &m["points"][i];
+                if p.is_null() {
+                    s.push_str(" (stopped) |");
+                    continue;
+                }
+                s.push_str(&format!(
+                    " {:.0} / {:.1}% / {:.2}{} |",
+                    p["ttft_p90_ms"].as_f64().unwrap_or(0.0),
+                    100.0 * p["hit_rate"].as_f64().unwrap_or(0.0),
+                    p["imbalance"].as_f64().unwrap_or(0.0),
+                    match p["errors"].as_u64() {
+                        Some(0) | None => String::new(),
+                        Some(n) => format!(", {n} errors"),
+                    }
+                ));
+            }
+            s.push('\n');
+        }
+        s.push('\n');
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every mode gets the same stream: the plan is deterministic, each step's sessions arrive
+    /// at about its rate, and sessions are not reused between steps.
+    #[test]
+    fn the_plan_is_one_stream_at_each_rate() {
+        let w = LoadWorkload::chat();
+        let rates = [2.0, 8.0];
+        let a = plan(&w, &rates, Duration::from_secs(20));
+        let b = plan(&w, &rates, Duration::from_secs(20));
+        assert_eq!(a.len(), 2);
+        assert_eq!(a[1].len(), 40, "8 req/s × 20 s over 4 turns");
+        assert_eq!(a[1][7].turns[2].1, b[1][7].turns[2].1);
+        assert_eq!(a[1][7].at, b[1][7].at);
+        let last = a[1].last().unwrap().at.as_secs_f64();
+        assert!(
+            (10.0..30.0).contains(&last),
+            "40 arrivals at 2/s end near 20 s, not {last}"
+        );
+        assert_ne!(
+            a[0][0].turns[0].1, a[1][0].turns[0].1,
+            "a session runs once"
+        );
+        assert!(
+            a[1].iter().all(|s| s.turns[0].0.is_zero()),
+            "no think before a first turn"
+        );
+    }
+
+    /// The highest rate counts from the bottom: a rate within the target above one that missed
+    /// does not count.
+    #[test]
+    fn the_highest_rate_within_target_counts_from_the_bottom() {
+        let p = |rate: f64, p90: f64, errors: u64| json!({"rate": rate, "ttft_p90_ms": p90, "errors": errors, "requests": 100, "goodput": rate});
+        let points = [
+            p(1.0, 50.0, 0),
+            p(2.0, 90.0, 0),
+            p(4.0, 300.0, 0),
+            p(8.0, 80.0, 0),
+        ];
+        assert_eq!(within_target(&points, 100.0), (2.0, 8.0));
+        let errors = [p(1.0, 50.0, 0), p(2.0, 90.0, 5)];
+        assert_eq!(within_target(&errors, 100.0).0, 1.0);
+        assert_eq!(within_target(&[p(1.0, 500.0, 0)], 100.0).0, 0.0);
+    }
+}
