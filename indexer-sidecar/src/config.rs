@@ -69,7 +69,7 @@
 //! scrape_interval_ms = 250          # engines' /metrics (vLLM names) are read this often
 //! home_key_blocks = 8               # cold prompts go to the home of their first 8 blocks
 //! spread_slack = 4                  # a popular prefix spreads to a worker this many requests less
-//!                                   #   busy, from a holder this many above the mean
+//!                                   #   busy, from a holder this many (and 2×) above the mean
 //! predict_survival = true           # weigh what a worker will still hold, not all the index matched
 //! ```
 
@@ -701,8 +701,8 @@ pub struct RoutingConfig {
     pub home_slack_blocks: Option<f64>,
     /// A popular prefix (requests lately branched off it in different ways, or several workers hold it)
     /// goes to another worker, which then holds it too, when each holder has this many
-    /// requests more than that worker and than the fleet's mean: it spreads instead of
-    /// queueing where it first landed.
+    /// requests more than that worker and than the workers without it have on average (and
+    /// twice their average): it spreads instead of queueing where it first landed.
     pub spread_slack: f64,
     /// Weigh what a worker will still hold when the request gets there: the prompt blocks its
     /// running requests share, and of its other matched blocks the share its engine's reports

@@ -293,17 +293,18 @@ fn spread(
     if holders < 2 && !shared {
         return false;
     }
-    // Only from a holder busier than the other workers are on average, not merely than the
-    // least busy of them: under even load every prefix is "popular", the least busy worker
-    // is a few requests below any holder by chance, and each copy made evicts another prefix
-    // for no queue saved.
+    // Only from a holder busier than the other workers are on average — by the slack and twice
+    // over —, not merely than the least busy of them: under even load every prefix is
+    // "popular", some worker is a few requests below any holder by chance, and each copy made
+    // evicts another prefix for no queue saved.
     let others: Vec<f64> = candidates
         .iter()
         .filter(|c| c.held() < longest)
         .map(|c| c.load.busy())
         .collect();
     let others_mean = others.iter().sum::<f64>() / others.len().max(1) as f64;
-    if others.is_empty() || first.load.busy() < others_mean + routing.spread_slack {
+    let outlier = (others_mean + routing.spread_slack).max(2.0 * others_mean);
+    if others.is_empty() || first.load.busy() < outlier {
         return false;
     }
     let busiest_allowed = first.load.busy() - routing.spread_slack;
