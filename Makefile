@@ -117,7 +117,7 @@ bench-storm: venv build
 	target/release/kvroute-bench storm --plane dynamo-zmq
 	target/release/kvroute-bench storm --plane dynamo-zmq --batch 8 --rates 400000,800000 --burst 1200000
 
-# The chaos soak (about 5 minutes): faults one at a time under load, how long each takes to heal.
+# The chaos soak (about 3 minutes): faults one at a time under load, how long each takes to heal.
 soak: venv build
 	target/release/kvroute-bench soak
 
