@@ -124,13 +124,16 @@ soak: venv build
 bench-routing: venv venv-peers build
 	target/release/kvroute-bench routing
 
-# Open-loop load (about 25 minutes; --quick about 5): Poisson arrivals at a ladder of rates to
-# past saturation on 8 engines that share their GPU and evict, then the shared-prefix ladder on
-# 16; per mode the highest rate whose TTFT p90 stays within the target. target/bench/load.* and
-# target/bench/load-16/load.*.
-bench-load: venv build
+# Open-loop load (about 30 minutes; --quick about 5): Poisson arrivals at a ladder of rates to
+# past saturation on 8 engines that share their GPU and evict, the shared-prefix ladder on 16,
+# then on 4 Dynamo mocker workers (Dynamo's KV router, its round robin, kvroute in pin mode); per
+# mode the highest rate whose TTFT p90 stays within the target. target/bench/load.*,
+# target/bench/load-16/, target/bench/load-dynamo/.
+bench-load: venv venv-dynamo build
 	target/release/kvroute-bench load
 	target/release/kvroute-bench load --engines 16 --workloads shared_prefix --suffix 16
+	target/release/kvroute-bench load --engines 4 --workloads shared_prefix --suffix dynamo \
+		--dynamo 4 --modes dynamo_kv,dynamo_round_robin,kvroute_pin_dynamo
 
 bench-load-quick: venv build
 	target/release/kvroute-bench --quick load

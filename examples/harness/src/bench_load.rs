@@ -144,8 +144,9 @@ impl LoadBench {
     pub fn new(scale: Scale, engines: usize) -> Self {
         let sim = SimOptions {
             engines,
-            // A GPU whose step is ~100 prompt tokens long, as on a datacenter GPU; scaled so the
-            // fleet saturates at rates the proxy side serves on two cores.
+            // A decode step costs as much as 40 prompt tokens' prefill (50-100 on a datacenter
+            // GPU); all of it slowed so the fleet saturates at rates the proxy side serves on
+            // two cores.
             batching: Some(1000),
             prefill_us_per_token: 1000,
             decode_us_per_token: 40_000,

@@ -906,7 +906,7 @@ mod tests {
         assert_eq!(
             d.rule,
             Rule::LeastLoaded,
-            "8 requests above the others' mean"
+            "well above the fleet's mean"
         );
         assert_ne!(order(&d)[0], addr(0));
     }
