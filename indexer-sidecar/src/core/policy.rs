@@ -903,11 +903,7 @@ mod tests {
             running(&[22.0, 14.0, 15.0, 14.0]),
             all,
         );
-        assert_eq!(
-            d.rule,
-            Rule::LeastLoaded,
-            "well above the fleet's mean"
-        );
+        assert_eq!(d.rule, Rule::LeastLoaded, "well above the fleet's mean");
         assert_ne!(order(&d)[0], addr(0));
     }
 
