@@ -392,6 +392,28 @@ mod tests {
         }
     }
 
+    /// The decision on a 23-block prompt over `reg` with `matches`, whether it branches off its
+    /// match where others did (`shared`), each worker running `requests` as a scrape shows them.
+    fn decide_23_blocks(
+        reg: &[String],
+        matches: &[(WorkerId, u32)],
+        shared: bool,
+        requests: &'static [f64],
+        routing: &RoutingConfig,
+    ) -> Decision {
+        let load = running(requests);
+        let workers = reg
+            .iter()
+            .enumerate()
+            .map(|(i, a)| worker(i, a, load(WorkerId(i as u32))));
+        let prompt = Prompt {
+            blocks: 23,
+            shared,
+            ..Prompt::default()
+        };
+        super::choose(prompt, matches, workers, routing)
+    }
+
     fn addr(i: usize) -> String {
         format!("127.0.0.1:{}", 8000 + i)
     }
@@ -834,17 +856,7 @@ mod tests {
                       shared: bool,
                       requests: &'static [f64],
                       routing: &RoutingConfig| {
-            let load = running(requests);
-            let workers = reg
-                .iter()
-                .enumerate()
-                .map(|(i, a)| worker(i, a, load(WorkerId(i as u32))));
-            let prompt = Prompt {
-                blocks: 23,
-                shared,
-                ..Prompt::default()
-            };
-            super::choose(prompt, matches, workers, routing)
+            decide_23_blocks(&reg, matches, shared, requests, routing)
         };
         let routing = RoutingConfig::default();
         let three = [(WorkerId(0), 20), (WorkerId(1), 20), (WorkerId(2), 20)];
@@ -914,19 +926,7 @@ mod tests {
         let reg = registry(6);
         let routing = RoutingConfig::default();
         let matches = [(WorkerId(0), 20), (WorkerId(1), 20)];
-        let decide = |requests: &'static [f64]| {
-            let load = running(requests);
-            let workers = reg
-                .iter()
-                .enumerate()
-                .map(|(i, a)| worker(i, a, load(WorkerId(i as u32))));
-            let prompt = Prompt {
-                blocks: 23,
-                shared: true,
-                ..Prompt::default()
-            };
-            super::choose(prompt, &matches, workers, &routing)
-        };
+        let decide = |requests| decide_23_blocks(&reg, &matches, true, requests, &routing);
         let d = decide(&[10.0, 10.0, 6.0, 12.0, 11.0, 11.0]);
         assert_eq!(d.rule, Rule::LongestMatch);
         let d = decide(&[10.0, 10.0, 6.0, 2.0, 3.0, 5.0]);
