@@ -103,20 +103,7 @@ impl ExplainLog {
     /// The entries `query` asks for, newest first; `open` says whether a ticket is still
     /// counted against its worker (the request runs).
     pub fn list(&self, query: &ExplainQuery, open: impl Fn(Ticket) -> bool) -> Vec<Value> {
-        // Matched in the stored text: parsing every entry to compare one field would cost as
-        // much as listing them all.
-        let block = query
-            .last_block
-            .as_ref()
-            .map(|b| format!("\"last_block\":\"{}\"", b.to_ascii_lowercase()));
-        self.entries
-            .iter()
-            .filter(|e| {
-                block
-                    .as_ref()
-                    .is_none_or(|b| e.decision.contains(b.as_str()))
-            })
-            .take(query.limit.unwrap_or(usize::MAX))
+        self.selected(query)
             .map(|e| {
                 let mut v: Value = serde_json::from_str(&e.decision).unwrap_or(Value::Null);
                 let outcome = match (e.ticket, &e.served) {
@@ -134,13 +121,31 @@ impl ExplainLog {
             .collect()
     }
 
-    /// The tickets of entries without a report yet (to ask which are still open).
-    pub fn tickets(&self) -> Vec<Ticket> {
-        self.entries
-            .iter()
+    /// The tickets of the entries `query` asks for that have no report yet (to ask which are
+    /// still open).
+    pub fn tickets(&self, query: &ExplainQuery) -> Vec<Ticket> {
+        self.selected(query)
             .filter(|e| e.served.is_none())
             .filter_map(|e| e.ticket)
             .collect()
+    }
+
+    /// The entries `query` asks for, newest first.
+    fn selected<'a>(&'a self, query: &ExplainQuery) -> impl Iterator<Item = &'a Entry> + 'a {
+        // Matched in the stored text: parsing every entry to compare one field would cost as
+        // much as listing them all.
+        let block = query
+            .last_block
+            .as_ref()
+            .map(|b| format!("\"last_block\":\"{}\"", b.to_ascii_lowercase()));
+        self.entries
+            .iter()
+            .filter(move |e| {
+                block
+                    .as_ref()
+                    .is_none_or(|b| e.decision.contains(b.as_str()))
+            })
+            .take(query.limit.unwrap_or(usize::MAX))
     }
 
     /// Bytes held.

@@ -1000,7 +1000,8 @@ impl Sidecar {
 
     /// The recent decisions `query` asks for, newest first, with their outcomes.
     pub fn explained(&self, query: &crate::explain::ExplainQuery) -> Vec<serde_json::Value> {
-        let tickets = lock(&self.explained).tickets();
+        // Only the listed entries' tickets: the core is asked under its lock, which hints take.
+        let tickets = lock(&self.explained).tickets(query);
         let open = self.core().open_tickets(&tickets);
         lock(&self.explained).list(query, |t| open.contains(&t))
     }

@@ -437,12 +437,7 @@ pub fn markdown(doc: &Value) -> String {
             if r["available"] != true {
                 out.push_str(&format!(
                     "| {mode} | unavailable: {} | | | | | | |\n",
-                    r["reason"]
-                        .as_str()
-                        .unwrap_or("")
-                        .lines()
-                        .next()
-                        .unwrap_or("")
+                    crate::report::unavailable_reason(r)
                 ));
                 continue;
             }

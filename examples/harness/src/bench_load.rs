@@ -694,12 +694,7 @@ pub fn markdown(doc: &Value) -> String {
             if m["available"] != true {
                 s.push_str(&format!(
                     "| {mode} | unavailable: {} | | | |\n",
-                    m["reason"]
-                        .as_str()
-                        .unwrap_or("")
-                        .lines()
-                        .next()
-                        .unwrap_or("")
+                    crate::report::unavailable_reason(m)
                 ));
                 continue;
             }

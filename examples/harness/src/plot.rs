@@ -153,26 +153,22 @@ pub fn load_png(path: &Path, doc: &serde_json::Value) -> Result<()> {
                 .draw_series(points.iter().map(|&p| Circle::new(p, 3, colour.filled())))
                 .map_err(|e| anyhow!("{e:?}"))?;
         }
-        chart
-            .draw_series(DashedLineSeries::new(
-                [(0.0, target), (max_rate, target)],
-                6,
-                4,
-                BLACK.stroke_width(1),
-            ))
-            .map_err(|e| anyhow!("{e:?}"))?
-            .label("target")
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
-        if let Some(t) = dynamo_target {
+        // The simulated fleet's target in long dashes, the Dynamo mockers' in short ones.
+        let lines = [
+            (Some(target), 6, "target"),
+            (dynamo_target, 2, "target (Dynamo's mockers)"),
+        ];
+        for (t, dash, label) in lines {
+            let Some(t) = t else { continue };
             chart
                 .draw_series(DashedLineSeries::new(
                     [(0.0, t), (max_rate, t)],
-                    2,
+                    dash,
                     4,
                     BLACK.stroke_width(1),
                 ))
                 .map_err(|e| anyhow!("{e:?}"))?
-                .label("target (Dynamo's mockers)")
+                .label(label)
                 .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
         }
         chart

@@ -27,6 +27,16 @@ pub struct ModeReport {
     pub requests_per_engine: Vec<usize>,
 }
 
+/// Why a mode's JSON says it is unavailable, as one line for a table (its `reason`'s first).
+pub fn unavailable_reason(mode: &serde_json::Value) -> &str {
+    mode["reason"]
+        .as_str()
+        .unwrap_or("")
+        .lines()
+        .next()
+        .unwrap_or("")
+}
+
 /// The `q` quantile (0..=1) of `values` (nearest rank); 0 for none.
 pub fn quantile(values: &[f64], q: f64) -> f64 {
     if values.is_empty() {

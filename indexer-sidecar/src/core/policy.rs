@@ -297,14 +297,13 @@ fn spread(
     // over —, not merely than the least busy of them: under even load every prefix is
     // "popular", some worker is a few requests below any holder by chance, and each copy made
     // evicts another prefix for no queue saved.
-    let others: Vec<f64> = candidates
+    let (others, others_busy) = candidates
         .iter()
         .filter(|c| c.held() < longest)
-        .map(|c| c.load.busy())
-        .collect();
-    let others_mean = others.iter().sum::<f64>() / others.len().max(1) as f64;
+        .fold((0usize, 0.0), |(n, sum), c| (n + 1, sum + c.load.busy()));
+    let others_mean = others_busy / others.max(1) as f64;
     let outlier = (others_mean + routing.spread_slack).max(2.0 * others_mean);
-    if others.is_empty() || first.load.busy() < outlier {
+    if others == 0 || first.load.busy() < outlier {
         return false;
     }
     let busiest_allowed = first.load.busy() - routing.spread_slack;
