@@ -24,7 +24,8 @@ use kvroute_protocol::hint::{Finished, HintRequest, Usage};
 use kvroute_protocol::LocalBlockHash;
 use kvroute_sidecar::config::Config;
 use kvroute_sidecar::core::{Input, Message};
-use kvroute_sidecar::sidecar::{Sidecar, SourceRef};
+use kvroute_sidecar::metrics::Transport;
+use kvroute_sidecar::sidecar::{Sidecar, Source};
 
 const PROMPT_BLOCKS: u64 = 32;
 const CHUNK: u64 = 16;
@@ -140,15 +141,13 @@ fn sidecar(fleet: Fleet) -> Sidecar {
     Sidecar::from_config(&config).expect("bench sidecar")
 }
 
-const SOURCE: SourceRef<'static> = SourceRef {
-    index: 0,
-    subject: "namespace.bench.component.backend.kv-events",
-};
+const SUBJECT: &str = "namespace.bench.component.backend.kv-events";
 
-fn ingest(sidecar: &Sidecar, events: &[RouterEvent]) {
+/// Events as a NATS source hands them over.
+fn ingest(source: &Source, events: &[RouterEvent]) {
     let now = Instant::now();
     for e in events {
-        sidecar.ingest(Some(SOURCE), Input::Message(Message::dynamo(e, None)), now);
+        source.ingest(SUBJECT, Input::Message(Message::dynamo(e, None)), now);
     }
 }
 
@@ -233,6 +232,7 @@ fn summary(name: &str, (sorted, cpu): &(Vec<f64>, Duration)) -> serde_json::Valu
 /// blocks a second (stored, and as many removed).
 fn run(fleet: Fleet, rate: f64) -> serde_json::Value {
     let sidecar = Arc::new(sidecar(fleet));
+    let source = Arc::new(sidecar.source(Transport::Nats, "bench", vec![SUBJECT.to_owned()]));
     let mut publishers: Vec<Publisher> = (0..fleet.workers)
         .map(|worker| Publisher {
             worker,
@@ -242,7 +242,7 @@ fn run(fleet: Fleet, rate: f64) -> serde_json::Value {
     for p in &mut publishers {
         for n in 0..fleet.resident {
             let events = p.store(fleet.prompt(p.worker, n));
-            ingest(&sidecar, &events);
+            ingest(&source, &events);
         }
     }
     let resident: Arc<Vec<AtomicU64>> = Arc::new(
@@ -255,7 +255,7 @@ fn run(fleet: Fleet, rate: f64) -> serde_json::Value {
 
     let stop = Arc::new(AtomicBool::new(false));
     let ingester = {
-        let (sidecar, resident, stop) = (sidecar.clone(), resident.clone(), stop.clone());
+        let (source, resident, stop) = (source.clone(), resident.clone(), stop.clone());
         std::thread::spawn(move || {
             let start = Instant::now();
             let mut stored = 0u64;
@@ -271,10 +271,10 @@ fn run(fleet: Fleet, rate: f64) -> serde_json::Value {
                     let w = p.worker as usize;
                     let n = next[w];
                     let events = p.store(fleet.prompt(p.worker, n));
-                    ingest(&sidecar, &events);
+                    ingest(&source, &events);
                     resident[w].store(n, Ordering::Relaxed);
                     let events = p.remove(fleet.prompt(p.worker, n - fleet.resident));
-                    ingest(&sidecar, &events);
+                    ingest(&source, &events);
                     next[w] += 1;
                     stored += PROMPT_BLOCKS;
                 }

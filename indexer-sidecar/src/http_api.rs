@@ -23,7 +23,6 @@ use kvroute_protocol::hint::{decode_finished, HintRequest, FINISHED_PATH, HINT_P
 
 use crate::core::Input;
 use crate::explain::ExplainQuery;
-use crate::metrics::{HintLabels, HintResult};
 use crate::sidecar::Sidecar;
 
 /// The API router.
@@ -47,13 +46,7 @@ async fn hint(State(state): State<Arc<Sidecar>>, headers: HeaderMap, body: Bytes
     let req = match HintRequest::decode(&body) {
         Ok(r) => r,
         Err(e) => {
-            state
-                .metrics
-                .hints
-                .get_or_create(&HintLabels {
-                    result: HintResult::BadRequest,
-                })
-                .inc();
+            state.bad_hint_request();
             return (StatusCode::BAD_REQUEST, e.to_string()).into_response();
         }
     };
@@ -74,7 +67,7 @@ async fn hint(State(state): State<Arc<Sidecar>>, headers: HeaderMap, body: Bytes
 async fn finished(State(state): State<Arc<Sidecar>>, body: Bytes) -> Response {
     match decode_finished(&body) {
         Ok(tickets) => {
-            state.ingest(None, Input::Finished(&tickets), std::time::Instant::now());
+            state.ingest(Input::Finished(&tickets), std::time::Instant::now());
             StatusCode::NO_CONTENT.into_response()
         }
         Err(e) => (StatusCode::BAD_REQUEST, e.to_string()).into_response(),
@@ -102,7 +95,7 @@ async fn metrics(State(state): State<Arc<Sidecar>>) -> Response {
             header::CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        state.metrics.render(),
+        state.render_metrics(),
     )
         .into_response()
 }
@@ -118,32 +111,17 @@ async fn explain(
 }
 
 async fn sources(State(state): State<Arc<Sidecar>>) -> Response {
-    let sources = state.plane().sources(std::time::Instant::now());
+    let sources = state.sources(std::time::Instant::now());
     Json(sources).into_response()
 }
 
 async fn discovery(State(state): State<Arc<Sidecar>>) -> Response {
-    let entries = state.plane().discovery();
+    let entries = state.discovery();
     Json(entries).into_response()
 }
 
 async fn replicas(State(state): State<Arc<Sidecar>>) -> Response {
-    // Our own caches first (the core's lock), then the peers' (the replicas' lock).
-    let (reports, served) = {
-        let core = state.core();
-        (core.reports(), core.served())
-    };
-    let mine: Vec<serde_json::Value> = reports
-        .iter()
-        .map(|c| {
-            serde_json::json!({"worker": c.worker, "rank": c.rank, "clean": c.clean,
-                               "latest": c.checkpoints.last()})
-        })
-        .collect();
-    let mut body = state.replication().peers().debug(std::time::Instant::now());
-    body["mine"] = mine.into();
-    body["served"] = crate::replication::peers::served_json(&served).into();
-    Json(body).into_response()
+    Json(state.replicas_debug(std::time::Instant::now())).into_response()
 }
 
 /// 200 once warm (see `Sidecar::ready`), 503 while warming: hints are served either way.

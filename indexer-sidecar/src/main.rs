@@ -354,7 +354,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
             let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
             loop {
                 tick.tick().await;
-                state.ingest(None, Input::Tick, std::time::Instant::now());
+                state.ingest(Input::Tick, std::time::Instant::now());
             }
         }
     });

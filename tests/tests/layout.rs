@@ -300,6 +300,84 @@ fn the_sidecars_decisions_import_no_edge() {
     );
 }
 
+/// What in an edge file's code would take a lock or write a metric.
+const LOCKS_AND_METRIC_WRITES: &[&str] = &[
+    "Mutex",
+    "RwLock",
+    ".lock()",
+    ".read()",
+    ".write()",
+    ".core()",
+    ".plane()",
+    ".replication()",
+    ".metrics",
+    "get_or_create(",
+    ".inc()",
+    ".inc_by(",
+    ".observe(",
+];
+
+/// Each of `patterns` in a file's code (comments stripped), with its line.
+fn uses_of(code: &str, patterns: &[&str]) -> Vec<String> {
+    code.lines()
+        .enumerate()
+        .flat_map(|(i, line)| {
+            patterns
+                .iter()
+                .filter(move |p| line.contains(**p))
+                .map(move |p| format!("line {}: {p}", i + 1))
+        })
+        .collect()
+}
+
+/// The sidecar's edges — event transports, observers, the HTTP API, the replica plane's loop and
+/// the disk snapshot — call the shell's verbs: none takes a lock or writes a metric (the
+/// shell's locks and metrics are private to `sidecar/`, which writes every metric and its line).
+#[test]
+fn no_edge_takes_a_lock_or_writes_a_metric() {
+    let src = workspace().join("indexer-sidecar/src");
+    let mut files = Vec::new();
+    for dir in ["transports", "observers"] {
+        rust_files(&src.join(dir), &mut files);
+    }
+    for file in ["http_api.rs", "replication/plane.rs", "replication/disk.rs"] {
+        files.push(src.join(file));
+    }
+    assert!(files.len() >= 12, "edge files moved: update this test");
+    let mut wrong = Vec::new();
+    for file in &files {
+        let code = strip_comments(&std::fs::read_to_string(file).unwrap());
+        for hit in uses_of(&code, LOCKS_AND_METRIC_WRITES) {
+            wrong.push(format!(
+                "{}: {hit}",
+                file.strip_prefix(&src).unwrap().display()
+            ));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "edges taking a lock or writing a metric:\n{}",
+        wrong.join("\n")
+    );
+}
+
+/// The edge check sees a lock and a metric write, and not one in a comment.
+#[test]
+fn the_edge_check_sees_locks_and_metric_writes() {
+    let code = strip_comments(
+        "fn f(s: &Sidecar) {\n    // s.core() in a comment\n    s.core().x();\n    s.metrics.hints.get_or_create(&l).inc();\n}\n",
+    );
+    assert_eq!(
+        uses_of(&code, LOCKS_AND_METRIC_WRITES),
+        [
+            "line 3: .core()",
+            "line 4: .metrics",
+            "line 4: get_or_create(",
+            "line 4: .inc()"
+        ]
+    );
+}
+
 /// The checker itself finds a cycle, groups and `super::` included.
 #[test]
 fn the_checker_sees_cycles() {

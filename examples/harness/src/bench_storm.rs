@@ -26,11 +26,13 @@ use kvroute_protocol::dynamo::{
 };
 use kvroute_protocol::dynamo_zmq::encode_frames;
 use kvroute_protocol::vllm::{encode_batch, EngineBlockHash, EventBatch, EventEncoding, VllmEvent};
+use kvroute_sidecar::config::Config;
 use serde_json::{json, Value};
 
 use crate::paths;
 use crate::process::{free_port, wait_log, Process};
 use crate::prometheus;
+use crate::sidecar_toml::{self, typed};
 use crate::stack::{start_nats, SIDECAR_SUBSCRIBED};
 
 /// The event plane the storm comes over.
@@ -412,9 +414,10 @@ async fn publish_tail(sink: &mut Sink, workers: &mut [Worker], bench: &StormBenc
     Ok(workers.len() as u64)
 }
 
-/// The sidecar's configuration: the model, then the fleet as each plane names it — NATS and
-/// `[[workers]]` with their Dynamo ids, `[[workers]]` and a `[[zmq]]` each, or discovery records
-/// under `dir`.
+/// The sidecar's configuration, from its own types: the model, then the fleet as each plane
+/// names it — NATS and `[[workers]]` with their Dynamo ids, `[[workers]]` and a `[[zmq]]` each,
+/// or discovery records under `dir` — as the TOML it reads, [`StormBench::nats_toml`] merged
+/// into `[nats]`.
 fn sidecar_config(
     port: u16,
     nats_port: u16,
@@ -422,42 +425,51 @@ fn sidecar_config(
     endpoints: &[String],
     dir: &std::path::Path,
 ) -> Result<String> {
-    let mut toml = format!(
-        "listen = \"127.0.0.1:{port}\"\n[[models]]\nname = \"m\"\ndir = \"{}\"\nblock_size = {BLOCK_SIZE}\n",
-        paths::model_dir().display()
-    );
+    let mut config: Config = typed(
+        "storm sidecar",
+        json!({
+            "listen": format!("127.0.0.1:{port}"),
+            "models": [{"name": "m", "dir": paths::model_dir(), "block_size": BLOCK_SIZE}],
+        }),
+    )?;
+    let mut extra = toml::Table::new();
     match bench.plane {
         Plane::Nats => {
-            toml.push_str(&format!(
-                "[nats]\nurl = \"nats://127.0.0.1:{nats_port}\"\n{}\n",
-                bench.nats_toml
-            ));
+            config.nats = Some(typed(
+                "nats",
+                json!({"url": format!("nats://127.0.0.1:{nats_port}")}),
+            )?);
+            let nats = sidecar_toml::table("StormBench::nats_toml", &bench.nats_toml)?;
+            extra.insert("nats".into(), toml::Value::Table(nats));
             for w in 0..bench.workers as u64 {
-                toml.push_str(&format!(
-                    "[[workers]]\naddress = \"{}\"\nmodel = \"m\"\ndynamo_worker_id = {}\n",
-                    worker_address(w),
-                    w + 1
-                ));
+                config.workers.push(typed(
+                    "worker",
+                    json!({"address": worker_address(w), "model": "m", "dynamo_worker_id": w + 1}),
+                )?);
             }
         }
         Plane::VllmZmq => {
             for (w, endpoint) in endpoints.iter().enumerate() {
                 let address = worker_address(w as u64);
-                toml.push_str(&format!(
-                    "[[workers]]\naddress = \"{address}\"\nmodel = \"m\"\n[[zmq]]\nendpoint = \"{endpoint}\"\nworker = \"{address}\"\n"
-                ));
+                config
+                    .workers
+                    .push(typed("worker", json!({"address": address, "model": "m"}))?);
+                config.zmq.push(typed(
+                    "zmq",
+                    json!({"endpoint": endpoint, "worker": address}),
+                )?);
             }
         }
         Plane::DynamoZmq => {
             let root = dir.join("discovery");
             write_discovery(&root, endpoints)?;
-            toml.push_str(&format!(
-                "[[dynamo_discovery]]\ndir = \"{}\"\nmodel = \"m\"\npoll_interval_ms = 100\n",
-                root.display()
-            ));
+            config.dynamo_discovery.push(typed(
+                "dynamo_discovery",
+                json!({"dir": root, "model": "m", "poll_interval_ms": 100}),
+            )?);
         }
     }
-    Ok(toml)
+    sidecar_toml::text(&config, extra)
 }
 
 /// Dynamo's file-store records of the fleet (the layout `observers/discovery.rs` reads): each
@@ -704,4 +716,53 @@ pub fn markdown(doc: &Value) -> String {
         ));
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read_back(plane: Plane, nats_toml: &str, dir: &std::path::Path) -> Config {
+        let bench = StormBench {
+            plane,
+            workers: 3,
+            nats_toml: nats_toml.into(),
+            ..StormBench::full()
+        };
+        let endpoints: Vec<String> = (0..3)
+            .map(|i| format!("tcp://127.0.0.1:{}", 9100 + i))
+            .collect();
+        let text = sidecar_config(7000, 4222, &bench, &endpoints, dir).unwrap();
+        toml::from_str(&text).unwrap()
+    }
+
+    /// Each plane's fleet reads back as the sidecar will see it; `nats_toml` lands in `[nats]`,
+    /// and a field `[nats]` does not have is refused.
+    #[test]
+    fn each_planes_configuration_reads_back() {
+        let dir = std::env::temp_dir().join(format!("kvroute-storm-config-{}", std::process::id()));
+        let nats = read_back(Plane::Nats, "buffer_messages = 1024", &dir);
+        let n = nats.nats.unwrap();
+        assert_eq!(
+            (n.url.as_str(), n.buffer_messages),
+            ("nats://127.0.0.1:4222", 1024)
+        );
+        assert_eq!(nats.workers[2].dynamo_worker_id, Some(3));
+        let vllm = read_back(Plane::VllmZmq, "", &dir);
+        assert!(vllm.nats.is_none());
+        assert_eq!(vllm.zmq.len(), 3);
+        assert_eq!(
+            vllm.zmq[1].worker.as_deref(),
+            Some(worker_address(1).as_str())
+        );
+        let dynamo = read_back(Plane::DynamoZmq, "", &dir);
+        assert_eq!(dynamo.dynamo_discovery.len(), 1);
+        assert!(dir.join("discovery/v1/event_channels").is_dir());
+        let bench = StormBench {
+            nats_toml: "buffer_message = 1".into(),
+            ..StormBench::full()
+        };
+        assert!(sidecar_config(7000, 4222, &bench, &[], &dir).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

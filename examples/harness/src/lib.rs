@@ -8,6 +8,7 @@
 //! - [`paths`]: where binaries, the venv, the wasm module and run directories are.
 //! - [`process`]: child processes with logs in the run directory, killed on drop; free ports.
 //! - [`stack`]: a whole fleet for one routing [`Mode`]: NATS, engines, sidecar, Envoy.
+//! - [`sidecar_toml`]: the sidecar's configuration from its own types, as the TOML it reads.
 //! - [`engines`]: what a stack knows of each engine (address, ids, event sockets).
 //! - [`dynamo`]: a real NVIDIA Dynamo fleet (mocker workers, frontend) as a stack's engines.
 //! - [`vllm`]: real vLLM engines on CPU (`make test-live`) as a stack's engines.
@@ -41,6 +42,7 @@ pub mod process;
 pub mod prometheus;
 pub mod queue;
 pub mod report;
+pub mod sidecar_toml;
 pub mod soak;
 pub mod stack;
 pub mod traces;

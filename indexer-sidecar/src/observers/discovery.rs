@@ -589,7 +589,7 @@ pub async fn run(
     state: Arc<Sidecar>,
     channels: Option<Follow>,
 ) -> anyhow::Result<()> {
-    let entry = state.plane().register_discovery(&config);
+    let entry = state.discovery_source(&config);
     let store = Store::of(&config);
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(5))
@@ -647,9 +647,7 @@ pub async fn run(
                     }
                     last_summary = summary.clone();
                 }
-                state
-                    .plane()
-                    .discovered(entry, found.hintable(), summary, found.kv_publishers());
+                entry.found(found.hintable(), summary, found.kv_publishers());
                 failed.retain(|id, _| found.instances.contains_key(id));
                 apply(&state, &config, &found, &down(&failed));
                 // After the instances: their workers are known when their events arrive.
@@ -664,9 +662,7 @@ pub async fn run(
                     tracing::error!(store = %config.store(), %error, "cannot read Dynamo's discovery records; instances keep their last state");
                 }
                 failing = true;
-                state
-                    .plane()
-                    .discovery_failed(entry, error, std::time::Instant::now());
+                entry.failed(error, std::time::Instant::now());
             }
         }
     }
@@ -685,7 +681,7 @@ fn apply(
         instances: &instances,
         unreachable,
     };
-    state.ingest(None, input, std::time::Instant::now());
+    state.ingest(input, std::time::Instant::now());
 }
 
 /// The instances whose last probes all failed.

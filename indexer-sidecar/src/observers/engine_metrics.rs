@@ -4,9 +4,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::core::load::{parse_vllm_capacity, parse_vllm_metrics, parse_vllm_prefix_cache};
-use crate::core::Input;
-use crate::metrics::WorkerLabel;
 use crate::sidecar::Sidecar;
 
 /// Scrape every worker every `routing.scrape_interval_ms`, forever.
@@ -41,30 +38,7 @@ pub async fn run(state: Arc<Sidecar>) {
             }
         });
         for (id, address, text) in futures::future::join_all(scrapes).await {
-            let load = text.as_deref().and_then(parse_vllm_metrics);
-            let capacity = text.as_deref().and_then(parse_vllm_capacity);
-            if let Some((hits, queries)) = text.as_deref().and_then(parse_vllm_prefix_cache) {
-                let label = WorkerLabel::new(address);
-                let m = &state.metrics;
-                m.engine_prefix_cache_hits.get_or_create(&label).set(hits);
-                m.engine_prefix_cache_queries
-                    .get_or_create(&label)
-                    .set(queries);
-            }
-            if load.is_none() {
-                state
-                    .metrics
-                    .scrape_errors
-                    .get_or_create(&WorkerLabel::new(address))
-                    .inc();
-            }
-            let scrape = Input::Scrape {
-                worker: id,
-                load,
-                capacity,
-                asked,
-            };
-            state.ingest(None, scrape, std::time::Instant::now());
+            state.scraped(id, address, text.as_deref(), asked);
         }
     }
 }

@@ -185,7 +185,7 @@ pub async fn run(config: EnvoyConfig, state: Arc<Sidecar>) {
                             model: &m.model,
                             hosts: listed,
                         };
-                        state.ingest(None, joining, std::time::Instant::now());
+                        state.ingest(joining, std::time::Instant::now());
                         told[entry].clone_from(listed);
                     }
                     subscribers.sync(entry, m, listed, &state);
@@ -207,7 +207,7 @@ pub async fn run(config: EnvoyConfig, state: Arc<Sidecar>) {
                     tracing::info!(%url, cluster = %config.cluster, "reading Envoy's view of the workers cluster again");
                 }
                 warned = false;
-                state.ingest(None, Input::EnvoyView(&hosts), std::time::Instant::now());
+                state.ingest(Input::EnvoyView(&hosts), std::time::Instant::now());
             }
             None if !warned => {
                 // Keep the last known view: a brief admin hiccup must not stop all hints.

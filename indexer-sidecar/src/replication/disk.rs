@@ -122,27 +122,20 @@ fn tmp_path(path: &Path) -> PathBuf {
     PathBuf::from(name)
 }
 
-/// Every cache of the index as it is now, one cache per look at the core (the lock is held for
-/// one cache's size at a time).
+/// Every cache of the index as it is now, as written.
 fn take(state: &Sidecar) -> Vec<SavedCache> {
-    let caches: Vec<(String, u32)> = state
-        .core()
-        .reports()
+    state
+        .saved_caches()
         .into_iter()
-        .map(|r| (r.worker, r.rank))
-        .collect();
-    caches
-        .into_iter()
-        .filter_map(|(worker, rank)| {
-            let s = state.core().snapshot(&worker, rank)?;
+        .map(|(worker, rank, s)| {
             let (entries, parents) = crate::core::digest::to_wire(&s.entries);
-            Some(SavedCache {
+            SavedCache {
                 worker,
                 rank,
                 seq: s.seq,
                 entries,
                 parents,
-            })
+            }
         })
         .collect()
 }
@@ -158,22 +151,12 @@ pub async fn run(config: SnapshotConfig, state: Arc<Sidecar>) {
         let caches = take(&state);
         let path = config.path.clone();
         let written = tokio::task::spawn_blocking(move || write(&path, caches)).await;
-        match written {
-            Ok(Ok(bytes)) => {
-                state
-                    .metrics
-                    .disk_snapshot_bytes
-                    .set(i64::try_from(bytes).unwrap_or(i64::MAX));
-            }
-            Ok(Err(e)) => {
-                state.metrics.disk_snapshot_failures.inc();
-                tracing::warn!(path = %config.path.display(), error = %format!("{e:#}"), "cannot write the index snapshot; trying again at the next interval");
-            }
-            Err(e) => {
-                state.metrics.disk_snapshot_failures.inc();
-                tracing::warn!(error = %e, "index snapshot task failed");
-            }
-        }
+        let written = match written {
+            Ok(Ok(bytes)) => Ok(bytes),
+            Ok(Err(e)) => Err(format!("{}: {e:#}", config.path.display())),
+            Err(e) => Err(format!("the task writing it failed: {e}")),
+        };
+        state.disk_snapshot_written(written);
     }
 }
 

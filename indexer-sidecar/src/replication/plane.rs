@@ -49,10 +49,7 @@ pub async fn run(
         .connect(crate::config::without_credentials(&url))
         .await
         .with_context(|| format!("replica plane: connecting to NATS at {shown}"))?;
-    let (me, subjects) = {
-        let brain = state.replication();
-        (brain.peers().me().to_owned(), brain.subjects().clone())
-    };
+    let (me, subjects) = state.replica_identity();
     let subscribe = |subject: String| {
         let client = client.clone();
         async move {
@@ -84,33 +81,15 @@ pub async fn run(
     tracing::info!(replica = %me, subject = %subjects.digests, nats = %shown, "replica plane: publishing and comparing digests");
     loop {
         let effects = tokio::select! {
-            _ = tick.tick() => {
-                // One look at the core per tick: the repairs read the same reports.
-                let (mine, served) = {
-                    let core = state.core();
-                    (core.reports(), core.served())
-                };
-                let serves = |worker: &str| state.core().fleet().by_address(worker).is_some();
-                let effects = state.replicate(Event::Tick { mine: &mine, served, serves: &serves }, Instant::now());
-                state.replica_gauges(Instant::now());
-                effects
-            }
-            _ = load_tick.tick(), if config.share_load => {
-                let (in_flight, survival) = {
-                    let core = state.core();
-                    (core.own_in_flight(), core.own_survival())
-                };
-                state.replicate(Event::LoadTick { in_flight, survival }, Instant::now())
-            }
+            _ = tick.tick() => state.replica_tick(Instant::now()),
+            _ = load_tick.tick(), if config.share_load => state.replica_load_tick(Instant::now()),
+            // Lost a fill interval ago: a peer a little behind has them by now.
             _ = fill_tick.tick(), if config.reconcile => {
-                // Lost a fill interval ago: a peer a little behind has them by now.
-                let wanted = state.core().wanted(Instant::now(), config.fill_interval());
-                state.replicate(Event::FillTick { wanted }, Instant::now())
+                state.replica_fill_tick(config.fill_interval(), Instant::now())
             }
             msg = digests.next() => {
                 let msg = msg.context("replica plane: digests subscription ended")?;
-                let mine = state.core().reports();
-                state.replicate(Event::Digests { payload: &msg.payload, mine: &mine }, Instant::now())
+                state.replica_digests(&msg.payload, Instant::now())
             }
             msg = peer_loads.next() => {
                 let msg = msg.context("replica plane: load subscription ended")?;
@@ -129,10 +108,7 @@ pub async fn run(
                 let msg = msg.context("replica plane: snapshot subscription ended")?;
                 let Some(reply) = msg.reply.clone() else { continue };
                 match super::brain::Brain::snapshot_request(&msg.payload) {
-                    Some(request) => {
-                        let cursor = state.core().cursor_of(&request.worker, request.rank);
-                        state.replicate(Event::SnapshotAsked { request, reply: &reply, cursor }, Instant::now())
-                    }
+                    Some(request) => state.replica_snapshot_asked(request, &reply, Instant::now()),
                     None => vec![Effect::Answer { reply: reply.to_string(), body: Vec::new() }],
                 }
             }
@@ -186,7 +162,7 @@ async fn execute(mut effects: Vec<Effect>, client: &async_nats::Client, state: &
                                 snapshot: &snapshot,
                                 clean: why.takes_clean_copy(),
                             };
-                            state.ingest(None, input, Instant::now());
+                            state.ingest(input, Instant::now());
                         }
                         Err(e) => {
                             tracing::warn!(%peer, worker = %cache.0, rank = cache.1, error = %format!("{e:#}"), "replica plane: snapshot from peer failed; asking again later")
@@ -201,7 +177,7 @@ async fn execute(mut effects: Vec<Effect>, client: &async_nats::Client, state: &
                     in_flight: &share.in_flight,
                     survival: &share.survival,
                 };
-                state.ingest(None, input, Instant::now());
+                state.ingest(input, Instant::now());
             }
             Effect::Fill(fill) => {
                 let input = Input::Fill {
@@ -209,10 +185,10 @@ async fn execute(mut effects: Vec<Effect>, client: &async_nats::Client, state: &
                     rank: fill.rank,
                     messages: &fill.messages,
                 };
-                state.ingest(None, input, Instant::now());
+                state.ingest(input, Instant::now());
             }
             Effect::AnswerFill { reply, ask } => {
-                let messages = state.core().messages(&ask.worker, ask.rank, &ask.seqs);
+                let messages = state.kept_messages(&ask.worker, ask.rank, &ask.seqs);
                 if let Some(body) = wire::fill_reply(&ask.worker, ask.rank, messages) {
                     effects.push(Effect::Publish {
                         subject: reply,
@@ -222,13 +198,7 @@ async fn execute(mut effects: Vec<Effect>, client: &async_nats::Client, state: &
                 }
             }
             Effect::TakeSnapshot { request, reply } => {
-                let snapshot = state.core().snapshot(&request.worker, request.rank);
-                let event = Event::Taken {
-                    request,
-                    reply: &reply,
-                    snapshot,
-                };
-                effects.extend(state.replicate(event, Instant::now()));
+                effects.extend(state.replica_take_snapshot(request, &reply, Instant::now()));
             }
             Effect::Compared(changes) => state.replica_changes(&changes),
             Effect::Ignored { what, error } => {

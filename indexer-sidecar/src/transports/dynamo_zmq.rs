@@ -31,13 +31,9 @@ use kvroute_protocol::dynamo_zmq::{decode_frames, frame_payload};
 
 use crate::core::{Input, Message, Publisher};
 use crate::event_plane::{judge, Sequence};
-use crate::metrics::{SourceLabel, Transport};
+use crate::metrics::Transport;
 use crate::observers::discovery::{ChannelTransport, EventChannel, Follow};
-use crate::sidecar::{Sidecar, SourceRef};
-
-const DYNAMO_ZMQ: SourceLabel = SourceLabel {
-    source: Transport::DynamoZmq,
-};
+use crate::sidecar::{Sidecar, Source};
 
 /// The topics followed: KV events for the index, load reports for the routing rule.
 pub const TOPICS: [&str; 2] = [KV_EVENTS_TOPIC, KV_METRICS_TOPIC];
@@ -263,7 +259,7 @@ impl Following {
 /// The plane's loop: follow the discovered publishers forever.
 fn run(
     rx: &mpsc::Receiver<(usize, Vec<EventChannel>)>,
-    state: &Sidecar,
+    state: &Arc<Sidecar>,
     nats: bool,
     gone: &tokio::sync::watch::Sender<u64>,
 ) {
@@ -308,12 +304,12 @@ struct Sockets {
 }
 
 struct Subscriber<'a> {
-    state: &'a Sidecar,
+    state: &'a Arc<Sidecar>,
     /// Bumped when a `kv-events` publisher leaves: discovery probes its workers at once.
     gone: &'a tokio::sync::watch::Sender<u64>,
     nats: bool,
     /// Registered with the event plane once there is a publisher to follow.
-    source: Option<usize>,
+    source: Option<Arc<Source>>,
     context: zmq::Context,
     sockets: Option<Sockets>,
     following: Following,
@@ -324,20 +320,19 @@ struct Subscriber<'a> {
 }
 
 impl Subscriber<'_> {
-    fn source(&mut self) -> usize {
-        *self.source.get_or_insert_with(|| {
-            self.state.plane().register(
-                "dynamo-zmq",
+    fn source(&mut self) -> Arc<Source> {
+        let state = self.state;
+        Arc::clone(self.source.get_or_insert_with(|| {
+            Arc::new(state.source(
+                Transport::DynamoZmq,
                 "Dynamo ZMQ event plane (publishers from discovery)",
                 TOPICS.iter().map(|t| (*t).to_owned()).collect(),
-            )
-        })
+            ))
+        }))
     }
 
     fn failed(&mut self, error: &str) {
-        let source = self.source();
-        self.state
-            .source_failed(source, "dynamo-zmq", Transport::DynamoZmq, error);
+        self.source().failed(error);
     }
 
     fn sockets(&mut self) -> anyhow::Result<&Sockets> {
@@ -369,8 +364,7 @@ impl Subscriber<'_> {
             let monitor = self.context.socket(zmq::PAIR)?;
             monitor.connect(address)?;
             self.sockets = Some(Sockets { sub, monitor });
-            let source = self.source();
-            self.state.plane().subscribed(source);
+            self.source().subscribed();
         }
         Ok(self.sockets.as_ref().expect("just built"))
     }
@@ -488,16 +482,9 @@ impl Subscriber<'_> {
             self.gone.send_modify(|n| *n += 1);
         }
         let source = self.source();
-        let from = SourceRef {
-            index: source,
-            subject: endpoint,
-        };
         for worker in workers {
-            self.state.ingest(
-                Some(from),
-                Input::PublisherGone(Publisher::Instance(worker)),
-                Instant::now(),
-            );
+            let input = Input::PublisherGone(Publisher::Instance(worker));
+            source.ingest(endpoint, input, Instant::now());
         }
     }
 
@@ -507,23 +494,16 @@ impl Subscriber<'_> {
         let message = match decode_frames(parts) {
             Ok(m) => m,
             Err(e) => {
-                self.state.plane().message(source, "", false);
-                tracing::warn!(error = %e, "undecodable Dynamo ZMQ event-plane message");
-                self.state
-                    .metrics
-                    .decode_errors
-                    .get_or_create(&DYNAMO_ZMQ)
-                    .inc();
-                return;
+                source.received("", false);
+                let bytes = parts.iter().map(Vec::len).sum();
+                return source.undecodable("", &e.to_string(), bytes);
             }
         };
         let id = message.publisher_id;
+        let payload_bytes = parts.get(3).map_or(0, Vec::len);
         match self.following.message(id, &message.topic, message.sequence) {
             Sequence::Duplicate => return,
-            Sequence::Gap { lost } => {
-                self.state
-                    .messages_lost(Transport::DynamoZmq, &message.topic, lost, now);
-            }
+            Sequence::Gap { lost } => source.messages_lost(&message.topic, lost, now),
             Sequence::First => {
                 tracing::info!(publisher = format!("{id:x}"), topic = %message.topic, seq = message.sequence, "first message from a Dynamo event publisher");
             }
@@ -540,61 +520,38 @@ impl Subscriber<'_> {
         match message.topic.as_str() {
             KV_EVENTS_TOPIC => {
                 let decoded = message.kv_events();
-                self.state
-                    .plane()
-                    .message(source, &subject, decoded.is_ok());
+                source.received(&subject, decoded.is_ok());
                 let decoded = match decoded {
                     Ok(d) => d,
-                    Err(e) => return self.undecodable(&subject, &e.to_string()),
+                    Err(e) => return source.undecodable(&subject, &e.to_string(), payload_bytes),
                 };
                 if let Some(Ok(envelope)) = parts.get(3).map(|data| frame_payload(data)) {
-                    self.state.dynamo_fields(Transport::DynamoZmq, envelope);
+                    source.dynamo_fields(envelope);
                 }
-                if decoded.skipped > 0 {
-                    self.state
-                        .metrics
-                        .skipped_events
-                        .get_or_create(&DYNAMO_ZMQ)
-                        .inc_by(decoded.skipped as u64);
-                }
-                let from = SourceRef {
-                    index: source,
-                    subject: &subject,
-                };
+                source.skipped(decoded.skipped);
                 for event in &decoded.events {
                     self.following.named(id, event.worker_id);
                     let m = Message::dynamo(event, component.as_deref());
-                    self.state.ingest(Some(from), Input::Message(m), now);
+                    source.ingest(&subject, Input::Message(m), now);
                 }
             }
             KV_METRICS_TOPIC => {
                 let decoded = message.kv_metrics();
-                self.state
-                    .plane()
-                    .message(source, &subject, decoded.is_ok());
+                source.received(&subject, decoded.is_ok());
                 match decoded {
                     Ok(m) => {
                         let input = Input::DynamoLoad {
                             metrics: &m,
                             component: component.as_deref(),
                         };
-                        self.state.ingest(None, input, now);
+                        source.ingest(&subject, input, now);
                     }
-                    Err(e) => self.undecodable(&subject, &e.to_string()),
+                    Err(e) => source.undecodable(&subject, &e.to_string(), payload_bytes),
                 }
             }
             // Subscribed by prefix: a longer topic is not ours.
-            _ => self.state.plane().message(source, &subject, true),
+            _ => source.received(&subject, true),
         }
-    }
-
-    fn undecodable(&self, subject: &str, error: &str) {
-        tracing::warn!(%subject, %error, "undecodable Dynamo ZMQ event-plane payload");
-        self.state
-            .metrics
-            .decode_errors
-            .get_or_create(&DYNAMO_ZMQ)
-            .inc();
     }
 }
 
@@ -771,7 +728,7 @@ mod tests {
         let plane = start(state.clone(), false).unwrap();
         plane.entry(0).publishers(vec![record, load]);
 
-        let render = || state.metrics.render();
+        let render = || state.render_metrics();
         let wait = |what: &str, ok: &dyn Fn(&str) -> bool, send: &dyn Fn()| {
             let deadline = Instant::now() + Duration::from_secs(10);
             loop {
@@ -835,7 +792,7 @@ mod tests {
             &|t| t.contains("kvroute_decode_errors_total{source=\"dynamo_zmq\"} 1"),
             &|| {},
         );
-        let sources = state.plane().sources(Instant::now());
+        let sources = state.sources(Instant::now());
         let source = sources.iter().find(|s| s.kind == "dynamo-zmq").unwrap();
         assert!(source.events >= 2, "{source:?}");
         // The publisher goes away: the worker's entries are dropped.

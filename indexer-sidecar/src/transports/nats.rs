@@ -13,30 +13,24 @@ use kvroute_protocol::dynamo::{
 
 use crate::config::NatsConfig;
 use crate::core::{Input, Message};
-use crate::metrics::{SourceLabel, Transport};
-use crate::sidecar::{Connection, Sidecar, SourceRef};
-
-const NATS: SourceLabel = SourceLabel {
-    source: Transport::Nats,
-};
+use crate::metrics::Transport;
+use crate::sidecar::{Connection, Sidecar, Source};
 
 /// Subscribe to every configured subject and apply events until the connection ends.
 ///
 /// A plain subscription (no queue group): every sidecar replica must see every event.
 pub async fn run(config: NatsConfig, state: Arc<Sidecar>) -> anyhow::Result<()> {
     let url = config.redacted_url();
-    let source = state
-        .plane()
-        .register("nats", &url, config.subjects.clone());
+    let source = Arc::new(state.source(Transport::Nats, &url, config.subjects.clone()));
     let client = connect_options(&config)
         .await?
         .retry_on_initial_connect()
         .name("kvroute-sidecar")
         .subscription_capacity(config.buffer_messages)
         .event_callback({
-            let (state, url) = (state.clone(), url.clone());
+            let (source, url) = (source.clone(), url.clone());
             move |event| {
-                connection_event(&state, source, &url, event, Instant::now());
+                connection_event(&source, &url, event, Instant::now());
                 async {}
             }
         })
@@ -56,12 +50,11 @@ pub async fn run(config: NatsConfig, state: Arc<Sidecar>) -> anyhow::Result<()> 
     for subject in &config.subjects {
         tracing::info!(%subject, %url, "subscribed to Dynamo KV events");
     }
-    state.plane().subscribed(source);
+    source.subscribed();
     tokio::spawn(probe_bus(
         client.clone(),
         config.subjects.clone(),
-        state.clone(),
-        source,
+        source.clone(),
     ));
     let overlapping = overlaps(&config.subjects);
     if let Some((a, b)) = &overlapping {
@@ -75,7 +68,7 @@ pub async fn run(config: NatsConfig, state: Arc<Sidecar>) -> anyhow::Result<()> 
                 continue;
             }
         }
-        handle(&state, source, msg.subject.as_str(), &msg.payload);
+        handle(&source, msg.subject.as_str(), &msg.payload);
     }
     anyhow::bail!("NATS subscription to {url} ended")
 }
@@ -83,13 +76,7 @@ pub async fn run(config: NatsConfig, state: Arc<Sidecar>) -> anyhow::Result<()> 
 /// What the NATS client reports about its connection, handed to the sidecar to count and say.
 /// (The library's own line per event is silenced by the default log filter: under a storm it
 /// wrote one per dropped message.)
-fn connection_event(
-    state: &Sidecar,
-    source: usize,
-    url: &str,
-    event: async_nats::Event,
-    now: Instant,
-) {
+fn connection_event(source: &Source, url: &str, event: async_nats::Event, now: Instant) {
     use async_nats::Event;
     let what = match event {
         Event::Disconnected => Connection::Lost,
@@ -97,7 +84,7 @@ fn connection_event(
         Event::SlowConsumer(_) => Connection::Dropped,
         Event::ServerError(e) => return tracing::warn!(%url, error = %e, "NATS server error"),
         // While the connection is down every reconnection attempt fails: said once, above.
-        Event::ClientError(e) if state.connection_down(source) => {
+        Event::ClientError(e) if source.connection_down() => {
             return tracing::debug!(%url, error = %e, "NATS client error while reconnecting")
         }
         Event::ClientError(e) => return tracing::warn!(%url, error = %e, "NATS client error"),
@@ -106,7 +93,7 @@ fn connection_event(
         }
         Event::Draining | Event::Closed => return tracing::info!(%url, "NATS connection {event}"),
     };
-    state.connection(source, Transport::Nats, url, what, now);
+    source.connection(what, now);
 }
 
 /// `nats://user:password@host` or `nats://token@host`: the credentials as options, since the
@@ -237,22 +224,17 @@ const PROBE_SUBJECTS: usize = 200;
 /// renamed by a move to disaggregated serving) or that none are. The verdict opens the alarm's
 /// line (which waits for it) and shows in `/debug/sources`; a later change of verdict during
 /// the same episode gets a line of its own.
-async fn probe_bus(
-    client: async_nats::Client,
-    subscribed: Vec<String>,
-    state: Arc<Sidecar>,
-    source: usize,
-) {
-    let every = Duration::from_secs(state.alarms.silence_s.clamp(1, 300));
+async fn probe_bus(client: async_nats::Client, subscribed: Vec<String>, source: Arc<Source>) {
+    let every = Duration::from_secs(source.alarms().silence_s.clamp(1, 300));
     // `None`: no verdict yet in this episode (the alarm's line will carry the first).
     let mut last_verdict: Option<String> = None;
     loop {
         tokio::time::sleep(Duration::from_secs(1)).await;
-        if !state.silent_while_hinting(Instant::now()) {
+        if !source.silent_while_hinting(Instant::now()) {
             last_verdict = None;
             continue;
         }
-        if !state.plane().bus_probe_due(source, every, Instant::now()) {
+        if !source.bus_probe_due(every, Instant::now()) {
             continue;
         }
         let Ok(mut sub) = client.subscribe("namespace.>").await else {
@@ -287,9 +269,7 @@ async fn probe_bus(
             tracing::warn!(alarm = "no_events", "{verdict}");
         }
         last_verdict = Some(verdict.clone());
-        state
-            .plane()
-            .record_bus(source, seen, verdict, Instant::now());
+        source.bus_looked(seen, verdict, Instant::now());
     }
 }
 
@@ -321,79 +301,46 @@ fn bus_verdict(seen: &BTreeMap<String, u64>, subscribed: &[String]) -> String {
 
 /// Decode and apply one message body. Dynamo publishes each kind on its own subject, whose last
 /// segment names it.
-pub fn handle(state: &Sidecar, source: usize, subject: &str, body: &[u8]) {
-    let seen = |decoded: bool| {
-        state.plane().message(source, subject, decoded);
-    };
+pub fn handle(source: &Source, subject: &str, body: &[u8]) {
+    let now = Instant::now();
     if subject.rsplit('.').next() == Some(KV_METRICS_TOPIC) {
         let decoded = decode_kv_metrics_stamped(body);
-        seen(decoded.is_ok());
+        source.received(subject, decoded.is_ok());
         match decoded {
             Ok((m, stamp)) => {
-                state.stamped(
-                    source,
-                    Transport::Nats,
-                    KV_METRICS_TOPIC,
-                    stamp,
-                    Instant::now(),
-                );
+                source.stamped(KV_METRICS_TOPIC, stamp, now);
                 let component = subject_component(subject);
                 let input = Input::DynamoLoad {
                     metrics: &m,
                     component: component.as_deref(),
                 };
-                state.ingest(None, input, Instant::now());
+                source.ingest(subject, input, now);
             }
-            Err(e) => {
-                tracing::warn!(%subject, error = %e, bytes = body.len(), "undecodable kv_metrics message");
-                state.metrics.decode_errors.get_or_create(&NATS).inc();
-            }
+            Err(e) => source.undecodable(subject, &e.to_string(), body.len()),
         }
         return;
     }
     if subject.rsplit('.').next() != Some(KV_EVENTS_TOPIC) {
         // A broad subscription (`namespace.>`) sees the whole bus: only KV events are ours.
-        seen(true);
+        source.received(subject, true);
         return;
     }
     let decoded = decode_message(body);
-    seen(decoded.is_ok());
+    source.received(subject, decoded.is_ok());
     match decoded {
         Ok(decoded) => {
-            if decoded.stamp.is_some() {
-                state.dynamo_fields(Transport::Nats, body);
-            }
             if let Some(stamp) = decoded.stamp {
-                state.stamped(
-                    source,
-                    Transport::Nats,
-                    KV_EVENTS_TOPIC,
-                    stamp,
-                    Instant::now(),
-                );
+                source.dynamo_fields(body);
+                source.stamped(KV_EVENTS_TOPIC, stamp, now);
             }
-            if decoded.skipped > 0 {
-                state
-                    .metrics
-                    .skipped_events
-                    .get_or_create(&NATS)
-                    .inc_by(decoded.skipped as u64);
-            }
-            let from = SourceRef {
-                index: source,
-                subject,
-            };
-            let now = Instant::now();
+            source.skipped(decoded.skipped);
             let component = subject_component(subject);
             for event in &decoded.events {
                 let message = Message::dynamo(event, component.as_deref());
-                state.ingest(Some(from), Input::Message(message), now);
+                source.ingest(subject, Input::Message(message), now);
             }
         }
-        Err(e) => {
-            tracing::warn!(%subject, error = %e, bytes = body.len(), "undecodable KV event message");
-            state.metrics.decode_errors.get_or_create(&NATS).inc();
-        }
+        Err(e) => source.undecodable(subject, &e.to_string(), body.len()),
     }
 }
 
@@ -459,16 +406,16 @@ mod tests {
 
     #[test]
     fn kv_metrics_feed_the_load_not_the_index() {
-        let state = state();
+        let state = Arc::new(state());
+        let source = state.source(Transport::Nats, "nats://test", vec![]);
         let dir = kvroute_protocol::samples_dir().join("dynamo");
         let body = std::fs::read(dir.join("kv_metrics.msgpack")).unwrap();
         handle(
-            &state,
-            0,
+            &source,
             "namespace.dynamo.component.backend.endpoint.generate.kv_metrics",
             &body,
         );
-        let text = state.metrics.render();
+        let text = state.render_metrics();
         assert!(
             text.contains("kvroute_kv_used_blocks{worker=\"127.0.0.1:9000\"} 5"),
             "{text}"
@@ -476,14 +423,12 @@ mod tests {
         assert!(!text.contains("kvroute_decode_errors_total"), "{text}");
         // A kv_metrics subject carrying something else is a decode error, not a panic.
         handle(
-            &state,
-            0,
+            &source,
             "namespace.a.component.b.endpoint.c.kv_metrics",
             b"\x01",
         );
         assert!(state
-            .metrics
-            .render()
+            .render_metrics()
             .contains("kvroute_decode_errors_total{source=\"nats\"} 1"));
     }
 }

@@ -31,14 +31,8 @@ use kvroute_protocol::vllm::{decode_batch, decode_seq, EventBatch, GroupFilter, 
 
 use crate::config::ZmqConfig;
 use crate::core::{Delivery, Happened, Input, Message, Publisher};
-use crate::metrics::{
-    RepairKind, RepairLabel, SequenceKind, SequenceLabels, SourceLabel, Transport,
-};
-use crate::sidecar::{Sidecar, SourceRef};
-
-const ZMQ: SourceLabel = SourceLabel {
-    source: Transport::Zmq,
-};
+use crate::metrics::Transport;
+use crate::sidecar::{Sidecar, Source};
 
 /// How long a replay may take before it is given up (a gap then resyncs the worker).
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
@@ -90,9 +84,7 @@ pub fn spawn(config: ZmqConfig, state: Arc<Sidecar>) -> std::io::Result<Arc<Atom
 /// Subscribe to one publisher and apply its events until `stop` is set (within a second).
 /// Blocks: [`spawn`] runs it on a thread of its own.
 pub fn run(config: ZmqConfig, state: Arc<Sidecar>, stop: &AtomicBool) {
-    let source = state
-        .plane()
-        .register("zmq", &config.endpoint, vec![config.topic.clone()]);
+    let source = state.source(Transport::Zmq, &config.endpoint, vec![config.topic.clone()]);
     let mut subscriber = Subscriber {
         config: &config,
         state: &state,
@@ -122,13 +114,13 @@ pub fn run(config: ZmqConfig, state: Arc<Sidecar>, stop: &AtomicBool) {
         delay = (delay * 2).min(RETRY_DELAY_MAX);
     }
     tracing::info!(endpoint = %config.endpoint, worker = ?config.worker, "KV-event subscriber closed");
-    state.plane().retire(source);
+    subscriber.source.retire();
 }
 
 struct Subscriber<'a> {
     config: &'a ZmqConfig,
     state: &'a Sidecar,
-    source: usize,
+    source: Source,
     /// libzmq's I/O thread, shared by the SUB socket and every replay request.
     context: zmq::Context,
     /// Publishers (worker addresses) whose events arrived here.
@@ -163,7 +155,7 @@ impl Subscriber<'_> {
         socket.set_tcp_keepalive_idle(10)?;
         socket.set_tcp_keepalive_intvl(2)?;
         socket.set_tcp_keepalive_cnt(3)?;
-        let monitor_address = format!("inproc://kvroute-zmq-monitor-{}", self.source);
+        let monitor_address = format!("inproc://kvroute-zmq-monitor-{}", self.source.id());
         let events = [
             zmq::SocketEvent::HANDSHAKE_SUCCEEDED,
             zmq::SocketEvent::DISCONNECTED,
@@ -190,7 +182,7 @@ impl Subscriber<'_> {
             .set_subscribe(config.topic.as_bytes())
             .with_context(|| format!("subscribing to {:?}", config.topic))?;
         tracing::info!(endpoint = %config.endpoint, topic = %config.topic, "subscribed to vLLM KV events");
-        self.state.plane().subscribed(self.source);
+        self.source.subscribed();
         while !self.stopped() {
             let mut items = [
                 socket.as_poll_item(zmq::POLLIN),
@@ -221,7 +213,7 @@ impl Subscriber<'_> {
         let Some(worker) = self.config.worker.as_deref() else {
             return true;
         };
-        self.state.core().fleet().by_address(worker).is_some()
+        self.state.serves(worker)
     }
 
     /// Does this endpoint's connection belong to one engine? Then its changes are that engine's.
@@ -266,7 +258,7 @@ impl Subscriber<'_> {
             zmq::SocketEvent::HANDSHAKE_SUCCEEDED => {
                 self.handshaken = true;
                 tracing::info!(endpoint = %self.config.endpoint, %peer, "vLLM KV-event publisher connected");
-                self.state.plane().subscribed(self.source);
+                self.source.subscribed();
                 if self.one_publisher() {
                     self.warm_start();
                 }
@@ -276,14 +268,13 @@ impl Subscriber<'_> {
     }
 
     fn failed(&self, error: &str) {
-        self.state
-            .source_failed(self.source, &self.config.endpoint, Transport::Zmq, error);
+        self.source.failed(error);
     }
 
     /// The engine's connection closed: it stopped, and its cache with it.
     fn publisher_gone(&mut self, peer: &str) {
         tracing::info!(endpoint = %self.config.endpoint, %peer, "vLLM KV-event publisher disconnected");
-        self.state.plane().disconnected(self.source);
+        self.source.publisher_gone();
         for address in self.publishers() {
             self.ingest(Input::PublisherGone(Publisher::Address(&address)));
         }
@@ -297,11 +288,8 @@ impl Subscriber<'_> {
     }
 
     fn ingest(&self, input: Input<'_>) -> Vec<Happened> {
-        let from = SourceRef {
-            index: self.source,
-            subject: &self.config.endpoint,
-        };
-        self.state.ingest(Some(from), input, Instant::now())
+        self.source
+            .ingest(&self.config.endpoint, input, Instant::now())
     }
 
     /// Read the engine's replay buffer from its beginning and rebuild its workers from it: what
@@ -341,7 +329,7 @@ impl Subscriber<'_> {
             let after = *resume
                 .entry((address.clone(), batch.dp_rank))
                 .or_insert_with(|| {
-                    let applied = self.state.core().cursor_of(&address, batch.dp_rank);
+                    let applied = self.state.applied(&address, batch.dp_rank);
                     let after = resume_after(applied, first, last);
                     if let Some(a) = after {
                         tracing::info!(endpoint = %self.config.endpoint, worker = %address, after = a, "warm start continues what is indexed (restored from disk, or kept across the reconnect)");
@@ -365,7 +353,7 @@ impl Subscriber<'_> {
         };
         tracing::info!(endpoint = %self.config.endpoint, messages = messages.len(), first, last, "warm start from the replay buffer: {lost}");
         for address in replayed {
-            self.replayed(&address, messages.len() as u64);
+            self.source.replayed(&address, messages.len() as u64, false);
             self.seen.insert(address);
         }
     }
@@ -386,48 +374,31 @@ impl Subscriber<'_> {
     fn decode(&mut self, payload: &[u8]) -> EventBatch {
         match decode_batch(payload) {
             Ok(mut batch) => {
-                let m = &self.state.metrics;
-                if batch.skipped > 0 {
-                    m.skipped_events
-                        .get_or_create(&ZMQ)
-                        .inc_by(batch.skipped as u64);
-                }
-                for field in &batch.unknown_fields {
-                    m.unknown_event_fields.get_or_create(&ZMQ).inc();
-                    if self.state.plane().unknown_field(field) {
-                        tracing::info!(endpoint = %self.config.endpoint, %field, "vLLM event field kvroute does not know: the events are applied without it (kvroute_unknown_event_fields_total counts batches carrying one)");
-                    }
-                }
+                self.source.skipped(batch.skipped);
+                self.source.unknown_fields(&batch.unknown_fields);
                 let before = batch.events.len();
                 batch.events.retain(|e| self.groups.keep(e));
-                let other = (before - batch.events.len()) as u64;
-                if other > 0 {
-                    let counter = m.other_group_events.get_or_create(&ZMQ);
-                    if counter.get() == 0 {
-                        tracing::info!(endpoint = %self.config.endpoint, "events of a cache group that is not a prefix cache (a hybrid model's sliding-window or state-space layers): not indexed; kvroute_other_group_events_total counts them");
-                    }
-                    counter.inc_by(other);
-                }
+                self.source
+                    .other_groups((before - batch.events.len()) as u64);
                 batch
             }
             Err(e) => {
-                count_bad(self.state, &e.to_string(), &self.config.endpoint);
+                self.source
+                    .undecodable(&self.config.endpoint, &e.to_string(), payload.len());
                 EventBatch::default()
             }
         }
     }
 
     fn live(&mut self, parts: Vec<Vec<u8>>) {
+        let bytes = parts.iter().map(Vec::len).sum();
         let Some((topic, seq, payload)) = frames(parts) else {
-            self.state.plane().message(self.source, "", false);
-            count_bad(
-                self.state,
-                "not [topic, seq, payload]",
-                &self.config.endpoint,
-            );
+            self.source.received("", false);
+            self.source
+                .undecodable(&self.config.endpoint, "not [topic, seq, payload]", bytes);
             return;
         };
-        self.state.plane().message(self.source, &topic, true);
+        self.source.received(&topic, true);
         let address = self.publisher_of(&topic);
         let batch = self.decode(&payload);
         let live = Message::vllm(&address, seq, Delivery::LiveHoldingGaps, &batch);
@@ -455,14 +426,7 @@ impl Subscriber<'_> {
         match missed {
             Ok(missed) => {
                 tracing::info!(worker = %address, from, to, "filled an event gap from the replay socket");
-                self.replayed(&address, missed.len() as u64);
-                self.state
-                    .metrics
-                    .replica_repairs
-                    .get_or_create(&RepairLabel {
-                        kind: RepairKind::EngineReplay,
-                    })
-                    .inc();
+                self.source.replayed(&address, missed.len() as u64, true);
                 for (_, seq, payload) in &missed {
                     let batch = self.decode(payload);
                     let message = Message::vllm(&address, *seq, Delivery::Replayed, &batch);
@@ -481,17 +445,6 @@ impl Subscriber<'_> {
             &batch,
         )));
     }
-
-    fn replayed(&self, worker: &str, messages: u64) {
-        self.state
-            .metrics
-            .sequence
-            .get_or_create(&SequenceLabels {
-                worker: worker.to_owned(),
-                kind: SequenceKind::Replayed,
-            })
-            .inc_by(messages);
-    }
 }
 
 /// The next multipart message, if one is waiting.
@@ -501,11 +454,6 @@ fn receive(socket: &zmq::Socket) -> anyhow::Result<Option<Vec<Vec<u8>>>> {
         Err(zmq::Error::EAGAIN) => Ok(None),
         Err(e) => Err(e.into()),
     }
-}
-
-fn count_bad(state: &Sidecar, why: &str, source: &str) {
-    tracing::warn!(%source, error = %why, "undecodable vLLM KV-event message");
-    state.metrics.decode_errors.get_or_create(&ZMQ).inc();
 }
 
 /// Where a warm start picks up a stream whose last applied message is `applied`, the replay
