@@ -25,7 +25,7 @@ impl Sidecar {
         }
     }
 
-    /// The `no_events` condition at `now` (see [`EventPlane::silent_while_hinting`]).
+    /// The `no_events` condition at `now` (see [`crate::event_plane::EventPlane::silent_while_hinting`]).
     pub fn silent_while_hinting(&self, now: Instant) -> bool {
         let (last_hint, _) = self.core().last_hints();
         self.plane()

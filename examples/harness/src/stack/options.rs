@@ -158,7 +158,7 @@ pub struct StackOptions {
     pub vllm: Option<VllmOptions>,
     /// More sidecar + Envoy pairs on a replica plane (kvroute mode).
     pub replicas: Option<ReplicaOptions>,
-    /// Every sidecar reads its KV events through its own [`LossyNats`] proxy in front of the
+    /// Every sidecar reads its KV events through its own [`crate::lossy_nats::LossyNats`] proxy in front of the
     /// stack's nats-server (its `[nats] url`), losing this share of them; its replica plane
     /// (`[replicas] nats_url`) stays on the real server. `None`: straight from the server.
     pub transport_loss: Option<TransportLoss>,
@@ -170,7 +170,7 @@ pub struct StackOptions {
     /// 30 (tests of what happens when an ejection ends).
     pub ejection_s: Option<u64>,
     /// A fleet under a control plane: Envoy's `workers` cluster reads an EDS file
-    /// ([`Stack::set_members`]), and the sidecar takes its workers from Envoy's membership
+    /// ([`super::Stack::set_members`]), and the sidecar takes its workers from Envoy's membership
     /// (`[[envoy.members]]`, events at `{port+1}`, replay at `{port+2}`) instead of
     /// `[[workers]]` and `[[zmq]]`. Engines publishing vLLM's format: simulated, or real vLLM
     /// with [`crate::vllm::VllmOptions::zmq_beside`].

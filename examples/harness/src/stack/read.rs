@@ -17,7 +17,7 @@ impl Stack {
             .unwrap_or_default()
     }
 
-    /// [`StackOptions::transport_loss`]: the KV-event messages each sidecar's proxy forwarded and
+    /// [`super::StackOptions::transport_loss`]: the KV-event messages each sidecar's proxy forwarded and
     /// dropped so far, in sidecar order (empty without it).
     pub fn transport_counts(&self) -> Vec<LossCounts> {
         self.proxies.iter().map(LossyNats::counts).collect()
