@@ -42,6 +42,14 @@ fn transport_name(transport: Transport) -> &'static str {
     }
 }
 
+/// Whose events a transport carries, as lines name them.
+fn format_name(transport: Transport) -> &'static str {
+    match transport {
+        Transport::Nats | Transport::DynamoZmq => "Dynamo",
+        Transport::Zmq => "vLLM",
+    }
+}
+
 /// How `/debug/sources` names a transport's kind.
 fn kind(transport: Transport) -> &'static str {
     match transport {
@@ -213,7 +221,7 @@ impl Source {
 
     /// A message, or a payload in one, did not decode: counted, said.
     pub fn undecodable(&self, subject: &str, error: &str, bytes: usize) {
-        tracing::warn!(source = %self.name, %subject, %error, bytes, "undecodable {} KV-event message", transport_name(self.transport));
+        tracing::warn!(source = %self.name, %subject, %error, bytes, "undecodable {} KV-event message on {}", format_name(self.transport), transport_name(self.transport));
         self.sidecar
             .metrics
             .decode_errors
@@ -242,7 +250,7 @@ impl Source {
                 .get_or_create(&self.label)
                 .inc();
             if s.plane().unknown_field(field) {
-                tracing::info!(source = %self.name, %field, "{} event field kvroute does not know: the events are applied without it (kvroute_unknown_event_fields_total counts the checked messages carrying one)", transport_name(self.transport));
+                tracing::info!(source = %self.name, %field, "{} event field kvroute does not know: the events are applied without it (kvroute_unknown_event_fields_total counts the checked messages carrying one)", format_name(self.transport));
             }
         }
     }
