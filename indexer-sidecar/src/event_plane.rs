@@ -322,17 +322,19 @@ impl EventPlane {
                 s.decode_errors += 1;
             }
             // Bounded: a bus with endless distinct subjects must not grow this map forever.
-            if s.subjects.len() < 1000 || s.subjects.contains_key(subject) {
-                *s.subjects.entry(subject.to_owned()).or_default() += 1;
+            if let Some(n) = s.subjects.get_mut(subject) {
+                *n += 1;
+            } else if s.subjects.len() < 1000 {
+                s.subjects.insert(subject.to_owned(), 1);
             }
         }
     }
 
-    /// A KV event from `source`, on `subject`, was applied at `now`. Whether `subject` is one
-    /// of the (bounded) subjects metrics may name: subjects come from the network.
-    pub fn event(&mut self, source: usize, subject: &str, now: Instant) -> bool {
+    /// `n` KV events from `source`, on `subject`, were applied at `now`. Whether `subject` is
+    /// one of the (bounded) subjects metrics may name: subjects come from the network.
+    pub fn events(&mut self, source: usize, subject: &str, n: u64, now: Instant) -> bool {
         if let Some(s) = self.sources.get_mut(source) {
-            s.events += 1;
+            s.events += n;
             s.state = "receiving";
             s.last_event = Some(now);
         }
@@ -763,7 +765,7 @@ mod tests {
             "events from unknown workers are named: {}",
             alarms[0].message
         );
-        plane.event(src, "a.kv-events", later);
+        plane.events(src, "a.kv-events", 1, later);
         assert!(plane.alarms(&quiet, &hinting(later), later).is_empty());
         assert_eq!(plane.sources(later)[0].state, "receiving");
     }
@@ -975,7 +977,7 @@ mod tests {
         assert!(on(&mut plane).is_empty(), "NATS is read");
         plane.discovered(entry, 2, "two".into(), (0, 0));
         assert_eq!(on(&mut plane).len(), 1, "none registered");
-        plane.event(nats, "a.kv-events", now);
+        plane.events(nats, "a.kv-events", 1, now);
         assert!(
             on(&mut plane).is_empty(),
             "events arrive all the same (Dynamo before 1.4)"

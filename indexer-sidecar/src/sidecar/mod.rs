@@ -239,6 +239,7 @@ impl Sidecar {
             return Vec::new();
         }
         let happened = self.core().ingest(input, now);
+        self.record_applied(source, &happened, now);
         for h in &happened {
             self.record(source, h, now);
         }

@@ -49,6 +49,42 @@ impl Sidecar {
         }
     }
 
+    /// The events an input applied, counted once per input and kind (a message carries many):
+    /// one look at the event plane, one metric write per kind.
+    pub(super) fn record_applied(
+        &self,
+        source: Option<SourceRef<'_>>,
+        happened: &[Happened],
+        now: Instant,
+    ) {
+        let of = |tag: EventTag| {
+            happened
+                .iter()
+                .filter(|h| matches!(h, Happened::Applied { kind, .. } if *kind == tag))
+                .count() as u64
+        };
+        let counts = [
+            (EventType::Stored, of(EventTag::Stored)),
+            (EventType::Removed, of(EventTag::Removed)),
+            (EventType::Cleared, of(EventTag::Cleared)),
+        ];
+        let applied: u64 = counts.iter().map(|(_, n)| n).sum();
+        if applied == 0 {
+            return;
+        }
+        let subject = source.map_or("", |s| s.subject);
+        let named = source.is_none_or(|s| self.plane().events(s.index, subject, applied, now));
+        for (r#type, n) in counts.into_iter().filter(|(_, n)| *n > 0) {
+            self.metrics
+                .events
+                .get_or_create(&EventLabels {
+                    subject: if named { subject } else { "other" }.to_owned(),
+                    r#type,
+                })
+                .inc_by(n);
+        }
+    }
+
     /// What an event source's message did to the index and its sequence.
     fn record_event(&self, source: Option<SourceRef<'_>>, h: &Happened, now: Instant) {
         let m = &self.metrics;
@@ -65,22 +101,10 @@ impl Sidecar {
             source: Transport::Zmq,
         };
         match h {
+            // The events themselves are counted per input, in `record_applied`.
             Happened::Applied {
-                worker,
-                kind,
-                outcome,
+                worker, outcome, ..
             } => {
-                let named = source.is_none_or(|s| self.plane().event(s.index, subject, now));
-                m.events
-                    .get_or_create(&EventLabels {
-                        subject: if named { subject } else { "other" }.to_owned(),
-                        r#type: match kind {
-                            EventTag::Stored => EventType::Stored,
-                            EventTag::Removed => EventType::Removed,
-                            EventTag::Cleared => EventType::Cleared,
-                        },
-                    })
-                    .inc();
                 if outcome.too_many_caches {
                     tracing::warn!(worker = %worker.address, "index full: more than 65535 caches; event dropped");
                 }

@@ -324,7 +324,7 @@ impl Subscriber<'_> {
         // Per stream: the message after which the replay continues what is applied already.
         let mut resume: HashMap<(String, u32), Option<u64>> = HashMap::new();
         for (topic, seq, payload) in &messages {
-            let address = self.publisher_of(topic);
+            let address = publisher_of(self.config, topic).to_owned();
             let batch = self.decode(payload);
             let after = *resume
                 .entry((address.clone(), batch.dp_rank))
@@ -358,17 +358,6 @@ impl Subscriber<'_> {
         }
     }
 
-    /// The publisher (worker address) a message belongs to: the configured one, or the one its
-    /// llm-d topic names, or else the topic itself (which names no worker).
-    fn publisher_of(&self, topic: &str) -> String {
-        self.config
-            .worker
-            .as_deref()
-            .or_else(|| worker_in_topic(topic))
-            .unwrap_or(topic)
-            .to_owned()
-    }
-
     /// A payload's batch; one that does not decode is counted and applied as empty, so its
     /// sequence number still counts.
     fn decode(&mut self, payload: &[u8]) -> EventBatch {
@@ -399,16 +388,17 @@ impl Subscriber<'_> {
             return;
         };
         self.source.received(&topic, true);
-        let address = self.publisher_of(&topic);
+        let address = publisher_of(self.config, &topic);
         let batch = self.decode(&payload);
-        let live = Message::vllm(&address, seq, Delivery::LiveHoldingGaps, &batch);
+        let live = Message::vllm(address, seq, Delivery::LiveHoldingGaps, &batch);
         let happened = self.ingest(Input::Message(live));
         // Only publishers of known workers are remembered: topics come from the network.
-        if !happened
-            .iter()
-            .any(|h| matches!(h, Happened::UnknownPublisher { .. }))
+        if !self.seen.contains(address)
+            && !happened
+                .iter()
+                .any(|h| matches!(h, Happened::UnknownPublisher { .. }))
         {
-            self.seen.insert(address.clone());
+            self.seen.insert(address.to_owned());
         }
         let held = happened.into_iter().find_map(|h| match h {
             Happened::Held { from, to, .. } => Some((from, to)),
@@ -426,25 +416,35 @@ impl Subscriber<'_> {
         match missed {
             Ok(missed) => {
                 tracing::info!(worker = %address, from, to, "filled an event gap from the replay socket");
-                self.source.replayed(&address, missed.len() as u64, true);
+                self.source.replayed(address, missed.len() as u64, true);
                 for (_, seq, payload) in &missed {
                     let batch = self.decode(payload);
-                    let message = Message::vllm(&address, *seq, Delivery::Replayed, &batch);
+                    let message = Message::vllm(address, *seq, Delivery::Replayed, &batch);
                     self.ingest(Input::Message(message));
                 }
             }
             Err(e) => {
                 tracing::warn!(worker = %address, from, to, error = format!("{e:#}"), "event gap not replayable");
-                self.ingest(Input::GapUnfilled(Publisher::Address(&address)));
+                self.ingest(Input::GapUnfilled(Publisher::Address(address)));
             }
         }
         self.ingest(Input::Message(Message::vllm(
-            &address,
+            address,
             seq,
             Delivery::Replayed,
             &batch,
         )));
     }
+}
+
+/// The publisher (worker address) a message belongs to: the configured one, or the one its
+/// llm-d topic names, or else the topic itself (which names no worker).
+fn publisher_of<'a>(config: &'a ZmqConfig, topic: &'a str) -> &'a str {
+    config
+        .worker
+        .as_deref()
+        .or_else(|| worker_in_topic(topic))
+        .unwrap_or(topic)
 }
 
 /// The next multipart message, if one is waiting.
