@@ -326,7 +326,7 @@ async fn serve(config: Config) -> anyhow::Result<()> {
     }
     for zmq in config.zmq.clone() {
         // A configured source runs for the life of the process: its stop flag is never set.
-        transports::zmq::spawn(zmq, state.clone()).context("starting a ZMQ subscriber thread")?;
+        transports::zmq::spawn(zmq, state.clone()).context("starting a ZMQ subscriber")?;
     }
     // Dynamo's default event plane (ZMQ): its publishers are found in the discovery records.
     let zmq_plane = match config.dynamo_discovery.is_empty() {

@@ -84,7 +84,7 @@ impl Members {
         changes
     }
 
-    /// Follow entry `entry`'s listed hosts: start and stop subscriber threads.
+    /// Follow entry `entry`'s listed hosts: start and stop their KV-event subscribers.
     pub fn sync(
         &mut self,
         entry: usize,
@@ -119,7 +119,7 @@ impl Members {
                 }
                 Err(e) => {
                     // Tried again at the next poll.
-                    tracing::error!(worker = %host, error = %e, "cannot start a KV-event subscriber thread");
+                    tracing::error!(worker = %host, error = %e, "cannot start a KV-event subscriber");
                 }
             }
         }

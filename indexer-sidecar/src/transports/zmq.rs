@@ -18,12 +18,12 @@
 //! Transport: libzmq (the `zmq` crate, libzmq 4.3 built from source and linked in), the same
 //! library vLLM publishes with. It reconnects by itself and reports connection changes on a
 //! monitor socket; the pure-Rust `zeromq` crate left a connection to a restarted engine in
-//! CLOSE-WAIT and never reported it (docs/architecture.md, "ZMQ"). libzmq's API blocks, so each
-//! endpoint runs on its own thread.
+//! CLOSE-WAIT and never reported it (docs/architecture.md, "ZMQ"). libzmq's API blocks, so one
+//! thread of the sidecar's own polls every endpoint's socket.
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
@@ -70,59 +70,144 @@ fn frames(mut parts: Vec<Vec<u8>>) -> Option<Frames> {
     ))
 }
 
-/// Start [`run`] on a thread of its own (libzmq blocks; a detached thread ends with the
-/// process, where a runtime would wait for it). The returned flag stops it.
+/// Subscribe to one publisher: handed to the thread that polls every vLLM socket (started
+/// with the first). The returned flag closes the subscription (within 100 ms).
 pub fn spawn(config: ZmqConfig, state: Arc<Sidecar>) -> std::io::Result<Arc<AtomicBool>> {
     let stop = Arc::new(AtomicBool::new(false));
-    let flag = stop.clone();
-    std::thread::Builder::new()
-        .name("zmq-subscriber".into())
-        .spawn(move || run(config, state, &flag))?;
+    let source = state.source(Transport::Zmq, &config.endpoint, vec![config.topic.clone()]);
+    poller()?
+        .send(Added {
+            config,
+            state,
+            source,
+            stop: Arc::clone(&stop),
+        })
+        .map_err(|_| std::io::Error::other("the ZMQ subscriber thread has ended"))?;
     Ok(stop)
 }
 
-/// Subscribe to one publisher and apply its events until `stop` is set (within a second).
-/// Blocks: [`spawn`] runs it on a thread of its own.
-pub fn run(config: ZmqConfig, state: Arc<Sidecar>, stop: &AtomicBool) {
-    let source = state.source(Transport::Zmq, &config.endpoint, vec![config.topic.clone()]);
-    let mut subscriber = Subscriber {
-        config: &config,
-        state: &state,
-        source,
-        context: zmq::Context::new(),
-        seen: BTreeSet::new(),
-        handshaken: false,
-        warm_start_waits: false,
-        groups: GroupFilter::default(),
-        stop,
-    };
-    let mut delay = RETRY_DELAY;
-    while !subscriber.stopped() {
-        let started = Instant::now();
-        if let Err(e) = subscriber.session() {
-            let error = format!("{e:#}; starting over in {delay:?}");
-            subscriber.failed(&error);
-        }
-        // A session that worked for a while starts the backoff over.
-        if started.elapsed() > RETRY_DELAY_MAX {
-            delay = RETRY_DELAY;
-        }
-        let until = Instant::now() + delay;
-        while !subscriber.stopped() && Instant::now() < until {
-            std::thread::sleep(Duration::from_millis(100).min(delay));
-        }
-        delay = (delay * 2).min(RETRY_DELAY_MAX);
-    }
-    tracing::info!(endpoint = %config.endpoint, worker = ?config.worker, "KV-event subscriber closed");
-    subscriber.source.retire();
+/// A subscription for the polling thread.
+struct Added {
+    config: ZmqConfig,
+    state: Arc<Sidecar>,
+    source: Source,
+    stop: Arc<AtomicBool>,
 }
 
-struct Subscriber<'a> {
-    config: &'a ZmqConfig,
-    state: &'a Sidecar,
+/// The polling thread's mailbox, the thread started on first use. One thread for every vLLM
+/// socket, as the Dynamo ZMQ plane: a thread per socket, each woken per message, spent the
+/// two cores on task switches and the core's lock under an event storm.
+fn poller() -> std::io::Result<&'static mpsc::Sender<Added>> {
+    static POLLER: OnceLock<mpsc::Sender<Added>> = OnceLock::new();
+    if let Some(tx) = POLLER.get() {
+        return Ok(tx);
+    }
+    let (tx, rx) = mpsc::channel();
+    // Two first callers at once: the loser's thread ends with its channel.
+    std::thread::Builder::new()
+        .name("zmq-subscribers".into())
+        .spawn(move || poll_all(&rx))?;
+    Ok(POLLER.get_or_init(|| tx))
+}
+
+/// Messages one socket hands over before the others get their turn.
+const FAIR_SHARE: usize = 256;
+
+/// Poll every subscription's sockets and serve what is ready, forever. A replay (a gap filled,
+/// a warm start) holds the thread for as long as it takes (`REPLAY_TIMEOUT` at most); the
+/// other sockets queue meanwhile (`RECEIVE_HWM` messages each).
+fn poll_all(rx: &mpsc::Receiver<Added>) {
+    let context = zmq::Context::new();
+    let mut subscribers: Vec<Subscriber> = Vec::new();
+    loop {
+        if subscribers.is_empty() {
+            match rx.recv() {
+                Ok(added) => subscribers.push(Subscriber::new(added, &context)),
+                Err(_) => return,
+            }
+        }
+        while let Ok(added) = rx.try_recv() {
+            subscribers.push(Subscriber::new(added, &context));
+        }
+        for closed in subscribers.extract_if(.., |s| s.stopped()) {
+            closed.close();
+        }
+        let now = Instant::now();
+        for s in subscribers.iter_mut() {
+            if s.sockets.is_none() && now >= s.retry_at {
+                if let Err(e) = s.open() {
+                    s.broken(&e, now);
+                }
+            }
+        }
+        let ready = match ready(&subscribers) {
+            Ok(ready) => ready,
+            Err(e) => {
+                tracing::error!(error = %e, "polling the vLLM KV-event sockets failed; trying again");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        for (s, (messages, events)) in subscribers.iter_mut().zip(ready) {
+            if let Err(e) = s.serve(messages, events) {
+                s.broken(&e, Instant::now());
+            }
+            if s.warm_start_waits && s.sockets.is_some() && s.worker_known() {
+                s.warm_start();
+            }
+        }
+    }
+}
+
+/// Which subscriptions' SUB socket (messages) and monitor (connection events) are readable,
+/// within 100 ms.
+fn ready(subscribers: &[Subscriber]) -> zmq::Result<Vec<(bool, bool)>> {
+    let mut items = Vec::with_capacity(subscribers.len() * 2);
+    for s in subscribers {
+        if let Some(sockets) = &s.sockets {
+            items.push(sockets.sub.as_poll_item(zmq::POLLIN));
+            items.push(sockets.monitor.as_poll_item(zmq::POLLIN));
+        }
+    }
+    if items.is_empty() {
+        // Nothing open yet (every one waiting to retry): no socket to wait on.
+        std::thread::sleep(Duration::from_millis(100));
+    } else {
+        zmq::poll(&mut items, 100)?;
+    }
+    let mut readable = items.iter().map(|i| i.is_readable());
+    Ok(subscribers
+        .iter()
+        .map(|s| match s.sockets {
+            Some(_) => (
+                readable.next().unwrap_or(false),
+                readable.next().unwrap_or(false),
+            ),
+            None => (false, false),
+        })
+        .collect())
+}
+
+/// A subscription's SUB socket and the monitor of its connections.
+struct Sockets {
+    sub: zmq::Socket,
+    monitor: zmq::Socket,
+}
+
+/// One publisher's subscription.
+struct Subscriber {
+    config: Arc<ZmqConfig>,
+    state: Arc<Sidecar>,
     source: Source,
-    /// libzmq's I/O thread, shared by the SUB socket and every replay request.
+    /// The polling thread's libzmq context (one I/O thread), shared by every SUB socket and
+    /// replay request.
     context: zmq::Context,
+    /// Open while it works; rebuilt at `retry_at` after it failed, the delay doubling while it
+    /// keeps failing.
+    sockets: Option<Sockets>,
+    opened: Instant,
+    retry_at: Instant,
+    delay: Duration,
     /// Publishers (worker addresses) whose events arrived here.
     seen: BTreeSet<String>,
     /// Whether the current connection completed its handshake: only such a connection closing
@@ -133,18 +218,45 @@ struct Subscriber<'a> {
     warm_start_waits: bool,
     /// A hybrid model's cache groups: only its prefix-cache groups' events are indexed.
     groups: GroupFilter,
-    /// Set when the subscriber is to close (its host left Envoy's cluster).
-    stop: &'a AtomicBool,
+    /// Set when the subscription is to close (its host left Envoy's cluster).
+    stop: Arc<AtomicBool>,
 }
 
-impl Subscriber<'_> {
+/// Monitor addresses are unique in the process: a closed socket's may not be free yet.
+static MONITORS: AtomicUsize = AtomicUsize::new(0);
+
+impl Subscriber {
+    fn new(added: Added, context: &zmq::Context) -> Self {
+        let now = Instant::now();
+        Subscriber {
+            config: Arc::new(added.config),
+            state: added.state,
+            source: added.source,
+            context: context.clone(),
+            sockets: None,
+            opened: now,
+            retry_at: now,
+            delay: RETRY_DELAY,
+            seen: BTreeSet::new(),
+            handshaken: false,
+            warm_start_waits: false,
+            groups: GroupFilter::default(),
+            stop: added.stop,
+        }
+    }
+
     fn stopped(&self) -> bool {
         self.stop.load(Ordering::Relaxed)
     }
 
-    /// One SUB socket for as long as it works, or until the subscriber is stopped.
-    fn session(&mut self) -> anyhow::Result<()> {
-        let config = self.config;
+    fn close(self) {
+        tracing::info!(endpoint = %self.config.endpoint, worker = ?self.config.worker, "KV-event subscriber closed");
+        self.source.retire();
+    }
+
+    /// The SUB socket and its monitor, connected (or bound) and subscribed.
+    fn open(&mut self) -> anyhow::Result<()> {
+        let config = Arc::clone(&self.config);
         let socket = self.context.socket(zmq::SUB)?;
         socket.set_rcvhwm(RECEIVE_HWM)?;
         socket.set_maxmsgsize(i64::try_from(config.max_message_bytes).unwrap_or(i64::MAX))?;
@@ -155,7 +267,10 @@ impl Subscriber<'_> {
         socket.set_tcp_keepalive_idle(10)?;
         socket.set_tcp_keepalive_intvl(2)?;
         socket.set_tcp_keepalive_cnt(3)?;
-        let monitor_address = format!("inproc://kvroute-zmq-monitor-{}", self.source.id());
+        let monitor_address = format!(
+            "inproc://kvroute-zmq-monitor-{}",
+            MONITORS.fetch_add(1, Ordering::Relaxed)
+        );
         let events = [
             zmq::SocketEvent::HANDSHAKE_SUCCEEDED,
             zmq::SocketEvent::DISCONNECTED,
@@ -183,29 +298,52 @@ impl Subscriber<'_> {
             .with_context(|| format!("subscribing to {:?}", config.topic))?;
         tracing::info!(endpoint = %config.endpoint, topic = %config.topic, "subscribed to vLLM KV events");
         self.source.subscribed();
-        while !self.stopped() {
-            let mut items = [
-                socket.as_poll_item(zmq::POLLIN),
-                monitor.as_poll_item(zmq::POLLIN),
-            ];
-            // A warm start waiting for discovery is tried again soon.
-            zmq::poll(&mut items, if self.warm_start_waits { 100 } else { 1000 })?;
-            let (messages, events) = (items[0].is_readable(), items[1].is_readable());
-            if events {
-                while let Some(event) = receive(&monitor)? {
-                    self.connection_event(&event);
-                }
+        self.sockets = Some(Sockets {
+            sub: socket,
+            monitor,
+        });
+        self.opened = Instant::now();
+        Ok(())
+    }
+
+    /// The sockets failed at `now`: said, closed, built again after the backoff (which starts
+    /// over after a session that worked for a while).
+    fn broken(&mut self, error: &anyhow::Error, now: Instant) {
+        self.sockets = None;
+        self.handshaken = false;
+        if now.saturating_duration_since(self.opened) > RETRY_DELAY_MAX {
+            self.delay = RETRY_DELAY;
+        }
+        self.failed(&format!("{error:#}; starting over in {:?}", self.delay));
+        self.retry_at = now + self.delay;
+        self.delay = (self.delay * 2).min(RETRY_DELAY_MAX);
+    }
+
+    /// What the poll found ready: connection events first, then up to a fair share of
+    /// messages.
+    fn serve(&mut self, messages: bool, events: bool) -> anyhow::Result<()> {
+        if events {
+            while let Some(event) = self.next_on(true)? {
+                self.connection_event(&event);
             }
-            if messages {
-                while let Some(parts) = receive(&socket)? {
-                    self.live(parts);
-                }
-            }
-            if self.warm_start_waits && self.worker_known() {
-                self.warm_start();
+        }
+        if messages {
+            for _ in 0..FAIR_SHARE {
+                let Some(parts) = self.next_on(false)? else {
+                    break;
+                };
+                self.live(parts);
             }
         }
         Ok(())
+    }
+
+    /// The next message waiting on the monitor or the SUB socket, if any.
+    fn next_on(&self, monitor: bool) -> anyhow::Result<Option<Vec<Vec<u8>>>> {
+        let Some(s) = &self.sockets else {
+            return Ok(None);
+        };
+        receive(if monitor { &s.monitor } else { &s.sub })
     }
 
     /// Whether the configured worker is in the fleet (a discovered one may not be yet).
@@ -324,7 +462,7 @@ impl Subscriber<'_> {
         // Per stream: the message after which the replay continues what is applied already.
         let mut resume: HashMap<(String, u32), Option<u64>> = HashMap::new();
         for (topic, seq, payload) in &messages {
-            let address = publisher_of(self.config, topic).to_owned();
+            let address = publisher_of(&self.config, topic).to_owned();
             let batch = self.decode(payload);
             let after = *resume
                 .entry((address.clone(), batch.dp_rank))
@@ -388,7 +526,8 @@ impl Subscriber<'_> {
             return;
         };
         self.source.received(&topic, true);
-        let address = publisher_of(self.config, &topic);
+        let config = Arc::clone(&self.config);
+        let address = publisher_of(&config, &topic);
         let batch = self.decode(&payload);
         let live = Message::vllm(address, seq, Delivery::LiveHoldingGaps, &batch);
         let happened = self.ingest(Input::Message(live));
