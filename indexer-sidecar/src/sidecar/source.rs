@@ -323,23 +323,29 @@ impl Source {
         );
     }
 
-    /// `messages` of worker `worker` were read again from its engine's replay buffer (a warm
-    /// start, or a gap filled: `gap`).
-    pub fn replayed(&self, worker: &str, messages: u64, gap: bool) {
-        let m = &self.sidecar.metrics;
-        m.sequence
+    /// `messages` of worker `worker` were read again from its engine's replay buffer.
+    pub fn replayed(&self, worker: &str, messages: u64) {
+        self.sidecar
+            .metrics
+            .sequence
             .get_or_create(&SequenceLabels {
                 worker: worker.to_owned(),
                 kind: SequenceKind::Replayed,
             })
             .inc_by(messages);
-        if gap {
-            m.replica_repairs
-                .get_or_create(&RepairLabel {
-                    kind: RepairKind::EngineReplay,
-                })
-                .inc();
-        }
+    }
+
+    /// A gap of worker `worker`'s was filled with `messages` from its engine's replay buffer: a
+    /// replay, and a repair.
+    pub fn gap_filled(&self, worker: &str, messages: u64) {
+        self.replayed(worker, messages);
+        self.sidecar
+            .metrics
+            .replica_repairs
+            .get_or_create(&RepairLabel {
+                kind: RepairKind::EngineReplay,
+            })
+            .inc();
     }
 
     /// The thresholds its alarm uses ([`crate::config::AlarmConfig`]).

@@ -491,7 +491,7 @@ impl Subscriber {
         };
         tracing::info!(endpoint = %self.config.endpoint, messages = messages.len(), first, last, "warm start from the replay buffer: {lost}");
         for address in replayed {
-            self.source.replayed(&address, messages.len() as u64, false);
+            self.source.replayed(&address, messages.len() as u64);
             self.seen.insert(address);
         }
     }
@@ -555,7 +555,7 @@ impl Subscriber {
         match missed {
             Ok(missed) => {
                 tracing::info!(worker = %address, from, to, "filled an event gap from the replay socket");
-                self.source.replayed(address, missed.len() as u64, true);
+                self.source.gap_filled(address, missed.len() as u64);
                 for (_, seq, payload) in &missed {
                     let batch = self.decode(payload);
                     let message = Message::vllm(address, *seq, Delivery::Replayed, &batch);
