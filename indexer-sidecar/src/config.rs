@@ -56,7 +56,7 @@
 //!
 //! [replicas]                        # see docs/operations.md, "Replicas"
 //! group = "ingress"                 # peers publish and compare on kvroute.replicas.<group>.*
-//! share_load = true                 # share requests in flight per worker, weigh the peers'
+//! share_load = true                 # share requests in flight (and their prompts) per worker
 //!
 //! [routing]
 //! min_matched_blocks = 1            # a shorter match is not worth a hint
@@ -207,8 +207,9 @@ pub struct ReplicasConfig {
     /// Repair from peers: lost messages asked of them, divergent caches replaced by a clean
     /// peer's snapshot. `false` only compares (to measure what repair buys).
     pub reconcile: bool,
-    /// Share this replica's requests in flight per worker with its peers, and weigh theirs: the
-    /// load rule then sees the fleet's load, not this replica's share of it.
+    /// Share this replica's requests in flight per worker with its peers (each with its
+    /// prompt's leading blocks), and weigh theirs: the load rule then sees the fleet's load,
+    /// and every replica the prompts running on a worker, not this replica's share of them.
     pub share_load: bool,
     /// How often a changed in-flight count is shared (coalesced: a burst is one message).
     pub load_interval_ms: u64,

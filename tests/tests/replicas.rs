@@ -222,8 +222,6 @@ async fn replicas_find_lost_events_within_an_interval_and_repair_them() {
     eprintln!("a new replica held its peer's 305 blocks {warmed:?} after subscribing");
 }
 
-/// The NATS server restarts: both replicas reconnect, resubscribe to the events and to each
-/// other, and agree again on what arrives after; neither process dies.
 /// Both replicas lose a tenth of the events, different ones: each hands the other what it
 /// lost (`kvroute.replicas.<group>.fill`), so both end with every event, clean and agreeing,
 /// without a lossless peer to take a snapshot from.
@@ -306,6 +304,8 @@ async fn replicas_that_all_lose_events_fill_each_others_gaps() {
     );
 }
 
+/// The NATS server restarts: both replicas reconnect, resubscribe to the events and to each
+/// other, and agree again on what arrives after; neither process dies.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_agree_again_after_nats_restarts() {
     let dir = paths::run_dir("replicas-nats-restart").unwrap();
@@ -436,4 +436,90 @@ async fn a_replica_losing_vllm_messages_is_repaired_from_its_peer() {
         gaps as u64,
         metric(&tb, "kvroute_replica_repairs_total{kind=\"peer_snapshot\"}")
     );
+}
+
+/// The leading blocks of each candidate in the sidecar's latest decision that requests running
+/// there hold (`/debug/explain`).
+async fn running_blocks(http: &reqwest::Client, base: &str) -> Vec<(String, u64)> {
+    let explain = kvroute_harness::client::get_json(http, &format!("{base}/debug/explain")).await;
+    explain[0]["decision"]["candidates"]
+        .as_array()
+        .map(|c| {
+            c.iter()
+                .map(|c| {
+                    let worker = c["worker"].as_str().unwrap_or_default().to_owned();
+                    (worker, c["in_flight_blocks"].as_u64().unwrap_or(0))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A prompt running through one replica is held on its worker for the other too: replica b,
+/// which never routed it, counts its blocks as running there (as one shared index would) until
+/// a's report that it finished reaches b on the next share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_running_through_one_replica_counts_on_every_replica() {
+    let dir = paths::run_dir("replicas-running").unwrap();
+    let nats_port = free_port().unwrap();
+    let _nats = nats_server(&dir, nats_port);
+    let Pair {
+        a: (_a, a),
+        b: (_b, b),
+        client: _client,
+    } = pair(&dir, nats_port, 0.0).await;
+    let http = reqwest::Client::new();
+    let hashes = |n: u64| {
+        (1..=n)
+            .map(|i| kvroute_protocol::PrefixHash(tokens_hash(9_000 + i)))
+            .collect::<Vec<_>>()
+    };
+    let ask = |base: &str, n: u64, finished| {
+        let req = kvroute_protocol::hint::HintRequest {
+            model: "m".into(),
+            hashes: hashes(n),
+            finished,
+        };
+        let (http, base) = (&http, base.to_owned());
+        async move { common::ask_hint(http, &base, &req).await }
+    };
+    let running = ask(&a, 6, Vec::new()).await;
+    let ticket = running.ticket.expect("a ticket for the running request");
+    let finished = |ticket| kvroute_protocol::hint::Finished {
+        ticket,
+        usage: kvroute_protocol::hint::Usage::Missing,
+    };
+    // b asks for a prompt sharing the running one's first 4 blocks, each probe reporting the
+    // previous one finished (so only a's request runs there), and reads what it counted.
+    let last_probe = std::sync::Mutex::new(None);
+    let probe_b = || async {
+        let done = last_probe.lock().unwrap().take().map(finished);
+        let answer = ask(&b, 4, done.into_iter().collect()).await;
+        *last_probe.lock().unwrap() = answer.ticket;
+        running_blocks(&http, &b).await
+    };
+    let worker = "127.0.0.1:9000".to_owned();
+    let shared = wait_for(
+        "a's running prompt on b",
+        Duration::from_secs(5),
+        || async {
+            let held = probe_b().await;
+            held.contains(&(worker.clone(), 4)).then_some(())
+        },
+    )
+    .await;
+    assert!(shared.is_ok(), "{:?}", running_blocks(&http, &b).await);
+
+    // a's request finishes: within a share b counts nothing running there.
+    let _ = ask(&a, 0, vec![finished(ticket)]).await;
+    let gone = wait_for(
+        "a's finished prompt gone from b",
+        Duration::from_secs(5),
+        || async {
+            let held = probe_b().await;
+            held.iter().all(|(_, n)| *n == 0).then_some(())
+        },
+    )
+    .await;
+    assert!(gone.is_ok(), "{:?}", running_blocks(&http, &b).await);
 }

@@ -210,6 +210,9 @@ pub enum Input<'a> {
         /// Its own survival estimates (address, share): every worker it does not list, it has
         /// none for.
         survival: &'a [(String, f64)],
+        /// Its open tickets per worker (address, tickets): every worker it does not list has
+        /// none.
+        tickets: &'a [(String, Vec<PeerTicket>)],
     },
     /// Time passed: tickets past their lifetime expire, whether or not their worker is ever
     /// scraped (a lost finished-report must not load a worker forever).

@@ -52,8 +52,8 @@ pub struct Load {
     pub kv_used_blocks: f64,
     /// Requests in flight to it from this Envoy (admin `rq_active`), when Envoy is polled.
     pub envoy_active: f64,
-    /// Distinct prompt blocks of the hinted requests not finished (the first blocks of each):
-    /// the prefixes hot there.
+    /// Distinct prompt blocks of the hinted requests not finished (the first blocks of each),
+    /// this replica's and those its peers shared: the prefixes hot there.
     pub running_prompt_blocks: f64,
 }
 
@@ -122,9 +122,15 @@ pub struct WorkerLoad {
     scraped: Option<Load>,
     /// Open tickets by sequence number (sequence order is time order).
     open: BTreeMap<u64, Ticket>,
-    /// The open tickets' prompt blocks, each with the number of tickets that have it: blocks a
-    /// running request keeps in the cache, so a request sharing them finds them there.
+    /// The prompt blocks of the open tickets, this replica's and its peers', each with the
+    /// number of tickets that have it: blocks a running request keeps in the cache, so a
+    /// request sharing them finds them there.
     in_flight_blocks: HashMap<u64, u32>,
+    /// Per peer replica: its open tickets here with their prompt blocks (counted in
+    /// `in_flight_blocks`), and when it last said so. A replica that saw only its own
+    /// requests running would expect an eighth of what runs on a worker among 8 replicas and
+    /// weigh the worker unlike its peers (and unlike one shared index).
+    peer_tickets: BTreeMap<String, PeerTickets>,
     /// This replica's estimate for [`WorkerLoad::survival`]; `None` until a report says.
     survival: Option<f64>,
     /// Latest `kv_metrics` per data-parallel rank: (queued prefill blocks, KV blocks used).
@@ -141,6 +147,25 @@ pub struct WorkerLoad {
     /// When the latest reports closed open tickets, oldest first (at most [`RECENT_CLOSES`],
     /// none older than the last scrape asked for).
     closed_at: VecDeque<Instant>,
+}
+
+/// A request a replica hinted that has not finished, as it shares it with its peers on the
+/// replica plane.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PeerTicket {
+    /// The peer's ticket sequence number.
+    pub seq: u64,
+    /// Its prompt's leading block hashes; sent with the ticket's first share only.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub blocks: Vec<u64>,
+}
+
+/// A peer's open tickets on one worker: each one's prompt blocks, counted in
+/// `in_flight_blocks`, and when the peer last listed them.
+#[derive(Debug, Clone)]
+struct PeerTickets {
+    blocks: HashMap<u64, Box<[u64]>>,
+    at: Instant,
 }
 
 /// One hinted request not finished yet.
@@ -201,14 +226,7 @@ impl WorkerLoad {
         expected: Expected,
         blocks: impl IntoIterator<Item = u64>,
     ) {
-        let blocks: Box<[u64]> = if self.in_flight_blocks.len() < IN_FLIGHT_BLOCKS {
-            blocks.into_iter().take(TICKET_BLOCKS).collect()
-        } else {
-            Box::default()
-        };
-        for &b in &blocks {
-            *self.in_flight_blocks.entry(b).or_default() += 1;
-        }
+        let blocks = self.hold(blocks);
         let ticket = Ticket {
             issued: now,
             expected,
@@ -219,8 +237,26 @@ impl WorkerLoad {
         }
     }
 
+    /// Count a running request's leading `blocks` in the cache; the ones counted.
+    fn hold(&mut self, blocks: impl IntoIterator<Item = u64>) -> Box<[u64]> {
+        let blocks: Box<[u64]> = if self.in_flight_blocks.len() < IN_FLIGHT_BLOCKS {
+            blocks.into_iter().take(TICKET_BLOCKS).collect()
+        } else {
+            Box::default()
+        };
+        for &b in &blocks {
+            *self.in_flight_blocks.entry(b).or_default() += 1;
+        }
+        blocks
+    }
+
     fn release(&mut self, ticket: &Ticket) {
-        for b in &ticket.blocks {
+        self.let_go(&ticket.blocks);
+    }
+
+    /// Stop counting blocks [`WorkerLoad::hold`] counted.
+    fn let_go(&mut self, blocks: &[u64]) {
+        for b in blocks {
             if let Some(n) = self.in_flight_blocks.get_mut(b) {
                 *n -= 1;
                 if *n == 0 {
@@ -230,8 +266,9 @@ impl WorkerLoad {
         }
     }
 
-    /// How many of `blocks`' leading blocks a request hinted here and not finished also has:
-    /// the engine holds them while that request runs, whatever it evicts meanwhile. Prefix
+    /// How many of `blocks`' leading blocks a request hinted here and not finished also has
+    /// (hinted by this replica or, as shared, by a peer): the engine holds them while that
+    /// request runs, whatever it evicts meanwhile. Prefix
     /// hashes chain, so a block present means the prompt up to it is the same.
     pub fn in_flight_match(&self, blocks: impl IntoIterator<Item = u64>) -> u32 {
         let n = blocks
@@ -352,12 +389,67 @@ impl WorkerLoad {
         before.is_none_or(|(n, _)| n != in_flight)
     }
 
+    /// Peer replica `peer`'s open tickets here as of `now`, all of them: those it shared
+    /// before and leaves out have finished. A ticket's blocks come with its first share only;
+    /// one first seen without them (its first share lost, or this replica started since)
+    /// counts none.
+    pub fn peer_tickets(&mut self, peer: &str, tickets: &[PeerTicket], now: Instant) {
+        let mut known = self
+            .peer_tickets
+            .remove(peer)
+            .map(|p| p.blocks)
+            .unwrap_or_default();
+        let mut kept = HashMap::with_capacity(tickets.len());
+        for t in tickets {
+            let blocks = match known.remove(&t.seq) {
+                Some(blocks) => blocks,
+                None => self.hold(t.blocks.iter().copied()),
+            };
+            kept.insert(t.seq, blocks);
+        }
+        for gone in known.into_values() {
+            self.let_go(&gone);
+        }
+        if !kept.is_empty() {
+            let tickets = PeerTickets {
+                blocks: kept,
+                at: now,
+            };
+            self.peer_tickets.insert(peer.to_owned(), tickets);
+        }
+    }
+
+    /// This replica's open tickets here with their prompt blocks: what it shares with its
+    /// peers.
+    pub fn own_tickets(&self) -> Vec<PeerTicket> {
+        self.open
+            .iter()
+            .map(|(&seq, t)| PeerTicket {
+                seq,
+                blocks: t.blocks.to_vec(),
+            })
+            .collect()
+    }
+
     /// Forget what peers said longer than `ttl` before `now` (a peer gone, or the plane down);
     /// whether anything was forgotten.
     pub fn expire_peers(&mut self, now: Instant, ttl: Duration) -> bool {
         let before = self.peers.len();
         self.peers
             .retain(|_, (_, at)| now.saturating_duration_since(*at) < ttl);
+        let silent: Vec<String> = self
+            .peer_tickets
+            .iter()
+            .filter(|(_, p)| now.saturating_duration_since(p.at) >= ttl)
+            .map(|(peer, _)| peer.clone())
+            .collect();
+        for peer in silent {
+            if let Some(tickets) = self.peer_tickets.remove(&peer) {
+                for blocks in tickets.blocks.into_values() {
+                    self.let_go(&blocks);
+                }
+            }
+        }
         let estimates = self.peer_survival.len();
         self.peer_survival
             .retain(|_, (_, at)| now.saturating_duration_since(*at) < ttl);
@@ -535,6 +627,35 @@ mod tests {
             None
         );
         assert_eq!(parse_vllm_capacity(""), None);
+    }
+
+    /// A peer's shared tickets count their blocks as running here until its next share
+    /// leaves them out or it falls silent; one first seen without blocks counts none.
+    #[test]
+    fn peers_tickets_hold_their_blocks() {
+        let (mut w, now) = (WorkerLoad::default(), Instant::now());
+        let t = |seq, blocks: &[u64]| PeerTicket {
+            seq,
+            blocks: blocks.to_vec(),
+        };
+        w.open(1, now, Expected::default(), [10, 11]);
+        w.peer_tickets("b", &[t(7, &[10, 11, 12, 13]), t(8, &[])], now);
+        assert_eq!(w.in_flight_match([10, 11, 12, 13, 14]), 4);
+        assert_eq!(w.get().running_prompt_blocks, 4.0);
+        w.peer_tickets("b", &[t(7, &[]), t(8, &[20])], now);
+        assert_eq!(w.in_flight_match([10, 11, 12]), 3, "known: kept");
+        assert_eq!(w.in_flight_match([20]), 0, "first seen without blocks");
+        w.peer_tickets("b", &[], now);
+        assert_eq!(w.in_flight_match([10, 11, 12]), 2, "ours alone");
+        w.peer_tickets("c", &[t(9, &[30])], now);
+        assert_eq!(w.in_flight_match([30]), 1);
+        assert!(!w.expire_peers(now + Duration::from_millis(500), Duration::from_secs(1)));
+        assert_eq!(w.in_flight_match([30]), 1);
+        w.expire_peers(now + Duration::from_secs(1), Duration::from_secs(1));
+        assert_eq!(w.in_flight_match([30]), 0, "silent: forgotten");
+        assert_eq!(w.in_flight_match([10, 11]), 2);
+        let _ = w.close(1, now);
+        assert!(w.in_flight_blocks.is_empty());
     }
 
     /// The other replicas' requests count beside ours, fresher than a scrape; a scrape that

@@ -60,7 +60,7 @@ use cursor::Verdict;
 use event::{EventTag, KvEvent, VllmEventProblem};
 use fleet::{Fleet, Role, TicketKey, WorkerId};
 use index::{ApplyOutcome, RadixIndex};
-use load::{Closed, Expected, Load, Reclaimed};
+use load::{Closed, Expected, Load, PeerTicket, Reclaimed};
 use policy::Decision;
 use truth::Prediction;
 
@@ -267,7 +267,8 @@ impl Core {
                 peer,
                 in_flight,
                 survival,
-            } => self.peer_load(peer, in_flight, survival, now, &mut out),
+                tickets,
+            } => self.peer_load(peer, in_flight, survival, tickets, now, &mut out),
             Input::Tick => {
                 self.expire(now, &mut out);
                 self.give_up(now, &mut out);

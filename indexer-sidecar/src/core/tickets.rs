@@ -33,10 +33,15 @@ impl Core {
         peer: &str,
         in_flight: &[(String, u32)],
         survival: &[(String, f64)],
+        tickets: &[(String, Vec<PeerTicket>)],
         now: Instant,
         out: &mut Vec<Happened>,
     ) {
         let counts: HashMap<&str, u32> = in_flight.iter().map(|(w, n)| (w.as_str(), *n)).collect();
+        let tickets: HashMap<&str, &[PeerTicket]> = tickets
+            .iter()
+            .map(|(w, t)| (w.as_str(), t.as_slice()))
+            .collect();
         let survival: HashMap<&str, f64> = survival.iter().map(|(w, s)| (w.as_str(), *s)).collect();
         let ttl = self.peer_load_ttl;
         let mut changed = Vec::new();
@@ -45,6 +50,8 @@ impl Core {
             let expired = w.load.expire_peers(now, ttl);
             w.load
                 .peer_survival(peer, survival.get(&*w.address).copied(), now);
+            let theirs = tickets.get(&*w.address).copied().unwrap_or_default();
+            w.load.peer_tickets(peer, theirs, now);
             if w.load.peer_in_flight(peer, n, now) || expired {
                 changed.push(w.id);
             }
@@ -91,6 +98,16 @@ impl Core {
                 let n = u32::try_from(w.load.own_in_flight()).unwrap_or(u32::MAX);
                 (w.address.to_string(), n)
             })
+            .collect()
+    }
+
+    /// Per worker with any, this replica's open tickets with their prompt blocks: what it
+    /// shares with its peers so they expect what runs there as it does.
+    pub fn own_tickets(&self) -> Vec<(String, Vec<PeerTicket>)> {
+        self.fleet
+            .iter()
+            .filter(|w| w.load.own_in_flight() > 0)
+            .map(|w| (w.address.to_string(), w.load.own_tickets()))
             .collect()
     }
 

@@ -4,7 +4,7 @@
 //! loop ([`super::plane`]) only reads sockets and executes; the facts it gathers from the core
 //! (our reports, what we hold) come in with the event.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -14,6 +14,7 @@ use super::wire::{
 };
 use crate::config::ReplicasConfig;
 use crate::core::digest::{CacheKey, CacheReport, Snapshot};
+use crate::core::load::PeerTicket;
 use crate::core::truth::Truth;
 
 /// How long a snapshot taken for a peer serves its further chunks.
@@ -66,6 +67,8 @@ pub enum Event<'a> {
         in_flight: Vec<(String, u32)>,
         /// (worker address, our own survival estimate).
         survival: Vec<(String, f64)>,
+        /// (worker address, our open tickets there with their prompt blocks).
+        tickets: Vec<(String, Vec<PeerTicket>)>,
     },
     /// The fill interval: our messages lost for at least a fill interval, per cache.
     FillTick {
@@ -181,7 +184,10 @@ pub struct Brain {
     reconcile: bool,
     /// Load shares go out when they change, and at least every `heartbeat`.
     heartbeat: Duration,
+    /// The last load share, its tickets without blocks: the next is due when this changes.
     shared: Option<(LoadShare, Instant)>,
+    /// Our open tickets whose blocks went out (or never will: over a message's budget).
+    blocks_shared: HashSet<u64>,
     taken: HashMap<CacheKey, (Instant, Arc<Snapshot>)>,
 }
 
@@ -198,6 +204,7 @@ impl Brain {
             heartbeat: Duration::from_millis(config.map_or(2000, |c| c.interval_ms)),
             peers: Replicas::new(me, timeout),
             shared: None,
+            blocks_shared: HashSet::new(),
             taken: HashMap::new(),
         }
     }
@@ -234,7 +241,8 @@ impl Brain {
             Event::LoadTick {
                 in_flight,
                 survival,
-            } => self.share_load(in_flight, survival, now),
+                tickets,
+            } => self.share_load(in_flight, survival, tickets, now),
             Event::FillTick { wanted } => wanted
                 .into_iter()
                 .filter_map(|((worker, rank), seqs)| {
@@ -345,17 +353,29 @@ impl Brain {
     }
 
     /// Share our requests in flight and survival estimates when they changed, and every
-    /// interval anyway.
+    /// interval anyway; a ticket's blocks go with its first share only.
     fn share_load(
         &mut self,
         in_flight: Vec<(String, u32)>,
         survival: Vec<(String, f64)>,
+        mut tickets: Vec<(String, Vec<PeerTicket>)>,
         now: Instant,
     ) -> Vec<Effect> {
+        let fresh: HashSet<u64> = tickets
+            .iter()
+            .flat_map(|(_, t)| t)
+            .filter(|t| !self.blocks_shared.contains(&t.seq))
+            .map(|t| t.seq)
+            .collect();
+        let mut bare = tickets.clone();
+        for t in bare.iter_mut().flat_map(|(_, t)| t) {
+            t.blocks = Vec::new();
+        }
         let share = LoadShare {
             replica: self.peers.me().to_owned(),
             in_flight,
             survival,
+            tickets: bare,
         };
         let due = self.shared.as_ref().is_none_or(|(last, at)| {
             *last != share || now.saturating_duration_since(*at) >= self.heartbeat
@@ -363,9 +383,26 @@ impl Brain {
         if !due {
             return Vec::new();
         }
-        let Ok(body) = serde_json::to_vec(&share) else {
+        let mut budget = wire::TICKET_BLOCKS_SHARED;
+        for t in tickets.iter_mut().flat_map(|(_, t)| t) {
+            if !fresh.contains(&t.seq) || t.blocks.len() > budget {
+                t.blocks = Vec::new();
+            }
+            budget -= t.blocks.len();
+        }
+        let sent = LoadShare {
+            tickets,
+            ..share.clone()
+        };
+        let Ok(body) = serde_json::to_vec(&sent) else {
             return Vec::new();
         };
+        self.blocks_shared = sent
+            .tickets
+            .iter()
+            .flat_map(|(_, t)| t)
+            .map(|t| t.seq)
+            .collect();
         self.shared = Some((share, now));
         vec![Effect::Publish {
             subject: self.subjects.loads.clone(),
@@ -531,6 +568,7 @@ mod tests {
                 Event::LoadTick {
                     in_flight: load(n),
                     survival,
+                    tickets: Vec::new(),
                 },
                 at,
             )
@@ -546,6 +584,7 @@ mod tests {
             replica: "a".into(),
             in_flight: load(3),
             survival: Vec::new(),
+            tickets: Vec::new(),
         })
         .unwrap();
         assert!(b.on(Event::PeerLoad(&ours), now).is_empty());
@@ -553,6 +592,7 @@ mod tests {
             replica: "b".into(),
             in_flight: load(3),
             survival: Vec::new(),
+            tickets: Vec::new(),
         })
         .unwrap();
         assert!(
@@ -562,6 +602,60 @@ mod tests {
             &b.on(Event::PeerLoad(b"{"), now)[..],
             [Effect::Ignored { what: "load", .. }]
         ));
+    }
+
+    /// A ticket's blocks go out with its first share only; a ticket's arrival or end is a
+    /// change, and the blocks beyond a message's budget are never sent.
+    #[test]
+    fn tickets_are_shared_with_their_blocks_once() {
+        let (mut b, now) = (brain(), Instant::now());
+        let ticket = |seq, n| PeerTicket {
+            seq,
+            blocks: (0..n).collect(),
+        };
+        let share = |b: &mut Brain, tickets: Vec<PeerTicket>| {
+            let out = b.on(
+                Event::LoadTick {
+                    in_flight: vec![("w1".to_owned(), tickets.len() as u32)],
+                    survival: Vec::new(),
+                    tickets: vec![("w1".to_owned(), tickets)],
+                },
+                now,
+            );
+            match &out[..] {
+                [Effect::Publish { body, .. }] => {
+                    let s: LoadShare = wire::decode(body).unwrap();
+                    Some(
+                        s.tickets[0]
+                            .1
+                            .iter()
+                            .map(|t| (t.seq, t.blocks.len()))
+                            .collect::<Vec<_>>(),
+                    )
+                }
+                [] => None,
+                other => panic!("{other:?}"),
+            }
+        };
+        assert_eq!(share(&mut b, vec![ticket(1, 3)]), Some(vec![(1, 3)]));
+        assert_eq!(share(&mut b, vec![ticket(1, 3)]), None, "unchanged");
+        assert_eq!(
+            share(&mut b, vec![ticket(1, 3), ticket(2, 5)]),
+            Some(vec![(1, 0), (2, 5)]),
+            "the new ticket's blocks only"
+        );
+        assert_eq!(share(&mut b, vec![ticket(2, 5)]), Some(vec![(2, 0)]));
+        let big = wire::TICKET_BLOCKS_SHARED as u64;
+        assert_eq!(
+            share(&mut b, vec![ticket(3, big), ticket(4, 1)]),
+            Some(vec![(3, big as usize), (4, 0)]),
+            "over the budget: without blocks"
+        );
+        assert_eq!(
+            share(&mut b, vec![ticket(4, 1)]),
+            Some(vec![(4, 0)]),
+            "never later"
+        );
     }
 
     /// Lost messages are asked of everyone with our reply subject; a peer's ask is answered,

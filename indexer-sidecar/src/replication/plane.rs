@@ -176,6 +176,7 @@ async fn execute(mut effects: Vec<Effect>, client: &async_nats::Client, state: &
                     peer: &share.replica,
                     in_flight: &share.in_flight,
                     survival: &share.survival,
+                    tickets: &share.tickets,
                 };
                 state.ingest(input, Instant::now());
             }

@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::core::digest::{CacheReport, CHECKPOINTS, RECENT};
 use crate::core::event::KvEvent;
+use crate::core::load::PeerTicket;
 use crate::core::truth::Truth;
 
 pub use crate::core::digest::CacheKey;
@@ -50,7 +51,16 @@ pub struct LoadShare {
     /// worker alike (a replica that does not send them sends none).
     #[serde(default)]
     pub survival: Vec<(String, f64)>,
+    /// (worker address, its requests in flight there): every open ticket, each with its
+    /// prompt's leading blocks the first time it is shared (at most [`TICKET_BLOCKS_SHARED`]
+    /// blocks a message), so every replica expects what runs on a worker as one index would.
+    #[serde(default)]
+    pub tickets: Vec<(String, Vec<PeerTicket>)>,
 }
+
+/// Prompt blocks a load share carries at most (about 20 bytes each as JSON, so under
+/// [`BUDGET`]): tickets beyond go without theirs, and peers count no blocks for them.
+pub const TICKET_BLOCKS_SHARED: usize = 16_384;
 
 /// A request for a peer's snapshot of a cache (`kvroute.replicas.<group>.snapshot.<peer>`),
 /// from entry `offset` on: a big cache comes in chunks of one snapshot.

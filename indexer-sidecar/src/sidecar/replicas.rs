@@ -48,16 +48,22 @@ impl Sidecar {
         effects
     }
 
-    /// The load interval: our own requests in flight and survival estimates, to share.
+    /// The load interval: our own requests in flight (with their prompts' blocks) and
+    /// survival estimates, to share.
     pub fn replica_load_tick(&self, now: Instant) -> Vec<Effect> {
-        let (in_flight, survival) = {
+        let (in_flight, survival, tickets) = {
             let core = self.core();
-            (core.own_in_flight(), core.own_survival())
+            (
+                core.own_in_flight(),
+                core.own_survival(),
+                core.own_tickets(),
+            )
         };
         self.replicate(
             Event::LoadTick {
                 in_flight,
                 survival,
+                tickets,
             },
             now,
         )

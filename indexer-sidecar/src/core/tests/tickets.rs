@@ -146,6 +146,7 @@ fn peer_replicas_load_steers_cold_prompts() {
             peer: "b",
             in_flight: &busy_home,
             survival: &[],
+            tickets: &[],
         },
         now,
     );
@@ -162,6 +163,7 @@ fn peer_replicas_load_steers_cold_prompts() {
             peer: "b",
             in_flight: &[],
             survival: &[],
+            tickets: &[],
         },
         now,
     );
@@ -171,6 +173,7 @@ fn peer_replicas_load_steers_cold_prompts() {
             peer: "b",
             in_flight: &busy_home,
             survival: &[],
+            tickets: &[],
         },
         now,
     );
