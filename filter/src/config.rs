@@ -48,6 +48,10 @@ pub struct FilterConfig {
     /// and reported cached tokens has enough of them; the cost is bounded at this many reads
     /// a second (a 128-token stream: ~0.5 ms of CPU each).
     pub stream_usage_min_per_s: u32,
+    /// Bytes of token ids each VM keeps per model of the chat segments it has seen (a
+    /// conversation's history, a shared system prompt), so a turn tokenizes only what is new
+    /// (`kvroute_prompt::segments`); 0: off.
+    pub token_cache_bytes: usize,
     /// Tests only: a request carrying this header makes the VM trap, as a bug would, so that
     /// Envoy's handling of a failed VM (`failure_policy`) can be checked. Empty (the default):
     /// off. Never set it in production.
@@ -76,6 +80,7 @@ impl Default for FilterConfig {
             read_usage: true,
             stream_usage_every: 32,
             stream_usage_min_per_s: 4,
+            token_cache_bytes: 8 << 20,
             test_trap_header: String::new(),
         }
     }

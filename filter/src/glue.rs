@@ -145,15 +145,25 @@ impl Root {
             return;
         };
         let started = hostcalls::get_current_time().ok();
-        match shared.models.install(&body) {
+        let token_cache_bytes = shared.config.token_cache_bytes;
+        match shared.models.install(&body, token_cache_bytes) {
             Ok((model, version)) => {
                 let blocks = warm_up(&shared.models, &shared.config, &model);
                 let took = started
                     .and_then(|t| hostcalls::get_current_time().ok()?.duration_since(t).ok())
                     .unwrap_or_default();
+                let cache = match shared
+                    .models
+                    .get(&model)
+                    .map(|m| m.preprocessor.token_cache())
+                {
+                    Some(Some(c)) => format!("token cache cutting before {:?}", c.cuts()),
+                    _ if token_cache_bytes == 0 => "no token cache (token_cache_bytes = 0)".into(),
+                    _ => "no token cache (its chats cannot be cut exactly)".into(),
+                };
                 log::info!(
                     "kvroute: loaded bundle of model {model} version {version} in {} ms \
-                     (warm-up request: {blocks} blocks)",
+                     (warm-up request: {blocks} blocks; {cache})",
                     took.as_millis()
                 );
                 shared.bump(Counter::BundlesLoaded, 1);
@@ -401,9 +411,21 @@ impl HttpContext for Request {
         if let Some(key) = &planned.key {
             self.set_header(&config.key_header, Some(key));
         }
-        self.shared
-            .borrow()
-            .bump(Counter::PromptBlocks, planned.blocks as u64);
+        {
+            let shared = self.shared.borrow();
+            shared.bump(Counter::PromptBlocks, planned.blocks as u64);
+            let used = planned.segments;
+            shared.bump(Counter::TokenSegmentsFound, u64::from(used.found));
+            shared.bump(Counter::TokenSegmentsTokenized, u64::from(used.tokenized));
+            if used.mismatch {
+                log::error!(
+                    "kvroute: a prompt cut at special tokens tokenized differently from the whole \
+                     prompt; this VM's token cache for its model is off (the request used the \
+                     whole prompt's ids)"
+                );
+                shared.bump(Counter::TokenCacheMismatches, 1);
+            }
+        }
         let mut hint = match planned.next {
             Next::Fallback(reason) => return self.fall_back(reason),
             Next::Ask(hint) => hint,

@@ -23,6 +23,13 @@ pub enum Counter {
     BundleErrors,
     /// Host calls that failed (header writes, resume); the request still goes on.
     HostErrors,
+    /// Chat segments whose token ids the token cache had.
+    TokenSegmentsFound,
+    /// Chat segments tokenized (not in the token cache).
+    TokenSegmentsTokenized,
+    /// Checks of the token cache against the whole prompt's ids that differed (the cache is
+    /// then off for that model in that VM).
+    TokenCacheMismatches,
 }
 
 /// Why a request went on without a hint.
@@ -91,6 +98,9 @@ impl Counter {
             Counter::BundlesLoaded,
             Counter::BundleErrors,
             Counter::HostErrors,
+            Counter::TokenSegmentsFound,
+            Counter::TokenSegmentsTokenized,
+            Counter::TokenCacheMismatches,
         ]
         .into_iter()
         .chain(FallbackReason::ALL.into_iter().map(Counter::Fallback))
@@ -109,6 +119,9 @@ impl Counter {
             Counter::BundlesLoaded => "kvroute.bundles.loaded".into(),
             Counter::BundleErrors => "kvroute.bundles.errors".into(),
             Counter::HostErrors => "kvroute.host_errors".into(),
+            Counter::TokenSegmentsFound => "kvroute.token_cache.found".into(),
+            Counter::TokenSegmentsTokenized => "kvroute.token_cache.tokenized".into(),
+            Counter::TokenCacheMismatches => "kvroute.token_cache.mismatches".into(),
         }
     }
 }

@@ -100,11 +100,17 @@ impl ModelRegistry {
             .collect()
     }
 
-    /// Build and install a fetched bundle; returns (model, version).
-    pub fn install(&mut self, body: &[u8]) -> Result<(String, String), InstallError> {
+    /// Build and install a fetched bundle with a token cache of `token_cache_bytes`; returns
+    /// (model, version).
+    pub fn install(
+        &mut self,
+        body: &[u8],
+        token_cache_bytes: usize,
+    ) -> Result<(String, String), InstallError> {
         let bundle: ModelBundle = serde_json::from_slice(body).map_err(InstallError::Json)?;
         match Preprocessor::from_bundle(&bundle) {
             Ok(preprocessor) => {
+                let preprocessor = preprocessor.with_token_cache(&bundle, token_cache_bytes);
                 self.failed.remove(&bundle.model);
                 self.loaded.insert(
                     bundle.model.clone(),
@@ -157,7 +163,9 @@ pub(crate) mod tests {
             reg.reconcile(&catalog(&[("tiny", &bundle.version)])),
             vec!["tiny"]
         );
-        let (model, version) = reg.install(&serde_json::to_vec(&bundle).unwrap()).unwrap();
+        let (model, version) = reg
+            .install(&serde_json::to_vec(&bundle).unwrap(), 1 << 20)
+            .unwrap();
         assert_eq!(
             (model.as_str(), version.as_str()),
             ("tiny", bundle.version.as_str())
@@ -181,13 +189,13 @@ pub(crate) mod tests {
         bundle.tokenizer_json = "{\"model\": {\"type\": \"Nope\"}}".into();
         bundle.version = "broken".into();
         let err = reg
-            .install(&serde_json::to_vec(&bundle).unwrap())
+            .install(&serde_json::to_vec(&bundle).unwrap(), 1 << 20)
             .unwrap_err();
         assert!(err.to_string().contains("tiny"), "{err}");
         assert!(reg.reconcile(&catalog(&[("tiny", "broken")])).is_empty());
         assert_eq!(reg.reconcile(&catalog(&[("tiny", "fixed")])), vec!["tiny"]);
         assert!(matches!(
-            reg.install(b"not json"),
+            reg.install(b"not json", 1 << 20),
             Err(InstallError::Json(_))
         ));
     }

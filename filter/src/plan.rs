@@ -1,6 +1,6 @@
 //! What the filter does with a request: pure decisions, no host calls.
 
-use kvroute_prompt::{LlmRequest, PromptError, PromptInput};
+use kvroute_prompt::{LlmRequest, PromptError, PromptInput, SegmentUse};
 use kvroute_protocol::hint::{HintRequest, HintResponse};
 use serde_json::Value;
 use xxhash_rust::xxh3::xxh3_64;
@@ -31,6 +31,8 @@ pub struct Plan {
     pub next: Next,
     /// Full blocks in the prompt (0 when it was not tokenized).
     pub blocks: usize,
+    /// What the token cache did for it.
+    pub segments: SegmentUse,
 }
 
 /// What a planned request does next.
@@ -71,6 +73,7 @@ pub fn plan(
         key,
         next: Next::Fallback(reason),
         blocks: 0,
+        segments: SegmentUse::default(),
     };
     let req = match LlmRequest::parse(body) {
         Ok(r) => r,
@@ -119,6 +122,7 @@ pub fn plan(
     if !cfg.hints {
         return Plan {
             blocks,
+            segments: hashed.segments,
             ..unhinted(key, FallbackReason::HintsDisabled)
         };
     }
@@ -130,6 +134,7 @@ pub fn plan(
             finished: Vec::new(),
         }),
         blocks,
+        segments: hashed.segments,
     }
 }
 
@@ -198,8 +203,11 @@ mod tests {
 
     fn registry(block_size: u32) -> ModelRegistry {
         let mut reg = ModelRegistry::default();
-        reg.install(&serde_json::to_vec(&tiny_bundle(block_size)).unwrap())
-            .unwrap();
+        reg.install(
+            &serde_json::to_vec(&tiny_bundle(block_size)).unwrap(),
+            1 << 20,
+        )
+        .unwrap();
         reg
     }
 
@@ -210,6 +218,38 @@ mod tests {
         ]})
         .to_string()
         .into_bytes()
+    }
+
+    /// The next turn of a chat finds its history in the VM's token cache and plans the same
+    /// hint a VM without one does.
+    #[test]
+    fn a_next_turn_finds_its_history_in_the_token_cache() {
+        let (cached, cfg) = (registry(4), FilterConfig::default());
+        let mut plain = ModelRegistry::default();
+        plain
+            .install(&serde_json::to_vec(&tiny_bundle(4)).unwrap(), 0)
+            .unwrap();
+        let turn = |n: usize| {
+            let mut messages = vec![serde_json::json!({"role": "system", "content": "Be brief."})];
+            for t in 0..n {
+                messages
+                    .push(serde_json::json!({"role": "user", "content": format!("question {t}")}));
+                messages.push(
+                    serde_json::json!({"role": "assistant", "content": format!("answer {t}")}),
+                );
+            }
+            serde_json::json!({"model": "tiny", "messages": messages})
+                .to_string()
+                .into_bytes()
+        };
+        let first = plan(&turn(3), &cached, &cfg, None);
+        assert!(first.segments.tokenized > 0, "{:?}", first.segments);
+        let next = plan(&turn(4), &cached, &cfg, None);
+        assert_eq!(next.segments.tokenized, 2, "{:?}", next.segments);
+        assert!(next.segments.found > 0);
+        let uncached = plan(&turn(4), &plain, &cfg, None);
+        assert_eq!(uncached.segments, SegmentUse::default());
+        assert_eq!(next.hint(), uncached.hint());
     }
 
     /// A LoRA adapter served under its own name uses its base model's bundle and index, with

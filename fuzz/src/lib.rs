@@ -130,10 +130,12 @@ fn preprocessor() -> &'static Preprocessor {
 fn registry() -> &'static (ModelRegistry, FilterConfig) {
     static REG: OnceLock<(ModelRegistry, FilterConfig)> = OnceLock::new();
     REG.get_or_init(|| {
-        let mut models = ModelRegistry::default();
+        let (mut models, config) = (ModelRegistry::default(), FilterConfig::default());
         let body = serde_json::to_vec(&bundle()).expect("a bundle serializes");
-        models.install(&body).expect("the example bundle installs");
-        (models, FilterConfig::default())
+        models
+            .install(&body, config.token_cache_bytes)
+            .expect("the example bundle installs");
+        (models, config)
     })
 }
 

@@ -11,6 +11,7 @@
 
 pub mod model_dir;
 pub mod request;
+pub mod segments;
 pub mod template;
 pub mod tokenizer;
 
@@ -18,6 +19,7 @@ use kvroute_protocol::bundle::ModelBundle;
 use kvroute_protocol::hash::{token_prefix_hashes, HashSeed, PrefixHash};
 
 pub use request::{LlmRequest, PromptInput, RequestError};
+pub use segments::{SegmentUse, Segmenter};
 pub use template::{ChatTemplate, TemplateError};
 pub use tokenizer::{Tokenizer, TokenizerError};
 
@@ -54,6 +56,8 @@ pub struct Preprocessor {
     template: Option<ChatTemplate>,
     tokenizer: Tokenizer,
     block_size: usize,
+    /// Token ids of chat segments seen before ([`Preprocessor::with_token_cache`]).
+    segments: Option<Segmenter>,
 }
 
 /// A processed request: its tokens and the prefix hash of each full block.
@@ -63,6 +67,23 @@ pub struct PromptHashes {
     pub tokens: Vec<u32>,
     /// One prefix hash per full block.
     pub hashes: Vec<PrefixHash>,
+    /// What the token cache did for it (nothing without one).
+    pub segments: SegmentUse,
+}
+
+/// A chat the template renders when a token cache is set up: the special tokens it contains
+/// are where prompts are cut, and its ids cut and whole must agree.
+fn sample_chat() -> Result<request::ChatInput, RequestError> {
+    let body = serde_json::json!({"model": "sample", "messages": [
+        {"role": "system", "content": "You are a helpful assistant. Answer briefly.\n"},
+        {"role": "user", "content": "  Hello,  world! What's 2+2?\n\nAlso: café, naïve, 東京 🙂 "},
+        {"role": "assistant", "content": "4.\n\tThat is all."},
+        {"role": "user", "content": "Thanks — and the <b>next</b> one?"}
+    ]});
+    match LlmRequest::parse(body.to_string().as_bytes())?.input {
+        PromptInput::Chat(chat) => Ok(chat),
+        _ => Err(RequestError::NoPrompt("the sample is a chat")),
+    }
 }
 
 impl Preprocessor {
@@ -86,7 +107,47 @@ impl Preprocessor {
             template,
             tokenizer: Tokenizer::from_json(&bundle.tokenizer_json)?,
             block_size: bundle.block_size as usize,
+            segments: None,
         })
+    }
+
+    /// Keep the token ids of chat segments seen before, at most `budget_bytes` of them
+    /// ([`segments`]); nothing without a template, or where the model's prompts cannot be cut
+    /// exactly (say so through [`Preprocessor::token_cache`]).
+    pub fn with_token_cache(mut self, bundle: &ModelBundle, budget_bytes: usize) -> Self {
+        let sample = match (&self.template, sample_chat()) {
+            (Some(template), Ok(chat)) => template.render(&chat).ok(),
+            _ => None,
+        };
+        self.segments = sample.and_then(|sample| {
+            Segmenter::new(
+                &bundle.tokenizer_json,
+                &self.tokenizer,
+                &sample,
+                budget_bytes,
+            )
+        });
+        self
+    }
+
+    /// The token cache, if one is set up and the model's prompts can be cut exactly.
+    pub fn token_cache(&self) -> Option<&Segmenter> {
+        self.segments.as_ref()
+    }
+
+    /// A rendered chat's ids, through the token cache where there is one.
+    fn encode_chat(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<(Vec<u32>, SegmentUse), TokenizerError> {
+        match &self.segments {
+            Some(segments) if !add_special_tokens => segments.encode(text, &self.tokenizer),
+            _ => Ok((
+                self.tokenizer.encode(text, add_special_tokens)?,
+                SegmentUse::default(),
+            )),
+        }
     }
 
     /// Tokens per KV block.
@@ -108,20 +169,25 @@ impl Preprocessor {
 
     /// Token ids exactly as the engine sees them.
     pub fn tokens(&self, req: &LlmRequest) -> Result<Vec<u32>, PromptError> {
+        Ok(self.tokens_used(req)?.0)
+    }
+
+    /// The same, and what the token cache did.
+    fn tokens_used(&self, req: &LlmRequest) -> Result<(Vec<u32>, SegmentUse), PromptError> {
         match &req.input {
             PromptInput::Chat(chat) => {
                 let template = self.template.as_ref().ok_or(TemplateError::Missing)?;
                 let text = template.render(chat)?;
                 // The template already holds BOS and friends: engines encode chat prompts
                 // without adding special tokens unless the request asks (vLLM's default: no).
-                Ok(self
-                    .tokenizer
-                    .encode(&text, req.add_special_tokens.unwrap_or(false))?)
+                Ok(self.encode_chat(&text, req.add_special_tokens.unwrap_or(false))?)
             }
-            PromptInput::Text(text) => Ok(self
-                .tokenizer
-                .encode(text, req.add_special_tokens.unwrap_or(true))?),
-            PromptInput::TokenIds(ids) => Ok(ids.clone()),
+            PromptInput::Text(text) => Ok((
+                self.tokenizer
+                    .encode(text, req.add_special_tokens.unwrap_or(true))?,
+                SegmentUse::default(),
+            )),
+            PromptInput::TokenIds(ids) => Ok((ids.clone(), SegmentUse::default())),
         }
     }
 
@@ -134,20 +200,24 @@ impl Preprocessor {
             PromptInput::Chat(chat) => chat.text_prefix(),
             _ => None,
         };
-        let tokens = match prefix {
-            None => self.tokens(req)?,
-            Some(prefix) if prefix.messages.is_empty() => Vec::new(),
+        let (tokens, segments) = match prefix {
+            None => self.tokens_used(req)?,
+            Some(prefix) if prefix.messages.is_empty() => (Vec::new(), SegmentUse::default()),
             Some(prefix) => {
                 let template = self.template.as_ref().ok_or(TemplateError::Missing)?;
                 let special = req.add_special_tokens.unwrap_or(false);
-                let mut tokens = self.tokenizer.encode(&template.render(&prefix)?, special)?;
+                let (mut tokens, used) = self.encode_chat(&template.render(&prefix)?, special)?;
                 let safe_blocks = (tokens.len() / self.block_size).saturating_sub(1);
                 tokens.truncate(safe_blocks * self.block_size);
-                tokens
+                (tokens, used)
             }
         };
         let hashes = token_prefix_hashes(&tokens, self.block_size, seed);
-        Ok(PromptHashes { tokens, hashes })
+        Ok(PromptHashes {
+            tokens,
+            hashes,
+            segments,
+        })
     }
 }
 

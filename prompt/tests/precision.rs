@@ -88,3 +88,78 @@ fn every_fixture_renders_and_tokenizes_like_transformers() {
         failures.join("\n")
     );
 }
+
+/// With the token cache ([`Preprocessor::with_token_cache`]) every fixture's ids are still
+/// transformers' own: each request cold, then again with every segment of every request seen
+/// (the warm pass finds them in the cache), then conversations that grow turn by turn. The
+/// `bpe-special` tokenizer has every template family's special tokens (`</think>` with
+/// `rstrip`, `<tool_call>` with `lstrip` among them), so its six models are cut between
+/// messages; the other tokenizers know few of them, and a model whose sample chat holds none
+/// has no cache.
+#[test]
+fn the_token_cache_gives_every_fixture_transformers_ids() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/precision");
+    let read = |name: &str| std::fs::read_to_string(dir.join(name)).unwrap();
+    let expected: Expected = serde_json::from_str(&read("expected.json")).unwrap();
+    let requests: Vec<Value> = serde_json::from_str(&read("requests.json")).unwrap();
+    let (mut failures, mut checked, mut found) = (Vec::new(), 0, 0u64);
+    let mut uncut = Vec::new();
+    for (model, cases) in &expected.models {
+        let bundle = load_bundle(&dir.join("models").join(model), model, 16).unwrap();
+        let plain = Preprocessor::from_bundle(&bundle).unwrap();
+        let pre = Preprocessor::from_bundle(&bundle)
+            .unwrap()
+            .with_token_cache(&bundle, 1 << 20);
+        if pre.token_cache().is_none() {
+            uncut.push(model.clone());
+        }
+        for pass in ["cold", "warm"] {
+            for (i, body) in requests.iter().enumerate() {
+                let Some(want) = &cases.ids[i] else { continue };
+                let req = LlmRequest::parse(body.to_string().as_bytes()).unwrap();
+                checked += 1;
+                match pre.hashes(&req) {
+                    Ok(got) if &got.tokens == want => found += u64::from(got.segments.found),
+                    Ok(got) => failures.push(format!(
+                        "{model} #{i} ({pass}): ids differ\n  want {want:?}\n  got  {:?}",
+                        got.tokens
+                    )),
+                    Err(e) => failures.push(format!("{model} #{i} ({pass}): {e}")),
+                }
+            }
+        }
+        // A conversation growing turn by turn, against the same model without a cache.
+        let mut messages = vec![serde_json::json!({"role": "system", "content": "Be brief."})];
+        for turn in 0..6 {
+            messages.push(serde_json::json!({"role": "user", "content": format!("Question {turn}: why   is\tthe sky blue? ")}));
+            let body = serde_json::json!({"model": model, "messages": messages});
+            let req = LlmRequest::parse(body.to_string().as_bytes()).unwrap();
+            checked += 1;
+            match (plain.tokens(&req), pre.hashes(&req)) {
+                (Ok(want), Ok(got)) if want == got.tokens => {}
+                (Err(_), Err(_)) => {}
+                (want, got) => failures.push(format!(
+                    "{model} turn {turn}: {want:?} against {:?}",
+                    got.map(|g| g.tokens)
+                )),
+            }
+            messages.push(
+                serde_json::json!({"role": "assistant", "content": format!(" Answer {turn}.\n")}),
+            );
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {checked} cases differ:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    assert!(
+        uncut.iter().all(|m| !m.starts_with("bpe-special")),
+        "no token cache for {uncut:?}"
+    );
+    assert!(
+        found > checked as u64,
+        "segments found: {found} in {checked} cases"
+    );
+}

@@ -176,7 +176,9 @@ async fn shared_load_keeps_four_replicas_like_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn datapath_benchmark_smoke() {
     let out = paths::run_dir("bench-datapath-smoke").unwrap();
-    let doc = datapath::run(Scale::Smoke, &out).await.unwrap();
+    let doc = datapath::run(Scale::Smoke, &out, &datapath::Selection::default())
+        .await
+        .unwrap();
     for setup in ["plain", "kvroute", "kvroute_uds"] {
         let c = &doc["cases"]["1k"][setup];
         assert_eq!(c["errors"], 0, "{setup}: {c}");

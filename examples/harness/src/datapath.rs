@@ -2,9 +2,10 @@
 //!
 //! The same upstream that answers at once (the simulator's `--instant` mode), behind plain Envoy
 //! and behind Envoy + kvroute (filter alone with hints off; filter + sidecar, over TCP and over
-//! a Unix socket), with chat
-//! prompts of about 1k, 8k and 32k tokens, one request at a time and 16 at once. Reports latency
-//! p50/p99, requests/s and Envoy CPU per request (from /proc, user + system time).
+//! a Unix socket; without the token cache; without reading usage), with chat prompts never seen
+//! of about 1k, 8k and 32k tokens and the next turn of an ~8k-token conversation, one request at
+//! a time and 16 at once. Reports latency p50/p99, requests/s and Envoy CPU per request (from
+//! /proc, user + system time).
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -18,21 +19,55 @@ use crate::stack::MODEL;
 use crate::workload::{words, Rng};
 use crate::{paths, Mode, Stack, StackOptions};
 
-/// A chat body whose prompt is about `tokens` tokens for the demo model.
+/// Where a request's body says which request it is: replaced by its number as it is sent, so
+/// no two requests of a run are the same prompt.
+pub const REQUEST_MARK: &str = "@@request@@";
+
+/// A chat body whose prompt is about `tokens` tokens for the demo model: one user message,
+/// starting with [`REQUEST_MARK`] — every request a prompt never seen.
 pub fn body_of(tokens: usize) -> Result<Value> {
+    grow(tokens, |text| {
+        json!({"model": MODEL, "max_tokens": 1, "messages": [
+            {"role": "user", "content": format!("{REQUEST_MARK} {text}")}]})
+    })
+}
+
+/// A chat whose history is about `tokens` tokens (turns of ~400 tokens each), then a new
+/// question with [`REQUEST_MARK`]: every request the next turn of a conversation seen before.
+pub fn history_of(tokens: usize) -> Result<Value> {
+    grow(tokens, |text| {
+        let mut messages =
+            vec![json!({"role": "system", "content": "You are a careful assistant."})];
+        let words: Vec<&str> = text.split(' ').collect();
+        for (i, turn) in words.chunks(300).enumerate() {
+            let role = if i % 2 == 0 { "user" } else { "assistant" };
+            messages.push(json!({"role": role, "content": turn.join(" ")}));
+        }
+        if messages.len() % 2 == 0 {
+            messages.push(json!({"role": "assistant", "content": "Understood."}));
+        }
+        messages.push(json!({"role": "user", "content": format!("{REQUEST_MARK}: and then?")}));
+        json!({"model": MODEL, "max_tokens": 1, "messages": messages})
+    })
+}
+
+/// The body `make` builds from pseudo-random words, grown until its prompt has `tokens`.
+fn grow(tokens: usize, make: impl Fn(&str) -> Value) -> Result<Value> {
     let bundle = kvroute_prompt::model_dir::load_bundle(&paths::model_dir(), MODEL, 16)?;
     let pre = kvroute_prompt::Preprocessor::from_bundle(&bundle)?;
     let mut rng = Rng::new(tokens as u64);
     let mut text = String::new();
     loop {
-        let body = json!({"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": text}]});
+        let body = make(&text);
         let req = kvroute_prompt::LlmRequest::parse(body.to_string().as_bytes())?;
         let n = pre.tokens(&req)?.len();
         if n >= tokens {
             return Ok(body);
         }
         let more = ((tokens - n) / 2).max(8);
-        text.push(' ');
+        if !text.is_empty() {
+            text.push(' ');
+        }
         text.push_str(&words(&mut rng, more));
     }
 }
@@ -49,12 +84,15 @@ fn cpu_seconds(pid: u32) -> Result<f64> {
 async fn load(stack: &Stack, body: &Value, concurrency: usize, requests: usize) -> Result<Value> {
     let url = format!("{}/v1/chat/completions", stack.envoy_url);
     let payload = body.to_string();
+    let numbered = |n: usize| payload.replacen(REQUEST_MARK, &format!("request {n}"), 1);
+    static SENT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let number = || SENT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     // Warm up connections and the filter.
     for _ in 0..5 {
         stack
             .http
             .post(&url)
-            .body(payload.clone())
+            .body(numbered(number()))
             .send()
             .await?
             .bytes()
@@ -67,12 +105,13 @@ async fn load(stack: &Stack, body: &Value, concurrency: usize, requests: usize) 
     let worker = || async {
         let mut lat = Vec::new();
         while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < requests {
+            let body = numbered(number());
             let t = Instant::now();
             let ok = match stack
                 .http
                 .post(&url)
                 .header("content-type", "application/json")
-                .body(payload.clone())
+                .body(body)
                 .send()
                 .await
             {
@@ -213,24 +252,98 @@ async fn usage_cost(rounds: usize, requests: usize) -> Result<Value> {
 }
 
 /// Run every case; write `datapath.json` into `out`.
-pub async fn run(scale: Scale, out: &Path) -> Result<Value> {
-    let all: &[(&str, usize)] = &[("1k", 1000), ("8k", 8000), ("32k", 32000)];
-    let sizes = if scale == Scale::Smoke {
-        &all[..1]
-    } else {
-        all
-    };
-    // `filter_only`: the filter with hints off — parse, template, tokenize and hash inside
-    // Envoy, no sidecar call: what preparing a request costs on the event loop.
-    // `kvroute_no_usage`: the same without reading the responses' usage, so `kvroute −
-    // kvroute_no_usage` is what reading them costs.
-    let setups: [(&str, Mode, bool, bool); 5] = [
-        ("plain", Mode::RoundRobin, false, true),
-        ("filter_only", Mode::RingHash, false, true),
-        ("kvroute", Mode::Kvroute, false, true),
-        ("kvroute_no_usage", Mode::Kvroute, false, false),
-        ("kvroute_uds", Mode::Kvroute, true, true),
+/// What a run measures: every setup and size (empty: all), each setup `rounds` times in turn
+/// (round 1 every setup, then round 2 …), so two setups compared are measured minutes apart
+/// at most and the shared machine's drift shows as a spread.
+#[derive(Debug, Clone)]
+pub struct Selection {
+    /// Setups by name (`plain`, `filter_only`, …), run in this order; empty: all.
+    pub setups: Vec<String>,
+    /// Prompt sizes by name (`1k`, `8k`, `8k_turn`, `32k`); empty: all.
+    pub sizes: Vec<String>,
+    /// Rounds.
+    pub rounds: usize,
+}
+
+impl Default for Selection {
+    fn default() -> Self {
+        Selection {
+            setups: Vec::new(),
+            sizes: Vec::new(),
+            rounds: 1,
+        }
+    }
+}
+
+/// A setup: its name, routing mode, sidecar over a Unix socket, usage read, token cache on.
+type Setup = (&'static str, Mode, bool, bool, bool);
+
+/// `filter_only`: the filter with hints off — parse, template, tokenize and hash inside Envoy,
+/// no sidecar call: what preparing a request costs on the event loop. `kvroute_no_usage`: the
+/// same as `kvroute` without reading the responses' usage, so `kvroute − kvroute_no_usage` is
+/// what reading them costs. `…_no_token_cache`: with the filter's token cache off, so each pair
+/// shows what the cache saves.
+const SETUPS: [Setup; 7] = [
+    ("plain", Mode::RoundRobin, false, true, true),
+    ("filter_only", Mode::RingHash, false, true, true),
+    (
+        "filter_only_no_token_cache",
+        Mode::RingHash,
+        false,
+        true,
+        false,
+    ),
+    ("kvroute", Mode::Kvroute, false, true, true),
+    ("kvroute_no_token_cache", Mode::Kvroute, false, true, false),
+    ("kvroute_no_usage", Mode::Kvroute, false, false, true),
+    ("kvroute_uds", Mode::Kvroute, true, true, true),
+];
+
+/// The round whose c=1 p50 is the median of `rounds` (each a `load` result), with every
+/// round's p50 beside it.
+fn median_round(mut rounds: Vec<Value>) -> Value {
+    let p50 = |v: &Value| v["p50_us"].as_f64().unwrap_or(f64::NAN);
+    let all: Vec<f64> = rounds.iter().map(p50).collect();
+    rounds.sort_by(|a, b| p50(a).total_cmp(&p50(b)));
+    let mut median = rounds.swap_remove(rounds.len() / 2);
+    median["p50_us_rounds"] = json!(all);
+    median
+}
+
+/// Run `selection` at `scale`; writes `out/datapath.json`.
+pub async fn run(scale: Scale, out: &Path, selection: &Selection) -> Result<Value> {
+    // `8k_turn`: the next turn of an ~8k-token conversation (the filter's token cache has its
+    // history from the warm-up requests on); the others are prompts never seen.
+    type Body = fn(usize) -> Result<Value>;
+    let all: &[(&str, usize, Body)] = &[
+        ("1k", 1000, body_of),
+        ("8k", 8000, body_of),
+        ("8k_turn", 8000, history_of),
+        ("32k", 32000, body_of),
     ];
+    let wanted = |list: &[String], name: &str| list.is_empty() || list.iter().any(|n| n == name);
+    let sizes: Vec<_> = all
+        .iter()
+        .filter(|(name, ..)| wanted(&selection.sizes, name))
+        .take(if scale == Scale::Smoke { 1 } else { all.len() })
+        .collect();
+    // In the order asked for, so an A/B can be run both ways round.
+    let setups: Vec<Setup> = if selection.setups.is_empty() {
+        SETUPS.to_vec()
+    } else {
+        selection
+            .setups
+            .iter()
+            .filter_map(|name| SETUPS.into_iter().find(|s| s.0 == name))
+            .collect()
+    };
+    anyhow::ensure!(
+        !sizes.is_empty() && !setups.is_empty(),
+        "nothing selected: setups {:?} of {:?}, sizes {:?}",
+        selection.setups,
+        SETUPS.map(|s| s.0),
+        selection.sizes
+    );
     let (n1, n16) = match scale {
         Scale::Smoke => (5, 16),
         Scale::Quick => (40, 120),
@@ -238,52 +351,80 @@ pub async fn run(scale: Scale, out: &Path) -> Result<Value> {
     };
     let bodies: Vec<(&str, Value)> = sizes
         .iter()
-        .map(|(name, tokens)| Ok((*name, body_of(*tokens)?)))
+        .map(|(name, tokens, body)| Ok((*name, body(*tokens)?)))
         .collect::<Result<_>>()?;
-    let mut cases = serde_json::Map::new();
+    // (size, setup, concurrency) → one result per round.
+    let mut results: std::collections::BTreeMap<(String, String, usize), Vec<Value>> =
+        Default::default();
     let (mut memory, mut bundle_ms) = (serde_json::Map::new(), serde_json::Map::new());
-    for (name, _) in &bodies {
-        cases.insert((*name).to_owned(), json!({}));
+    for round in 1..=selection.rounds.max(1) {
+        for &(setup, mode, uds, read_usage, token_cache) in &setups {
+            let mut opts = StackOptions::new(&format!("datapath-{setup}"), mode);
+            opts.filter_extra
+                .insert("read_usage".into(), read_usage.into());
+            if !token_cache {
+                opts.filter_extra
+                    .insert("token_cache_bytes".into(), 0.into());
+            }
+            opts.sim.instant = true;
+            opts.sim.engines = 1;
+            opts.sidecar_uds = uds;
+            opts.hint_timeout_ms = 1000;
+            let stack = Stack::start(opts).await?;
+            for (name, body) in &bodies {
+                let c1 = load(&stack, body, 1, n1).await?;
+                let c16 = load(&stack, body, 16, n16).await?;
+                println!(
+                    "[round {round}] {setup:>12} {name:>4}: c=1 {c1}\n{:>17}  c=16 {c16}",
+                    ""
+                );
+                for (c, r) in [(1, c1), (16, c16)] {
+                    let key = ((*name).to_owned(), setup.to_owned(), c);
+                    results.entry(key).or_default().push(r);
+                }
+            }
+            memory.insert(setup.to_owned(), envoy_memory(&stack).await?);
+            if mode != Mode::RoundRobin {
+                bundle_ms.insert(setup.to_owned(), json!(bundle_load_ms(&stack.dir)));
+            }
+            // Let Envoy settle between setups: the next one starts its own.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     }
-    for (setup, mode, uds, read_usage) in setups {
-        let mut opts = StackOptions::new(&format!("datapath-{setup}"), mode);
-        opts.filter_extra
-            .insert("read_usage".into(), read_usage.into());
-        opts.sim.instant = true;
-        opts.sim.engines = 1;
-        opts.sidecar_uds = uds;
-        opts.hint_timeout_ms = 1000;
-        let stack = Stack::start(opts).await?;
-        for (name, body) in &bodies {
-            let c1 = load(&stack, body, 1, n1).await?;
-            let c16 = load(&stack, body, 16, n16).await?;
-            println!("{setup:>12} {name:>4}: c=1 {c1}\n{:>17}  c=16 {c16}", "");
-            let case = cases.get_mut(*name).expect("case");
-            case[setup] = c1;
-            case[format!("{setup}_c16")] = c16;
-        }
-        memory.insert(setup.to_owned(), envoy_memory(&stack).await?);
-        if mode != Mode::RoundRobin {
-            bundle_ms.insert(setup.to_owned(), json!(bundle_load_ms(&stack.dir)));
-        }
-        // Let Envoy settle between setups: the next one starts its own.
-        tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut cases = serde_json::Map::new();
+    for ((size, setup, c), rounds) in results {
+        let case = cases.entry(size).or_insert_with(|| json!({}));
+        let key = if c == 1 {
+            setup
+        } else {
+            format!("{setup}_c16")
+        };
+        case[key] = median_round(rounds);
     }
     for case in cases.values_mut() {
-        let plain = case["plain"]["p50_us"].as_f64().unwrap_or(0.0);
-        let kv = case["kvroute"]["p50_us"].as_f64().unwrap_or(0.0);
-        case["added_p50_us"] = json!(kv - plain);
-        let prepare = case["filter_only"]["p50_us"].as_f64().unwrap_or(0.0);
-        case["prepare_p50_us"] = json!(prepare - plain);
-        let unread = case["kvroute_no_usage"]["p50_us"].as_f64().unwrap_or(0.0);
-        case["usage_p50_us"] = json!(kv - unread);
-        let cpu = |setup: &str| {
-            case[setup]["envoy_cpu_us_per_request"]
-                .as_f64()
-                .unwrap_or(0.0)
-        };
-        let usage_cpu = cpu("kvroute") - cpu("kvroute_no_usage");
-        case["usage_cpu_us"] = json!(usage_cpu);
+        let p50 = |setup: &str| case[setup]["p50_us"].as_f64();
+        let cpu = |setup: &str| case[setup]["envoy_cpu_us_per_request"].as_f64();
+        let differences = [
+            ("added_p50_us", p50("kvroute"), p50("plain")),
+            ("prepare_p50_us", p50("filter_only"), p50("plain")),
+            (
+                "prepare_no_token_cache_p50_us",
+                p50("filter_only_no_token_cache"),
+                p50("plain"),
+            ),
+            (
+                "token_cache_saves_p50_us",
+                p50("kvroute_no_token_cache"),
+                p50("kvroute"),
+            ),
+            ("usage_p50_us", p50("kvroute"), p50("kvroute_no_usage")),
+            ("usage_cpu_us", cpu("kvroute"), cpu("kvroute_no_usage")),
+        ];
+        for (name, a, b) in differences {
+            if let (Some(a), Some(b)) = (a, b) {
+                case[name] = json!(a - b);
+            }
+        }
     }
     // Envoy runs one VM per worker thread plus one on the main thread.
     let vms = (StackOptions::new("", Mode::Kvroute).envoy_concurrency + 1) as f64;
@@ -294,7 +435,11 @@ pub async fn run(scale: Scale, out: &Path) -> Result<Value> {
         Scale::Quick => (2, 200),
         Scale::Full => (6, 1000),
     };
-    let usage = usage_cost(rounds, requests).await?;
+    let usage = if selection.setups.is_empty() {
+        usage_cost(rounds, requests).await?
+    } else {
+        Value::Null
+    };
     let doc = json!({"cases": cases, "scale": format!("{scale:?}"), "usage_cost": usage,
         "envoy_memory": memory, "bundle_load_ms": bundle_ms,
         "filter_memory_per_vm_bytes": (filter_mem - plain_mem) / vms});

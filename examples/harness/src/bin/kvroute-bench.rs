@@ -54,7 +54,20 @@ enum Command {
         max_running: usize,
     },
     /// Plain Envoy vs Envoy + kvroute on an instant upstream.
-    Datapath,
+    Datapath {
+        /// Only these setups (comma-separated: plain, filter_only, filter_only_no_token_cache,
+        /// kvroute, kvroute_no_token_cache, kvroute_no_usage, kvroute_uds; default all, and the
+        /// usage A/B only then).
+        #[arg(long, value_delimiter = ',')]
+        setups: Vec<String>,
+        /// Only these prompts (comma-separated: 1k, 8k, 8k_turn, 32k; default all).
+        #[arg(long, value_delimiter = ',')]
+        sizes: Vec<String>,
+        /// Run the setups this many times in turn; each figure is the round with the median
+        /// c=1 p50.
+        #[arg(long, default_value_t = 1)]
+        rounds: usize,
+    },
     /// Open-loop load: Poisson arrivals at a ladder of rates to past saturation, every mode on
     /// the same request stream; per mode the highest rate whose TTFT p90 stays within the
     /// target.
@@ -485,8 +498,17 @@ async fn main() -> Result<()> {
             println!("\n{}", markdown(&doc));
             println!("written to {}", dir.join("load.{json,md,png}").display());
         }
-        Command::Datapath => {
-            datapath::run(scale, &out).await?;
+        Command::Datapath {
+            setups,
+            sizes,
+            rounds,
+        } => {
+            let selection = datapath::Selection {
+                setups,
+                sizes,
+                rounds,
+            };
+            datapath::run(scale, &out, &selection).await?;
             println!("written to {}", out.join("datapath.json").display());
         }
     }
