@@ -20,7 +20,7 @@ use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, Metr
 
 use crate::config::FilterConfig;
 use crate::flow::{self, Call, OnBody, OnHeaders, OnHint, Unreported};
-use crate::metrics::{Counter, FallbackReason};
+use crate::metrics::{Counter, FallbackReason, Timing};
 use crate::models::ModelRegistry;
 use crate::plan::{plan, warm_up, Next};
 use crate::usage::{reading, Reading, StreamRule, StreamSample, UsageScanner};
@@ -38,6 +38,7 @@ struct Shared {
     config: Rc<FilterConfig>,
     models: ModelRegistry,
     metrics: HashMap<Counter, u32>,
+    timings: HashMap<Timing, u32>,
     /// Hinted requests that finished, not yet reported to the sidecar.
     finished: Unreported,
     /// Hinted responses that streamed so far, and when one was last read.
@@ -48,6 +49,17 @@ impl Shared {
     fn bump(&self, counter: Counter, by: u64) {
         if let Some(&id) = self.metrics.get(&counter) {
             let _ = hostcalls::increment_metric(id, by as i64);
+        }
+    }
+
+    /// Record the microseconds since `since` (a clock that went back records nothing).
+    fn time(&self, timing: Timing, since: Option<SystemTime>) {
+        let Some(since) = since else { return };
+        let Some(elapsed) = now().and_then(|n| n.duration_since(since).ok()) else {
+            return;
+        };
+        if let Some(&id) = self.timings.get(&timing) {
+            let _ = hostcalls::record_metric(id, elapsed.as_micros() as u64);
         }
     }
 
@@ -220,6 +232,11 @@ impl RootContext for Root {
                     shared.metrics.insert(counter, id);
                 }
             }
+            for timing in Timing::ALL {
+                if let Ok(id) = hostcalls::define_metric(MetricType::Histogram, timing.name()) {
+                    shared.timings.insert(timing, id);
+                }
+            }
         }
         let _ = hostcalls::set_tick_period(flow::FIRST_FETCH);
         true
@@ -254,6 +271,7 @@ impl RootContext for Root {
             response: None,
             answered: false,
             unread: false,
+            asked_at: None,
         }))
     }
 
@@ -269,6 +287,11 @@ fn response_status(num_headers: usize) -> Option<String> {
     hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
         .ok()
         .flatten()
+}
+
+/// Envoy's clock (`None` when the host does not answer).
+fn now() -> Option<SystemTime> {
+    hostcalls::get_current_time().ok()
 }
 
 #[derive(PartialEq, Eq)]
@@ -293,6 +316,8 @@ struct Request {
     answered: bool,
     /// A hinted request's response the filter chose not to read.
     unread: bool,
+    /// When its hint request was sent.
+    asked_at: Option<SystemTime>,
 }
 
 impl Request {
@@ -315,6 +340,9 @@ impl Request {
     }
 
     fn on_hint(&mut self, num_headers: usize, body_size: usize) {
+        self.shared
+            .borrow()
+            .time(Timing::HintPauseUs, self.asked_at);
         let status = response_status(num_headers);
         let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
             .ok()
@@ -404,10 +432,14 @@ impl HttpContext for Request {
             // Tests only (see `FilterConfig::test_trap_header`): the VM dies here.
             panic!("kvroute: test trap requested");
         }
+        let started = now();
         let planned = {
             let s = self.shared.borrow();
             plan(&body, &s.models, &config, self.session.as_deref())
         };
+        if planned.blocks > 0 {
+            self.shared.borrow().time(Timing::PrepareUs, started);
+        }
         if let Some(key) = &planned.key {
             self.set_header(&config.key_header, Some(key));
         }
@@ -432,6 +464,7 @@ impl HttpContext for Request {
         };
         hint.finished = self.shared.borrow_mut().finished.take();
         let call = Call::hint(&hint, self.header(REQUEST_ID), &config);
+        self.asked_at = now();
         let sent = self.shared.borrow().dispatch(&call);
         if sent.is_some() {
             self.state = State::AwaitingHint;

@@ -32,6 +32,30 @@ pub enum Counter {
     TokenCacheMismatches,
 }
 
+/// A time the filter records per request, in microseconds (Envoy's wasm histograms, exported
+/// as `wasmcustom.<name>` with quantiles in `/stats` and buckets in `/stats/prometheus`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Timing {
+    /// From the whole body read to the hint request planned: parse, template, tokens, hashes.
+    PrepareUs,
+    /// From the hint request sent to the sidecar's answer, as Envoy delivered it to the VM:
+    /// the request waits paused meanwhile.
+    HintPauseUs,
+}
+
+impl Timing {
+    /// Every timing, for defining them when a VM starts.
+    pub const ALL: [Timing; 2] = [Timing::PrepareUs, Timing::HintPauseUs];
+
+    /// The metric name (Envoy prefixes `wasmcustom.`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Timing::PrepareUs => "kvroute.prepare_us",
+            Timing::HintPauseUs => "kvroute.hint_pause_us",
+        }
+    }
+}
+
 /// Why a request went on without a hint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FallbackReason {

@@ -476,6 +476,9 @@ pub struct Metrics {
     pub replica_divergences: Counter,
     /// How long caches stayed divergent before agreeing again.
     pub replica_divergence_seconds: Histogram,
+    /// How long answering a hint took, from its decoded request to its answer (the core's
+    /// lock waited for included).
+    pub hint_seconds: Histogram,
     /// Repairs of caches, by kind.
     pub replica_repairs: Family<RepairLabel, Counter>,
     /// KV-event messages lost here, filled in by a peer or not.
@@ -560,6 +563,12 @@ impl Default for Metrics {
                 "replica_divergence_seconds",
                 "How long caches stayed divergent from a peer before agreeing again",
                 &[0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0],
+            ),
+            hint_seconds: histogram(
+                &mut r,
+                "hint_seconds",
+                "How long answering a hint took, from its decoded request to its answer, the wait for the index's lock included",
+                &[1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2],
             ),
             replica_repairs: family(&mut r, "replica_repairs", "Caches repaired, by kind: engine_replay (a gap filled from the engine's replay socket), peer_snapshot, refused"),
             replica_lost_messages: family(&mut r, "replica_lost_messages", "KV-event messages lost on the way to this replica, by outcome: filled (a peer handed it over), unfilled; a message is one sequence number of its stream (a Dynamo event id, a vLLM batch), so a NATS message carrying several Dynamo events counts each"),

@@ -248,4 +248,11 @@ async fn dynamo_benchmark_smoke() {
         assert_eq!(r["requests"], 8, "{r}");
     }
     assert!(out.join("dynamo.md").exists());
+    // Where kvroute's time went: the filter's pause for each hint, and the sidecar's answer.
+    let timings: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("kvroute_timings.json")).unwrap()).unwrap();
+    let pause = timings["kvroute.hint_pause_us"]["p50"].as_f64();
+    assert!(pause.is_some_and(|p| p > 0.0), "{timings}");
+    let answer = timings["sidecar.hint_us (bucket bound)"]["p50"].as_f64();
+    assert!(answer.is_some_and(|a| a > 0.0), "{timings}");
 }

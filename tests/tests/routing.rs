@@ -81,6 +81,23 @@ async fn index_steers_envoy_and_fallback_keeps_affinity() {
             .unwrap()
             >= 5 * 8
     );
+    // Where a hinted request's time goes, from both sides: the filter's preparation and its
+    // pause for the hint (Envoy's histograms, in /stats once flushed), the sidecar's answer.
+    for name in ["prepare_us", "hint_pause_us"] {
+        let stack = &stack;
+        let recorded = wait_for(name, std::time::Duration::from_secs(15), || async move {
+            let url = format!("{}/stats?filter=kvroute\\.{name}$", stack.admin_url);
+            let text = kvroute_harness::client::get_text(&stack.http, &url).await?;
+            let line = text.lines().find(|l| l.contains(name))?.to_owned();
+            // Quantiles as (interval, cumulative): a recorded cumulative P50 is a number.
+            line.contains("P50(").then_some(())?;
+            (!line.contains("No recorded values") && !line.contains(",nan)")).then_some(line)
+        })
+        .await;
+        assert!(recorded.is_ok(), "{name}: {recorded:?}");
+    }
+    let answered = sidecar_metric(&stack, "kvroute_hint_seconds_count").await;
+    assert!(answered >= Some(5.0), "{answered:?}");
     let metrics = stack.sidecar_metrics().await.unwrap();
     let stored = kvroute_harness::prometheus::sum_where(&metrics, |l| {
         l.starts_with("kvroute_events_total{") && l.contains("type=\"stored\"")

@@ -25,7 +25,7 @@ use std::time::Duration;
 use anyhow::{Context as _, Result};
 use futures::StreamExt;
 use indicatif::ProgressBar;
-use serde_json::json;
+use serde_json::{json, Value};
 
 use crate::client::{run_sessions, Outcome, Target, CLIENT_START_GAP};
 use crate::dynamo::DynamoOptions;
@@ -66,7 +66,7 @@ pub async fn run(bench: &DynamoBench, out: &Path) -> Result<String> {
         ("kvroute", "kv", true),
         ("kvroute_sidecar_killed", "kv", true),
     ] {
-        let run = run_mode(bench, &sessions, mode, router_mode, through_envoy).await?;
+        let run = run_mode(bench, &sessions, mode, router_mode, through_envoy, out).await?;
         let (outcomes, workers) = by_worker(run.outcomes);
         let mut r = ModeReport::new(mode, &outcomes, workers);
         if let Some(stored) = run.prefill_stored_blocks {
@@ -232,6 +232,7 @@ async fn run_mode(
     mode: &str,
     router_mode: &str,
     through_envoy: bool,
+    out: &Path,
 ) -> Result<ModeRun> {
     let mut opts = StackOptions::new(
         &format!("bench-dynamo-{mode}"),
@@ -295,6 +296,9 @@ async fn run_mode(
         eprintln!("{mode}: the sidecar's predictions against the engines' cached tokens: {p}");
         stack.save_explain().await?;
     }
+    if mode == "kvroute" {
+        where_kvroute_time_went(&stack, out).await?;
+    }
     let prefill_stored_blocks = counting.map(|c| c.count());
     let sidecar_fallbacks = if kill_sidecar {
         Some(
@@ -311,6 +315,42 @@ async fn run_mode(
         prefill_stored_blocks,
         sidecar_fallbacks,
     })
+}
+
+/// Where the run's time in front of Dynamo went, from both sides: the filter's preparation and
+/// its pause for the hint (Envoy's histograms, µs), the sidecar's answer (its histogram's
+/// buckets, µs: an upper bound); printed and written to `kvroute_timings.json`.
+async fn where_kvroute_time_went(stack: &Stack, out: &Path) -> Result<()> {
+    // Envoy flushes histograms to /stats every 5 s.
+    tokio::time::sleep(Duration::from_millis(5500)).await;
+    let mut doc = serde_json::Map::new();
+    for name in ["kvroute.prepare_us", "kvroute.hint_pause_us"] {
+        let q = stack
+            .envoy_quantiles(&format!("wasmcustom.{name}"))
+            .await
+            .unwrap_or_default();
+        let at = |p: f64| q.iter().find(|(at, _)| *at == p).map(|(_, v)| *v);
+        doc.insert(
+            name.into(),
+            json!({"p50": at(50.0), "p95": at(95.0), "p99": at(99.0)}),
+        );
+    }
+    let metrics = stack.sidecar_metrics().await.unwrap_or_default();
+    let at = |q| {
+        crate::prometheus::histogram_quantile(&metrics, "kvroute_hint_seconds", q).map(|s| s * 1e6)
+    };
+    doc.insert(
+        "sidecar.hint_us (bucket bound)".into(),
+        json!({"p50": at(0.5), "p95": at(0.95), "p99": at(0.99)}),
+    );
+    let doc = Value::Object(doc);
+    eprintln!("kvroute: where its time went (µs): {doc}");
+    std::fs::create_dir_all(out)?;
+    std::fs::write(
+        out.join("kvroute_timings.json"),
+        serde_json::to_string_pretty(&doc)?,
+    )?;
+    Ok(())
 }
 
 /// Number the workers that served (their prefill instance: where the cache hit happens) in the

@@ -68,3 +68,52 @@ mod tests {
         );
     }
 }
+
+/// The `q` quantile (0..1) of histogram `name` in `text` from its cumulative buckets: the upper
+/// bound of the first bucket holding it (`None` without observations).
+pub fn histogram_quantile(text: &str, name: &str, q: f64) -> Option<f64> {
+    let prefix = format!("{name}_bucket{{le=\"");
+    let mut buckets: Vec<(f64, f64)> = text
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(&prefix)?;
+            let (le, count) = rest.split_once("\"}")?;
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            Some((le, count.trim().parse().ok()?))
+        })
+        .collect();
+    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let total = buckets.last()?.1;
+    if total <= 0.0 {
+        return None;
+    }
+    buckets
+        .iter()
+        .find(|(_, count)| *count >= q * total)
+        .map(|(le, _)| *le)
+}
+
+#[cfg(test)]
+mod histogram_tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_come_from_the_cumulative_buckets() {
+        let text = "# TYPE kvroute_hint_seconds histogram\n\
+            kvroute_hint_seconds_sum 0.01\n\
+            kvroute_hint_seconds_count 10\n\
+            kvroute_hint_seconds_bucket{le=\"0.00001\"} 0\n\
+            kvroute_hint_seconds_bucket{le=\"0.000025\"} 6\n\
+            kvroute_hint_seconds_bucket{le=\"0.00005\"} 9\n\
+            kvroute_hint_seconds_bucket{le=\"+Inf\"} 10\n";
+        let q = |q| histogram_quantile(text, "kvroute_hint_seconds", q);
+        assert_eq!(q(0.5), Some(0.000025));
+        assert_eq!(q(0.9), Some(0.00005));
+        assert_eq!(q(0.99), Some(f64::INFINITY));
+        assert_eq!(histogram_quantile(text, "other", 0.5), None);
+    }
+}

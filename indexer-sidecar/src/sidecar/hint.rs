@@ -70,6 +70,9 @@ impl Sidecar {
                 .inc();
         }
         self.explain(req, request_id, &resp, &hint.decision);
+        self.metrics
+            .hint_seconds
+            .observe(now.elapsed().as_secs_f64());
         Some(resp)
     }
 

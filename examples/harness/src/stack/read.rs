@@ -84,6 +84,25 @@ impl Stack {
         self.envoy_stat_at(&self.admin_url, name).await
     }
 
+    /// A histogram's cumulative quantiles from Envoy's `/stats` (`P50(interval,cumulative)`
+    /// …), as (quantile in percent, value); `None` before anything was recorded and flushed.
+    pub async fn envoy_quantiles(&self, name: &str) -> Option<Vec<(f64, f64)>> {
+        let escaped = name.replace('.', "\\.");
+        let url = format!("{}/stats?filter=^{escaped}$", self.admin_url);
+        let text = crate::client::get_text(&self.http, &url).await?;
+        let line = text.lines().find(|l| l.starts_with(name))?;
+        let quantiles: Vec<(f64, f64)> = line
+            .split_whitespace()
+            .filter_map(|part| {
+                let (q, values) = part.strip_prefix('P')?.split_once('(')?;
+                let (_, cumulative) = values.strip_suffix(')')?.split_once(',')?;
+                Some((q.parse().ok()?, cumulative.parse().ok()?))
+            })
+            .filter(|(_, v): &(f64, f64)| v.is_finite())
+            .collect();
+        (!quantiles.is_empty()).then_some(quantiles)
+    }
+
     /// A counter or gauge from the `/stats` of the Envoy at `admin_url`.
     pub async fn envoy_stat_at(&self, admin_url: &str, name: &str) -> Option<u64> {
         let escaped = name.replace('.', "\\.").replace('|', "\\|");
