@@ -233,6 +233,7 @@ async fn dynamo_benchmark_smoke() {
     let modes = [
         "dynamo_kv",
         "dynamo_round_robin",
+        "envoy_dynamo_kv",
         "kvroute",
         "kvroute_sidecar_killed",
     ];
@@ -242,7 +243,7 @@ async fn dynamo_benchmark_smoke() {
     let doc: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.join("dynamo.json")).unwrap()).unwrap();
     let modes = doc["modes"].as_object().unwrap();
-    assert_eq!(modes.len(), 4, "{doc}");
+    assert_eq!(modes.len(), 5, "{doc}");
     for r in modes.values() {
         assert_eq!(r["errors"], 0, "{r}");
         assert_eq!(r["requests"], 8, "{r}");

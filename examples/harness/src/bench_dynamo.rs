@@ -4,6 +4,8 @@
 //! Modes (each on a fresh fleet, so every one starts with empty caches):
 //! - `dynamo_kv`: straight to a Dynamo frontend in `--router-mode kv` (Dynamo's KV router);
 //! - `dynamo_round_robin`: straight to a frontend in `--router-mode round-robin`;
+//! - `envoy_dynamo_kv`: through Envoy without the filter to a `kv` frontend: the hop kvroute's
+//!   modes pay, alone (the TTFT it adds to `dynamo_kv` is Envoy's, not kvroute's);
 //! - `kvroute`: through Envoy with the kvroute filter in pin mode, in front of a `kv` frontend
 //!   (the deployment docs/operations.md prescribes; unpinned requests are Dynamo's to route);
 //! - `kvroute_sidecar_killed`: the same, with the sidecar SIGKILLed once a third of the requests
@@ -60,13 +62,14 @@ pub async fn run(bench: &DynamoBench, out: &Path) -> Result<String> {
         body["nvext"] = json!({"extra_fields": ["worker_id"]});
     }
     let mut reports = Vec::new();
-    for (mode, router_mode, through_envoy) in [
-        ("dynamo_kv", "kv", false),
-        ("dynamo_round_robin", "round-robin", false),
-        ("kvroute", "kv", true),
-        ("kvroute_sidecar_killed", "kv", true),
+    for (mode, router_mode, via) in [
+        ("dynamo_kv", "kv", Via::Frontend),
+        ("dynamo_round_robin", "round-robin", Via::Frontend),
+        ("envoy_dynamo_kv", "kv", Via::PlainEnvoy),
+        ("kvroute", "kv", Via::Kvroute),
+        ("kvroute_sidecar_killed", "kv", Via::Kvroute),
     ] {
-        let run = run_mode(bench, &sessions, mode, router_mode, through_envoy, out).await?;
+        let run = run_mode(bench, &sessions, mode, router_mode, via, out).await?;
         let (outcomes, workers) = by_worker(run.outcomes);
         let mut r = ModeReport::new(mode, &outcomes, workers);
         if let Some(stored) = run.prefill_stored_blocks {
@@ -91,6 +94,17 @@ pub async fn run(bench: &DynamoBench, out: &Path) -> Result<String> {
         f.aggregated, f.prefill, f.decode, f.capacity_blocks, bench.conversations, bench.concurrency
     );
     report::write(out, "dynamo", &title, &reports)
+}
+
+/// How a mode's requests reach the frontend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Via {
+    /// Straight to it.
+    Frontend,
+    /// Through Envoy without the filter: the hop kvroute's modes pay, alone.
+    PlainEnvoy,
+    /// Through Envoy with the filter in pin mode.
+    Kvroute,
 }
 
 /// What one mode's run saw.
@@ -231,12 +245,12 @@ async fn run_mode(
     sessions: &[Session],
     mode: &str,
     router_mode: &str,
-    through_envoy: bool,
+    via: Via,
     out: &Path,
 ) -> Result<ModeRun> {
     let mut opts = StackOptions::new(
         &format!("bench-dynamo-{mode}"),
-        if through_envoy {
+        if via == Via::Kvroute {
             Mode::Kvroute
         } else {
             Mode::RoundRobin
@@ -248,10 +262,9 @@ async fn run_mode(
         ..bench.fleet.clone()
     });
     let stack = Stack::start(opts).await?;
-    let base = if through_envoy {
-        stack.envoy_url.clone()
-    } else {
-        format!("http://{}", stack.frontend.as_ref().expect("a frontend"))
+    let base = match via {
+        Via::Frontend => format!("http://{}", stack.frontend.as_ref().expect("a frontend")),
+        Via::PlainEnvoy | Via::Kvroute => stack.envoy_url.clone(),
     };
     let counting = if bench.fleet.prefill > 0 {
         let prefill = stack.engines.iter().map(|e| e.dynamo_worker_id).collect();
