@@ -393,8 +393,12 @@ async fn lossy_replica_agrees(name: &str, loss: f64, seed: u64) {
         run.mean[1],
         run.mean[0]
     );
+    // A few points: a prediction counts what the replica's index holds, and with the peers'
+    // running prompts shared the lossy replica sends some requests where they run before its
+    // index has caught up (0.011–0.038 apart here, 0.055 once under the whole suite's load);
+    // without reconciliation they are 0.12 apart.
     assert!(
-        (run.error[1] - run.error[0]).abs() <= 0.05,
+        (run.error[1] - run.error[0]).abs() <= 0.08,
         "prediction errors apart: clean {:+.3}, lossy {:+.3}",
         run.error[0],
         run.error[1]

@@ -367,10 +367,16 @@ impl Brain {
             .filter(|t| !self.blocks_shared.contains(&t.seq))
             .map(|t| t.seq)
             .collect();
-        let mut bare = tickets.clone();
-        for t in bare.iter_mut().flat_map(|(_, t)| t) {
-            t.blocks = Vec::new();
-        }
+        let bare = tickets
+            .iter()
+            .map(|(worker, open)| {
+                let seqs = open.iter().map(|t| PeerTicket {
+                    seq: t.seq,
+                    blocks: Vec::new(),
+                });
+                (worker.clone(), seqs.collect())
+            })
+            .collect();
         let share = LoadShare {
             replica: self.peers.me().to_owned(),
             in_flight,
