@@ -54,8 +54,7 @@ impl Shared {
 
     /// Record the microseconds since `since` (a clock that went back records nothing).
     fn time(&self, timing: Timing, since: Option<SystemTime>) {
-        let Some(since) = since else { return };
-        let Some(elapsed) = now().and_then(|n| n.duration_since(since).ok()) else {
+        let Some(elapsed) = elapsed_since(since) else {
             return;
         };
         if let Some(&id) = self.timings.get(&timing) {
@@ -156,14 +155,12 @@ impl Root {
             shared.bump(Counter::BundleErrors, 1);
             return;
         };
-        let started = hostcalls::get_current_time().ok();
+        let started = now();
         let token_cache_bytes = shared.config.token_cache_bytes;
         match shared.models.install(&body, token_cache_bytes) {
             Ok((model, version)) => {
                 let blocks = warm_up(&shared.models, &shared.config, &model);
-                let took = started
-                    .and_then(|t| hostcalls::get_current_time().ok()?.duration_since(t).ok())
-                    .unwrap_or_default();
+                let took = elapsed_since(started).unwrap_or_default();
                 let cache = match shared
                     .models
                     .get(&model)
@@ -292,6 +289,11 @@ fn response_status(num_headers: usize) -> Option<String> {
 /// Envoy's clock (`None` when the host does not answer).
 fn now() -> Option<SystemTime> {
     hostcalls::get_current_time().ok()
+}
+
+/// The time since `since` on Envoy's clock (`None` without either, or if the clock went back).
+fn elapsed_since(since: Option<SystemTime>) -> Option<std::time::Duration> {
+    now()?.duration_since(since?).ok()
 }
 
 #[derive(PartialEq, Eq)]
