@@ -228,22 +228,17 @@ async fn dynamo_benchmark_smoke() {
         conversations: 2,
         concurrency: 2,
         sidecar_toml: String::new(),
+        modes: Vec::new(),
+        think_max: std::time::Duration::from_millis(20),
     };
     let md = bench_dynamo::run(&bench, &out).await.unwrap();
-    let modes = [
-        "dynamo_kv",
-        "dynamo_round_robin",
-        "envoy_dynamo_kv",
-        "kvroute",
-        "kvroute_sidecar_killed",
-    ];
-    for mode in modes {
+    for (mode, ..) in bench_dynamo::MODES {
         assert!(md.contains(&format!("| {mode} |")), "{md}");
     }
     let doc: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.join("dynamo.json")).unwrap()).unwrap();
     let modes = doc["modes"].as_object().unwrap();
-    assert_eq!(modes.len(), 5, "{doc}");
+    assert_eq!(modes.len(), bench_dynamo::MODES.len(), "{doc}");
     for r in modes.values() {
         assert_eq!(r["errors"], 0, "{r}");
         assert_eq!(r["requests"], 8, "{r}");

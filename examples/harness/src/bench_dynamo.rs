@@ -6,6 +6,8 @@
 //! - `dynamo_round_robin`: straight to a frontend in `--router-mode round-robin`;
 //! - `envoy_dynamo_kv`: through Envoy without the filter to a `kv` frontend: the hop kvroute's
 //!   modes pay, alone (the TTFT it adds to `dynamo_kv` is Envoy's, not kvroute's);
+//! - `kvroute_filter_only`: the same Envoy with the kvroute filter preparing every request but
+//!   asking no hint (`hints: false`): what the filter's own work adds, without the hint and pin;
 //! - `kvroute`: through Envoy with the kvroute filter in pin mode, in front of a `kv` frontend
 //!   (the deployment docs/operations.md prescribes; unpinned requests are Dynamo's to route);
 //! - `kvroute_sidecar_killed`: the same, with the sidecar SIGKILLed once a third of the requests
@@ -29,7 +31,7 @@ use futures::StreamExt;
 use indicatif::ProgressBar;
 use serde_json::{json, Value};
 
-use crate::client::{run_sessions, Outcome, Target, CLIENT_START_GAP};
+use crate::client::{run_sessions_paced, Outcome, Pace, Target, CLIENT_START_GAP};
 use crate::dynamo::DynamoOptions;
 use crate::report::{self, ModeReport};
 use crate::stack::MODEL;
@@ -48,7 +50,22 @@ pub struct DynamoBench {
     pub concurrency: usize,
     /// Appended to the sidecar's configuration (the kvroute modes).
     pub sidecar_toml: String,
+    /// Only these modes (all of [`MODES`] when empty), in [`MODES`]' order.
+    pub modes: Vec<String>,
+    /// Users think up to this long before each next turn (see [`Pace::think_max`]): the mocker
+    /// steps on a clock, and without it every turn would arrive at the same phase of it.
+    pub think_max: Duration,
 }
+
+/// Every mode: its name, the frontend's router mode, how requests reach the frontend.
+pub const MODES: [(&str, &str, Via); 6] = [
+    ("dynamo_kv", "kv", Via::Frontend),
+    ("dynamo_round_robin", "round-robin", Via::Frontend),
+    ("envoy_dynamo_kv", "kv", Via::PlainEnvoy),
+    ("kvroute_filter_only", "kv", Via::FilterOnly),
+    ("kvroute", "kv", Via::Kvroute),
+    ("kvroute_sidecar_killed", "kv", Via::Kvroute),
+];
 
 /// Run every mode; write `dynamo.json` and `dynamo.md` to `out`; return the markdown.
 pub async fn run(bench: &DynamoBench, out: &Path) -> Result<String> {
@@ -62,13 +79,20 @@ pub async fn run(bench: &DynamoBench, out: &Path) -> Result<String> {
         body["nvext"] = json!({"extra_fields": ["worker_id"]});
     }
     let mut reports = Vec::new();
-    for (mode, router_mode, via) in [
-        ("dynamo_kv", "kv", Via::Frontend),
-        ("dynamo_round_robin", "round-robin", Via::Frontend),
-        ("envoy_dynamo_kv", "kv", Via::PlainEnvoy),
-        ("kvroute", "kv", Via::Kvroute),
-        ("kvroute_sidecar_killed", "kv", Via::Kvroute),
-    ] {
+    if let Some(unknown) = bench
+        .modes
+        .iter()
+        .find(|m| !MODES.iter().any(|(n, ..)| n == m))
+    {
+        anyhow::bail!(
+            "unknown mode {unknown}: one of {:?}",
+            MODES.map(|(n, ..)| n)
+        );
+    }
+    let chosen = MODES
+        .into_iter()
+        .filter(|(n, ..)| bench.modes.is_empty() || bench.modes.iter().any(|m| m == n));
+    for (mode, router_mode, via) in chosen {
         let run = run_mode(bench, &sessions, mode, router_mode, via, out).await?;
         let (outcomes, workers) = by_worker(run.outcomes);
         let mut r = ModeReport::new(mode, &outcomes, workers);
@@ -98,11 +122,13 @@ pub async fn run(bench: &DynamoBench, out: &Path) -> Result<String> {
 
 /// How a mode's requests reach the frontend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Via {
+pub enum Via {
     /// Straight to it.
     Frontend,
     /// Through Envoy without the filter: the hop kvroute's modes pay, alone.
     PlainEnvoy,
+    /// Through Envoy with the filter preparing requests but asking no hint.
+    FilterOnly,
     /// Through Envoy with the filter in pin mode.
     Kvroute,
 }
@@ -250,10 +276,12 @@ async fn run_mode(
 ) -> Result<ModeRun> {
     let mut opts = StackOptions::new(
         &format!("bench-dynamo-{mode}"),
-        if via == Via::Kvroute {
-            Mode::Kvroute
-        } else {
-            Mode::RoundRobin
+        match via {
+            Via::Kvroute => Mode::Kvroute,
+            // The filter without hints: the harness's name for it is ring hash (with one
+            // upstream, the frontend, there is nothing to hash between).
+            Via::FilterOnly => Mode::RingHash,
+            Via::Frontend | Via::PlainEnvoy => Mode::RoundRobin,
         },
     );
     opts.sidecar_toml = bench.sidecar_toml.clone();
@@ -264,7 +292,7 @@ async fn run_mode(
     let stack = Stack::start(opts).await?;
     let base = match via {
         Via::Frontend => format!("http://{}", stack.frontend.as_ref().expect("a frontend")),
-        Via::PlainEnvoy | Via::Kvroute => stack.envoy_url.clone(),
+        Via::PlainEnvoy | Via::FilterOnly | Via::Kvroute => stack.envoy_url.clone(),
     };
     let counting = if bench.fleet.prefill > 0 {
         let prefill = stack.engines.iter().map(|e| e.dynamo_worker_id).collect();
@@ -289,12 +317,15 @@ async fn run_mode(
     };
     let target = Target::Router(base);
     let (outcomes, killed) = tokio::join!(
-        run_sessions(
+        run_sessions_paced(
             &stack.http,
             &target,
             sessions,
             bench.concurrency,
-            CLIENT_START_GAP,
+            Pace {
+                start_gap: CLIENT_START_GAP,
+                think_max: bench.think_max,
+            },
             &progress,
         ),
         killer

@@ -254,6 +254,51 @@ pub async fn run_sessions(
     start_gap: Duration,
     progress: &ProgressBar,
 ) -> Vec<Outcome> {
+    let pace = Pace {
+        start_gap,
+        think_max: Duration::ZERO,
+    };
+    run_sessions_paced(http, target, sessions, concurrency, pace, progress).await
+}
+
+/// When the clients of [`run_sessions_paced`] send.
+#[derive(Debug, Clone, Copy)]
+pub struct Pace {
+    /// The k-th concurrent client starts this × k after the first.
+    pub start_gap: Duration,
+    /// Before each turn after a session's first, the user thinks for a time spread evenly over
+    /// [0, think_max), the same for the same session and turn in every mode. Without it a
+    /// closed loop sends each turn the instant the last answer ends, in lockstep with an engine
+    /// that steps on a clock, so a fraction of a step added on the path costs either nothing
+    /// or a whole step depending on phase; users' turns arrive at any phase.
+    pub think_max: Duration,
+}
+
+impl Pace {
+    /// How long the user of `session` thinks before `turn`.
+    pub fn think(&self, session: usize, turn: usize) -> Duration {
+        if turn == 0 || self.think_max.is_zero() {
+            return Duration::ZERO;
+        }
+        // splitmix64 of (session, turn): a fixed, evenly spread fraction.
+        let mut z = ((session as u64) << 32 | turn as u64).wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        self.think_max
+            .mul_f64((z >> 11) as f64 / (1u64 << 53) as f64)
+    }
+}
+
+/// [`run_sessions`] with users who think between turns.
+pub async fn run_sessions_paced(
+    http: &reqwest::Client,
+    target: &Target,
+    sessions: &[Session],
+    concurrency: usize,
+    pace: Pace,
+    progress: &ProgressBar,
+) -> Vec<Outcome> {
     let next = Mutex::new(0usize);
     let sent = std::sync::atomic::AtomicUsize::new(0);
     let sent = &sent;
@@ -261,7 +306,7 @@ pub async fn run_sessions(
     let outcomes = Mutex::new(Vec::with_capacity(total));
     let (next, outcomes_ref) = (&next, &outcomes);
     let worker = |k: u32| async move {
-        tokio::time::sleep(start_gap * k).await;
+        tokio::time::sleep(pace.start_gap * k).await;
         loop {
             let index = {
                 let mut n = next.lock().unwrap_or_else(|e| e.into_inner());
@@ -273,6 +318,7 @@ pub async fn run_sessions(
             };
             let session = &sessions[index];
             for (turn, body) in session.bodies.iter().enumerate() {
+                tokio::time::sleep(pace.think(index, turn)).await;
                 let mut router = None;
                 let url = match target {
                     Target::Router(base) => format!("{base}{}", session.path),
@@ -302,4 +348,40 @@ pub async fn run_sessions(
     let clients = u32::try_from(concurrency.max(1)).unwrap_or(u32::MAX);
     futures::future::join_all((0..clients).map(worker)).await;
     outcomes.into_inner().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Think times are the same for the same turn, none before a first turn, and spread over
+    /// the whole range.
+    #[test]
+    fn users_think_evenly_and_repeatably() {
+        let pace = Pace {
+            start_gap: Duration::ZERO,
+            think_max: Duration::from_millis(20),
+        };
+        assert_eq!(pace.think(3, 0), Duration::ZERO);
+        assert_eq!(pace.think(3, 2), pace.think(3, 2));
+        let times: Vec<f64> = (0..200)
+            .flat_map(|s| (1..5).map(move |t| (s, t)))
+            .map(|(s, t)| pace.think(s, t).as_secs_f64() * 1e3)
+            .collect();
+        assert!(times.iter().all(|&t| (0.0..20.0).contains(&t)));
+        for quarter in 0..4 {
+            let lo = f64::from(quarter) * 5.0;
+            let n = times.iter().filter(|&&t| t >= lo && t < lo + 5.0).count();
+            assert!(
+                (150..250).contains(&n),
+                "{n} of 800 in [{lo}, {}) ms",
+                lo + 5.0
+            );
+        }
+        let still = Pace {
+            think_max: Duration::ZERO,
+            ..pace
+        };
+        assert_eq!(still.think(3, 2), Duration::ZERO);
+    }
 }

@@ -208,6 +208,14 @@ enum Command {
         /// (ZMQ events, etcd discovery).
         #[arg(long)]
         nats: bool,
+        /// Only these modes (comma-separated; default all: dynamo_kv, dynamo_round_robin,
+        /// envoy_dynamo_kv, kvroute_filter_only, kvroute, kvroute_sidecar_killed).
+        #[arg(long, value_delimiter = ',')]
+        modes: Vec<String>,
+        /// Users think up to this long (ms, spread evenly) before each next turn, so turns reach
+        /// the mockers' step clock at any phase.
+        #[arg(long, default_value_t = 20.0)]
+        think_ms: f64,
     },
     /// kvroute vs ring hash alone and round robin on real vLLM engines (CPU).
     Vllm {
@@ -286,7 +294,11 @@ async fn main() -> Result<()> {
             concurrency,
             sidecar_toml,
             nats,
+            modes,
+            think_ms,
         } => {
+            let think_max = Duration::try_from_secs_f64(think_ms / 1e3)
+                .map_err(|e| anyhow::anyhow!("--think-ms {think_ms}: {e}"))?;
             let bench = kvroute_harness::bench_dynamo::DynamoBench {
                 fleet: kvroute_harness::DynamoOptions {
                     aggregated: workers,
@@ -305,6 +317,8 @@ async fn main() -> Result<()> {
                 },
                 concurrency,
                 sidecar_toml: sidecar_toml.replace("\\n", "\n"),
+                modes,
+                think_max,
             };
             println!(
                 "\n{}",
