@@ -428,8 +428,14 @@ pub async fn run(scale: Scale, out: &Path, selection: &Selection) -> Result<Valu
     }
     // Envoy runs one VM per worker thread plus one on the main thread.
     let vms = (StackOptions::new("", Mode::Kvroute).envoy_concurrency + 1) as f64;
-    let plain_mem = memory["plain"]["allocated"].as_f64().unwrap_or(0.0);
-    let filter_mem = memory["filter_only"]["allocated"].as_f64().unwrap_or(0.0);
+    let plain_mem = memory
+        .get("plain")
+        .and_then(|m| m["allocated"].as_f64())
+        .unwrap_or(0.0);
+    let filter_mem = memory
+        .get("filter_only")
+        .and_then(|m| m["allocated"].as_f64())
+        .unwrap_or(0.0);
     let (rounds, requests) = match scale {
         Scale::Smoke => (1, 16),
         Scale::Quick => (2, 200),

@@ -175,6 +175,8 @@ struct Ticket {
     expected: Expected,
     /// Its prompt's leading block hashes (at most [`TICKET_BLOCKS`]).
     blocks: Box<[u64]>,
+    /// Whether its blocks went to the peers ([`WorkerLoad::own_tickets`] gives them once).
+    shared: bool,
 }
 
 /// What a hint expected its worker to have of the prompt, in tokens.
@@ -231,6 +233,7 @@ impl WorkerLoad {
             issued: now,
             expected,
             blocks,
+            shared: false,
         };
         if let Some(old) = self.open.insert(seq, ticket) {
             self.release(&old);
@@ -419,14 +422,19 @@ impl WorkerLoad {
         }
     }
 
-    /// This replica's open tickets here with their prompt blocks: what it shares with its
-    /// peers.
-    pub fn own_tickets(&self) -> Vec<PeerTicket> {
+    /// This replica's open tickets here, each with its prompt blocks the first time it is
+    /// asked for (peers keep them until the ticket leaves a share): what it shares with its
+    /// peers. Only new tickets' blocks are copied, under the core's lock.
+    pub fn own_tickets(&mut self) -> Vec<PeerTicket> {
         self.open
-            .iter()
+            .iter_mut()
             .map(|(&seq, t)| PeerTicket {
                 seq,
-                blocks: t.blocks.to_vec(),
+                blocks: if std::mem::replace(&mut t.shared, true) {
+                    Vec::new()
+                } else {
+                    t.blocks.to_vec()
+                },
             })
             .collect()
     }
@@ -656,6 +664,25 @@ mod tests {
         assert_eq!(w.in_flight_match([10, 11]), 2);
         let _ = w.close(1, now);
         assert!(w.in_flight_blocks.is_empty());
+    }
+
+    /// Our tickets go to the peers with their blocks once, then by sequence number alone.
+    #[test]
+    fn own_tickets_give_their_blocks_once() {
+        let (mut w, now) = (WorkerLoad::default(), Instant::now());
+        let listed = |w: &mut WorkerLoad| -> Vec<(u64, usize)> {
+            w.own_tickets()
+                .iter()
+                .map(|t| (t.seq, t.blocks.len()))
+                .collect()
+        };
+        w.open(1, now, Expected::default(), [10, 11]);
+        assert_eq!(listed(&mut w), [(1, 2)]);
+        assert_eq!(listed(&mut w), [(1, 0)]);
+        w.open(2, now, Expected::default(), [12]);
+        assert_eq!(listed(&mut w), [(1, 0), (2, 1)]);
+        let _ = w.close(1, now);
+        assert_eq!(listed(&mut w), [(2, 0)]);
     }
 
     /// The other replicas' requests count beside ours, fresher than a scrape; a scrape that

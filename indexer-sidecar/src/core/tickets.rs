@@ -101,11 +101,11 @@ impl Core {
             .collect()
     }
 
-    /// Per worker with any, this replica's open tickets with their prompt blocks: what it
-    /// shares with its peers so they expect what runs there as it does.
-    pub fn own_tickets(&self) -> Vec<(String, Vec<PeerTicket>)> {
+    /// Per worker with any, this replica's open tickets, new ones with their prompt blocks:
+    /// what it shares with its peers so they expect what runs there as it does.
+    pub fn own_tickets(&mut self) -> Vec<(String, Vec<PeerTicket>)> {
         self.fleet
-            .iter()
+            .iter_mut()
             .filter(|w| w.load.own_in_flight() > 0)
             .map(|w| (w.address.to_string(), w.load.own_tickets()))
             .collect()

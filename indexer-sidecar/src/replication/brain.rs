@@ -4,7 +4,7 @@
 //! loop ([`super::plane`]) only reads sockets and executes; the facts it gathers from the core
 //! (our reports, what we hold) come in with the event.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -186,8 +186,6 @@ pub struct Brain {
     heartbeat: Duration,
     /// The last load share, its tickets without blocks: the next is due when this changes.
     shared: Option<(LoadShare, Instant)>,
-    /// Our open tickets whose blocks went out (or never will: over a message's budget).
-    blocks_shared: HashSet<u64>,
     taken: HashMap<CacheKey, (Instant, Arc<Snapshot>)>,
 }
 
@@ -204,7 +202,6 @@ impl Brain {
             heartbeat: Duration::from_millis(config.map_or(2000, |c| c.interval_ms)),
             peers: Replicas::new(me, timeout),
             shared: None,
-            blocks_shared: HashSet::new(),
             taken: HashMap::new(),
         }
     }
@@ -353,7 +350,8 @@ impl Brain {
     }
 
     /// Share our requests in flight and survival estimates when they changed, and every
-    /// interval anyway; a ticket's blocks go with its first share only.
+    /// interval anyway. Tickets come with blocks the first time only (the core gives them
+    /// once); past a message's budget a ticket goes without.
     fn share_load(
         &mut self,
         in_flight: Vec<(String, u32)>,
@@ -361,12 +359,6 @@ impl Brain {
         mut tickets: Vec<(String, Vec<PeerTicket>)>,
         now: Instant,
     ) -> Vec<Effect> {
-        let fresh: HashSet<u64> = tickets
-            .iter()
-            .flat_map(|(_, t)| t)
-            .filter(|t| !self.blocks_shared.contains(&t.seq))
-            .map(|t| t.seq)
-            .collect();
         let bare = tickets
             .iter()
             .map(|(worker, open)| {
@@ -391,7 +383,7 @@ impl Brain {
         }
         let mut budget = wire::TICKET_BLOCKS_SHARED;
         for t in tickets.iter_mut().flat_map(|(_, t)| t) {
-            if !fresh.contains(&t.seq) || t.blocks.len() > budget {
+            if t.blocks.len() > budget {
                 t.blocks = Vec::new();
             }
             budget -= t.blocks.len();
@@ -403,12 +395,6 @@ impl Brain {
         let Ok(body) = serde_json::to_vec(&sent) else {
             return Vec::new();
         };
-        self.blocks_shared = sent
-            .tickets
-            .iter()
-            .flat_map(|(_, t)| t)
-            .map(|t| t.seq)
-            .collect();
         self.shared = Some((share, now));
         vec![Effect::Publish {
             subject: self.subjects.loads.clone(),
@@ -613,7 +599,7 @@ mod tests {
     /// A ticket's blocks go out with its first share only; a ticket's arrival or end is a
     /// change, and the blocks beyond a message's budget are never sent.
     #[test]
-    fn tickets_are_shared_with_their_blocks_once() {
+    fn tickets_share_their_blocks_within_a_budget() {
         let (mut b, now) = (brain(), Instant::now());
         let ticket = |seq, n| PeerTicket {
             seq,
@@ -643,24 +629,18 @@ mod tests {
                 other => panic!("{other:?}"),
             }
         };
+        // As the core gives them: blocks with a ticket's first listing only.
         assert_eq!(share(&mut b, vec![ticket(1, 3)]), Some(vec![(1, 3)]));
-        assert_eq!(share(&mut b, vec![ticket(1, 3)]), None, "unchanged");
+        assert_eq!(share(&mut b, vec![ticket(1, 0)]), None, "unchanged");
         assert_eq!(
-            share(&mut b, vec![ticket(1, 3), ticket(2, 5)]),
-            Some(vec![(1, 0), (2, 5)]),
-            "the new ticket's blocks only"
+            share(&mut b, vec![ticket(1, 0), ticket(2, 5)]),
+            Some(vec![(1, 0), (2, 5)])
         );
-        assert_eq!(share(&mut b, vec![ticket(2, 5)]), Some(vec![(2, 0)]));
         let big = wire::TICKET_BLOCKS_SHARED as u64;
         assert_eq!(
             share(&mut b, vec![ticket(3, big), ticket(4, 1)]),
             Some(vec![(3, big as usize), (4, 0)]),
             "over the budget: without blocks"
-        );
-        assert_eq!(
-            share(&mut b, vec![ticket(4, 1)]),
-            Some(vec![(4, 0)]),
-            "never later"
         );
     }
 

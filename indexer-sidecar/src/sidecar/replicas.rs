@@ -52,7 +52,7 @@ impl Sidecar {
     /// survival estimates, to share.
     pub fn replica_load_tick(&self, now: Instant) -> Vec<Effect> {
         let (in_flight, survival, tickets) = {
-            let core = self.core();
+            let mut core = self.core();
             (
                 core.own_in_flight(),
                 core.own_survival(),
