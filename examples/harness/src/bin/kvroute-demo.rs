@@ -1,35 +1,31 @@
-//! `make demo`: the same fleet and workload through kvroute, Envoy ring hash and round robin.
+//! `make demo`: one step of the load ladder near saturation — the same fleet and the same
+//! request stream through kvroute, Envoy's ring hash and round robin.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::Result;
 use clap::Parser;
-use indicatif::{ProgressBar, ProgressStyle};
-use kvroute_harness::client::{run_sessions, Target, CLIENT_START_GAP};
-use kvroute_harness::report::{self, ModeReport};
-use kvroute_harness::stack::MODEL;
-use kvroute_harness::workload::{ChatSpec, ChatWorkload};
-use kvroute_harness::{paths, Mode, Stack, StackOptions};
+use kvroute_harness::bench::Scale;
+use kvroute_harness::bench_load::{self, LoadBench, LoadMode, LoadWorkload};
+use kvroute_harness::{paths, Mode};
+use serde_json::Value;
 
 #[derive(Parser)]
-#[command(about = "Compare kvroute with Envoy's ring hash and round robin on a simulated fleet")]
+#[command(
+    about = "Compare kvroute with Envoy's ring hash and round robin on a simulated fleet near saturation"
+)]
 struct Args {
-    /// Conversations (users).
-    #[arg(long, default_value_t = 64)]
-    conversations: usize,
-    /// Turns per conversation.
-    #[arg(long, default_value_t = 4)]
-    turns: usize,
-    /// Conversations in flight at once.
-    #[arg(long, default_value_t = 16)]
-    concurrency: usize,
     /// Simulated engines.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 8)]
     engines: usize,
-    /// KV cache capacity per engine, in blocks.
-    #[arg(long, default_value_t = 1024)]
-    capacity_blocks: usize,
-    /// Where to write report.md and report.json.
+    /// Requests per second arriving (Poisson), the same stream for every mode.
+    #[arg(long, default_value_t = 16.0)]
+    rate: f64,
+    /// Seconds requests keep arriving (after as long a warm-up at the same rate).
+    #[arg(long, default_value_t = 10)]
+    seconds: u64,
+    /// Where to write load.md, load.json and load.png.
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -37,62 +33,78 @@ struct Args {
 #[tokio::main]
 async fn main() -> Result<()> {
     let args = Args::parse();
-    let spec = ChatSpec {
-        conversations: args.conversations,
-        turns: args.turns,
-        ..ChatSpec::demo()
-    };
-    let workload = ChatWorkload::generate(&spec);
-    let sessions = workload.sessions(MODEL);
+    let workload = LoadWorkload::shared_prefix();
+    let mut bench = LoadBench::new(Scale::Quick, args.engines);
+    bench.rates = vec![args.rate];
+    bench.step = Duration::from_secs(args.seconds);
+    bench.workloads = vec![workload.clone()];
+    bench.modes = [Mode::Kvroute, Mode::RingHash, Mode::RoundRobin]
+        .map(LoadMode::Sim)
+        .to_vec();
     println!(
-        "kvroute demo: {} engines, {} conversations x {} turns = {} requests per mode, {} apps (system prompts of {:?} words)\n",
+        "kvroute demo: {} simulated engines with {}-block caches (the prompts outgrow one, fit the fleet), \
+         {} groups of users behind their own ~870-token prefix, {} req/s arriving for {} s after a warm-up, \
+         TTFT target 2x a cold prompt's. Progress:\n",
         args.engines,
-        args.conversations,
-        args.turns,
-        workload.requests(),
-        spec.system_prompt_words.len(),
-        spec.system_prompt_words
+        bench.capacity_blocks,
+        workload.spec.system_prompt_words.len(),
+        args.rate,
+        args.seconds
     );
-    let mut reports = Vec::new();
-    for mode in [Mode::Kvroute, Mode::RingHash, Mode::RoundRobin] {
-        let mut opts = StackOptions::new(&format!("demo-{}", mode.name()), mode);
-        opts.sim.engines = args.engines;
-        opts.sim.capacity_blocks = args.capacity_blocks;
-        let mut stack = Stack::start(opts).await?;
-        let bar = ProgressBar::new(workload.requests() as u64).with_style(
-            ProgressStyle::with_template("{prefix:>12} [{bar:40}] {pos}/{len} {elapsed}")?
-                .progress_chars("=> "),
-        );
-        bar.set_prefix(mode.name());
-        let target = Target::Router(stack.envoy_url.clone());
-        let outcomes = run_sessions(
-            &stack.http,
-            &target,
-            &sessions,
-            args.concurrency,
-            CLIENT_START_GAP,
-            &bar,
-        )
-        .await;
-        bar.finish();
-        stack.check_alive()?;
-        reports.push(ModeReport::new(mode.name(), &outcomes, args.engines));
-    }
     let out = args
         .out
         .unwrap_or_else(|| paths::workspace().join("target/demo"));
-    let table = report::write(
-        &out,
-        "report",
-        "Multi-turn chat behind shared system prompts",
-        &reports,
-    )?;
-    println!("\n{table}");
-    println!("written to {}", out.join("report.md").display());
-    let failed: usize = reports.iter().map(|r| r.errors).sum();
+    let doc = bench_load::run(&bench, &out).await?;
+    let w = &doc["workloads"][workload.name];
+    println!("\n{}", table(w));
+    println!(
+        "written to {} (and load.json, load.png)",
+        out.join("load.md").display()
+    );
+    let failed: u64 = w["modes"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .flat_map(|(_, m)| m["points"].as_array().into_iter().flatten())
+        .filter_map(|p| p["errors"].as_u64())
+        .sum();
     anyhow::ensure!(
         failed == 0,
-        "{failed} requests failed; the run directories under target/e2e/demo-* hold each process's log"
+        "{failed} requests failed; the run directories under target/e2e/load-* hold each process's log"
     );
     Ok(())
+}
+
+/// Per mode: hit rate, TTFT p50/p90 against the target, requests per engine.
+fn table(w: &Value) -> String {
+    let target = w["target_ttft_ms"].as_f64().unwrap_or(0.0);
+    let mut s = format!(
+        "| mode | hit rate | TTFT p50 (ms) | TTFT p90 (ms) | within the {target:.0} ms target | requests per engine | errors |\n|---|---|---|---|---|---|---|\n"
+    );
+    for (mode, m) in w["modes"].as_object().into_iter().flatten() {
+        let Some(p) = m["points"].as_array().and_then(|p| p.first()) else {
+            continue;
+        };
+        let f = |k: &str| p[k].as_f64().unwrap_or(0.0);
+        let per_engine: Vec<String> = p["requests_per_engine"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|n| n.to_string())
+            .collect();
+        s.push_str(&format!(
+            "| {mode} | {:.1}% | {:.0} | {:.0} | {} | {} | {} |\n",
+            100.0 * f("hit_rate"),
+            f("ttft_p50_ms"),
+            f("ttft_p90_ms"),
+            if f("ttft_p90_ms") <= target {
+                "yes"
+            } else {
+                "no"
+            },
+            per_engine.join(" / "),
+            p["errors"],
+        ));
+    }
+    s
 }
