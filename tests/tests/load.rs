@@ -2,17 +2,19 @@
 //! open-loop at two rates on engines that share their GPU and evict, through round robin and
 //! through kvroute. Every request is answered, the report has the shape `make bench-load`
 //! writes, and at the same rates kvroute finds more of the prompts cached than round robin (the
-//! groups' prefixes outgrow one engine's cache, so spreading them evicts). `make bench-load`
-//! runs the whole ladder.
+//! groups' prefixes outgrow one engine's cache, so spreading them evicts); a peer router that
+//! cannot start is reported unavailable and the ladder goes on. `make bench-load` runs the
+//! whole ladder.
 
 use kvroute_harness::bench::Scale;
-use kvroute_harness::bench_load::{run, LoadBench};
+use kvroute_harness::bench_load::{run, LoadBench, LoadMode};
 use kvroute_harness::paths;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_ladder_runs_and_kvroute_keeps_prefixes_round_robin_evicts() {
     let out = paths::run_dir("load-smoke").unwrap();
-    let bench = LoadBench::new(Scale::Smoke, 4);
+    let mut bench = LoadBench::new(Scale::Smoke, 4);
+    bench.modes.push(LoadMode::Peer("no-such-router"));
     let doc = run(&bench, &out).await.unwrap();
     let w = &doc["workloads"]["shared_prefix"];
     assert!(w["target_ttft_ms"].as_f64().unwrap() > 0.0, "{w}");
@@ -47,5 +49,7 @@ async fn the_ladder_runs_and_kvroute_keeps_prefixes_round_robin_evicts() {
             "kvroute {kvroute:?} against round robin {round_robin:?}"
         );
     }
+    let missing = &w["modes"]["no-such-router"];
+    assert_eq!(missing["available"], false, "{missing}");
     assert!(out.join("load.png").exists() && out.join("load.md").exists());
 }

@@ -24,6 +24,7 @@ use serde_json::{json, Value};
 
 use crate::bench::Scale;
 use crate::client::{send_streaming, Outcome};
+use crate::process::Process;
 use crate::report::quantile;
 use crate::stack::{Mode, SimOptions, Stack, StackOptions, MODEL};
 use crate::workload::{words, ChatSpec, ChatWorkload, Rng, CHAT};
@@ -98,6 +99,9 @@ pub enum LoadMode {
     Dynamo(&'static str),
     /// Envoy + kvroute in pin mode in front of a `kv` Dynamo frontend.
     KvrouteOnDynamo,
+    /// A peer router from PyPI ([`crate::peers::PEERS`], by its mode name) in front of the
+    /// simulated engines.
+    Peer(&'static str),
 }
 
 impl LoadMode {
@@ -107,11 +111,18 @@ impl LoadMode {
             LoadMode::Sim(mode) => mode.name().to_owned(),
             LoadMode::Dynamo(router) => format!("dynamo_{}", router.replace('-', "_")),
             LoadMode::KvrouteOnDynamo => "kvroute_pin_dynamo".into(),
+            LoadMode::Peer(mode) => mode.to_owned(),
         }
     }
 
     /// Whether it runs on the Dynamo mocker fleet (its own engines, so its own target).
     fn on_dynamo(self) -> bool {
+        matches!(self, LoadMode::Dynamo(_) | LoadMode::KvrouteOnDynamo)
+    }
+
+    /// Whether it needs something only some machines have (Dynamo, a peer): one that does not
+    /// start is reported unavailable, not fatal.
+    fn optional(self) -> bool {
         !matches!(self, LoadMode::Sim(_))
     }
 }
@@ -202,6 +213,13 @@ impl LoadBench {
                 sidecar_toml: String::new(),
             },
         }
+    }
+
+    /// Run the peer routers too ([`crate::peers::PEERS`]; `make venv-peers` installs them), each
+    /// in front of the simulated engines on the same stream.
+    pub fn with_peers(&mut self) {
+        self.modes
+            .extend(crate::peers::PEERS.iter().map(|p| LoadMode::Peer(p.mode)));
     }
 
     /// Run the Dynamo modes too: a fleet of `workers` mocker workers ([`LoadMode::Dynamo`],
@@ -465,11 +483,25 @@ fn saturated_by(points: &[Value], max_rate: f64) -> String {
     }
 }
 
-/// A fleet for `mode` and the URL its requests go to.
-async fn start(bench: &LoadBench, workload: &str, mode: LoadMode) -> Result<(Stack, String)> {
-    let name = format!("load-{workload}-{}", mode.name());
+/// A fleet for `mode`, the URL its requests go to, and the peer router's process if one routes.
+async fn start(
+    bench: &LoadBench,
+    workload: &str,
+    mode: LoadMode,
+) -> Result<(Stack, String, Option<Process>)> {
+    let name = format!("load-{workload}-{}", mode.name().replace(':', "-"));
+    let peer = match mode {
+        LoadMode::Peer(name) => Some(
+            crate::peers::PEERS
+                .iter()
+                .find(|p| p.mode == name)
+                .with_context(|| format!("no peer router {name}"))?,
+        ),
+        _ => None,
+    };
     let (stack_mode, dynamo_router) = match mode {
         LoadMode::Sim(m) => (m, None),
+        LoadMode::Peer(_) => (Mode::RoundRobin, None),
         LoadMode::Dynamo(router) => (Mode::RoundRobin, Some(router)),
         LoadMode::KvrouteOnDynamo => (Mode::Kvroute, Some("kv")),
     };
@@ -486,6 +518,7 @@ async fn start(bench: &LoadBench, workload: &str, mode: LoadMode) -> Result<(Sta
         });
     }
     let stack = Stack::start(opts).await?;
+    let mut process = None;
     let base = match mode {
         LoadMode::Dynamo(_) => format!(
             "http://{}",
@@ -494,9 +527,15 @@ async fn start(bench: &LoadBench, workload: &str, mode: LoadMode) -> Result<(Sta
                 .as_deref()
                 .context("the Dynamo fleet has no frontend")?
         ),
-        _ => stack.envoy_url.clone(),
+        LoadMode::Peer(_) => {
+            let peer = peer.context("a peer mode names its peer")?;
+            let (started, url) = peer.start(&stack.engines, &stack.dir).await?;
+            process = Some(started);
+            url
+        }
+        LoadMode::Sim(_) | LoadMode::KvrouteOnDynamo => stack.envoy_url.clone(),
     };
-    Ok((stack, format!("{base}{CHAT}")))
+    Ok((stack, format!("{base}{CHAT}"), process))
 }
 
 /// The stream as a Dynamo frontend is asked it: each body asks which worker served it.
@@ -517,7 +556,7 @@ async fn run_mode(
     steps: &[Vec<Planned>],
     target: &mut Option<(f64, f64)>,
 ) -> Result<Value> {
-    let (mut stack, url) = start(bench, workload.name, mode).await?;
+    let (mut stack, url, _peer) = start(bench, workload.name, mode).await?;
     let cold_ms = cold_ttft_ms(&stack.http, &url, workload).await?;
     let (_, target_ms) = *target.get_or_insert((cold_ms, TARGET_MULTIPLE * cold_ms));
     // Dynamo names the worker by instance id; reports number them in the fleet's order.
@@ -619,8 +658,13 @@ async fn run_workload(bench: &LoadBench, workload: &LoadWorkload) -> Result<Valu
     let (mut sim_target, mut dynamo_target) = (None, None);
     let mut modes = serde_json::Map::new();
     for &mode in &bench.modes {
-        let result = if mode.on_dynamo() {
-            match run_mode(bench, workload, mode, &dynamo_steps, &mut dynamo_target).await {
+        let (steps, target) = if mode.on_dynamo() {
+            (&dynamo_steps, &mut dynamo_target)
+        } else {
+            (&steps, &mut sim_target)
+        };
+        let result = if mode.optional() {
+            match run_mode(bench, workload, mode, steps, target).await {
                 Ok(r) => r,
                 Err(e) => {
                     println!(
@@ -632,7 +676,7 @@ async fn run_workload(bench: &LoadBench, workload: &LoadWorkload) -> Result<Valu
                 }
             }
         } else {
-            run_mode(bench, workload, mode, &steps, &mut sim_target).await?
+            run_mode(bench, workload, mode, steps, target).await?
         };
         modes.insert(mode.name(), result);
     }

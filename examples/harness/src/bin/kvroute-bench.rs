@@ -97,6 +97,10 @@ enum Command {
         /// `kv` and in `round-robin` mode, and kvroute in pin mode in front of a `kv` frontend.
         #[arg(long)]
         dynamo: Option<usize>,
+        /// Also run the peer routers from PyPI (`make venv-peers`) on the ladder; one that is
+        /// not installed or does not start is reported unavailable.
+        #[arg(long)]
+        peers: bool,
         /// Extra sidecar configuration, e.g. `"[routing]\nmax_in_flight = 64"`.
         #[arg(long, default_value = "")]
         sidecar_toml: String,
@@ -475,6 +479,7 @@ async fn main() -> Result<()> {
             step_s,
             suffix,
             dynamo,
+            peers,
             sidecar_toml,
             modes,
         } => {
@@ -498,6 +503,9 @@ async fn main() -> Result<()> {
             }
             if let Some(workers) = dynamo {
                 bench.with_dynamo(workers);
+            }
+            if peers {
+                bench.with_peers();
             }
             bench.sidecar_toml = sidecar_toml;
             if let Some(names) = modes {
