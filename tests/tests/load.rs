@@ -2,8 +2,8 @@
 //! open-loop at two rates on engines that share their GPU and evict, through round robin and
 //! through kvroute. Every request is answered, the report has the shape `make bench-load`
 //! writes, and at the same rates kvroute finds more of the prompts cached than round robin (the
-//! groups' prefixes outgrow one engine's cache, so spreading them evicts); a peer router that
-//! cannot start is reported unavailable and the ladder goes on. `make bench-load` runs the
+//! groups' prefixes outgrow one engine's cache, so spreading them evicts), and so does the
+//! oracle; a peer router that cannot start is reported unavailable and the ladder goes on. `make bench-load` runs the
 //! whole ladder.
 
 use kvroute_harness::bench::Scale;
@@ -14,6 +14,7 @@ use kvroute_harness::paths;
 async fn the_ladder_runs_and_kvroute_keeps_prefixes_round_robin_evicts() {
     let out = paths::run_dir("load-smoke").unwrap();
     let mut bench = LoadBench::new(Scale::Smoke, 4);
+    bench.modes.push(LoadMode::Oracle);
     bench.modes.push(LoadMode::Peer("no-such-router"));
     let doc = run(&bench, &out).await.unwrap();
     let w = &doc["workloads"]["shared_prefix"];
@@ -43,10 +44,11 @@ async fn the_ladder_runs_and_kvroute_keeps_prefixes_round_robin_evicts() {
             .collect()
     };
     let (kvroute, round_robin) = (hit("kvroute"), hit("round_robin"));
-    for (k, r) in kvroute.iter().zip(&round_robin) {
+    let oracle = hit("oracle");
+    for ((k, r), o) in kvroute.iter().zip(&round_robin).zip(&oracle) {
         assert!(
-            k > r,
-            "kvroute {kvroute:?} against round robin {round_robin:?}"
+            k > r && o > r,
+            "kvroute {kvroute:?}, the oracle {oracle:?} against round robin {round_robin:?}"
         );
     }
     let missing = &w["modes"]["no-such-router"];

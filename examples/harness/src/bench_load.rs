@@ -17,13 +17,14 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
 use serde_json::{json, Value};
 
 use crate::bench::Scale;
-use crate::client::{send_streaming, Outcome};
+use crate::client::{oracle_cached, send_streaming, Outcome};
 use crate::process::Process;
 use crate::report::quantile;
 use crate::stack::{Mode, SimOptions, Stack, StackOptions, MODEL};
@@ -102,6 +103,10 @@ pub enum LoadMode {
     /// A peer router from PyPI ([`crate::peers::PEERS`], by its mode name) in front of the
     /// simulated engines.
     Peer(&'static str),
+    /// The harness routing each request itself with what no router has: every engine's cache
+    /// asked exactly (its `/oracle`) just before, the request goes to the engine holding the
+    /// most of the prompt; ties (nothing held) to the one with the fewest requests in flight.
+    Oracle,
 }
 
 impl LoadMode {
@@ -112,6 +117,7 @@ impl LoadMode {
             LoadMode::Dynamo(router) => format!("dynamo_{}", router.replace('-', "_")),
             LoadMode::KvrouteOnDynamo => "kvroute_pin_dynamo".into(),
             LoadMode::Peer(mode) => mode.to_owned(),
+            LoadMode::Oracle => "oracle".into(),
         }
     }
 
@@ -123,7 +129,7 @@ impl LoadMode {
     /// Whether it needs something only some machines have (Dynamo, a peer): one that does not
     /// start is reported unavailable, not fatal.
     fn optional(self) -> bool {
-        !matches!(self, LoadMode::Sim(_))
+        !matches!(self, LoadMode::Sim(_) | LoadMode::Oracle)
     }
 }
 
@@ -215,6 +221,11 @@ impl LoadBench {
         }
     }
 
+    /// Run the oracle too ([`LoadMode::Oracle`]).
+    pub fn with_oracle(&mut self) {
+        self.modes.push(LoadMode::Oracle);
+    }
+
     /// Run the peer routers too ([`crate::peers::PEERS`]; `make venv-peers` installs them), each
     /// in front of the simulated engines on the same stream.
     pub fn with_peers(&mut self) {
@@ -300,16 +311,56 @@ pub fn plan(workload: &LoadWorkload, rates: &[f64], step: Duration) -> Vec<Vec<P
 }
 
 /// Run one step's sessions against `url`; every outcome.
-async fn run_step(http: &reqwest::Client, url: &str, sessions: &[Planned]) -> Vec<Outcome> {
+/// Where a step's requests go.
+enum Route<'a> {
+    /// All to this URL.
+    Url(&'a str),
+    /// Each to the engine [`LoadMode::Oracle`] picks, its requests in flight counted here.
+    Oracle {
+        engines: &'a [String],
+        in_flight: &'a [AtomicUsize],
+    },
+}
+
+impl Route<'_> {
+    /// The URL for `body` and the engine it is counted against (the oracle's).
+    async fn pick(&self, http: &reqwest::Client, body: &Value) -> (String, Option<usize>) {
+        match self {
+            Route::Url(url) => ((*url).to_owned(), None),
+            Route::Oracle { engines, in_flight } => {
+                let asks = engines.iter().map(|e| oracle_cached(http, e, body));
+                let cached: Vec<u64> = futures::future::join_all(asks).await;
+                let best = (0..engines.len())
+                    .max_by_key(|&i| {
+                        let busy = in_flight[i].load(Ordering::Relaxed);
+                        (cached[i], std::cmp::Reverse(busy))
+                    })
+                    .unwrap_or(0);
+                in_flight[best].fetch_add(1, Ordering::Relaxed);
+                (format!("http://{}{CHAT}", engines[best]), Some(best))
+            }
+        }
+    }
+
+    fn done(&self, engine: Option<usize>) {
+        if let (Route::Oracle { in_flight, .. }, Some(i)) = (self, engine) {
+            in_flight[i].fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+async fn run_step(http: &reqwest::Client, route: &Route<'_>, sessions: &[Planned]) -> Vec<Outcome> {
     let start = tokio::time::Instant::now();
     let runs = sessions.iter().map(|s| async move {
         tokio::time::sleep_until(start + s.at).await;
         let mut outcomes = Vec::new();
         for (think, body) in &s.turns {
             tokio::time::sleep(*think).await;
-            let o = match tokio::time::timeout(REQUEST_TIMEOUT, send_streaming(http, url, body))
-                .await
-            {
+            let (url, engine) = route.pick(http, body).await;
+            let sent =
+                tokio::time::timeout(REQUEST_TIMEOUT, send_streaming(http, &url, body)).await;
+            route.done(engine);
+            let o = match sent {
                 Ok(o) => o,
                 Err(_) => Outcome {
                     error: Some(format!("no answer within {REQUEST_TIMEOUT:?}")),
@@ -501,7 +552,7 @@ async fn start(
     };
     let (stack_mode, dynamo_router) = match mode {
         LoadMode::Sim(m) => (m, None),
-        LoadMode::Peer(_) => (Mode::RoundRobin, None),
+        LoadMode::Peer(_) | LoadMode::Oracle => (Mode::RoundRobin, None),
         LoadMode::Dynamo(router) => (Mode::RoundRobin, Some(router)),
         LoadMode::KvrouteOnDynamo => (Mode::Kvroute, Some("kv")),
     };
@@ -533,7 +584,7 @@ async fn start(
             process = Some(started);
             url
         }
-        LoadMode::Sim(_) | LoadMode::KvrouteOnDynamo => stack.envoy_url.clone(),
+        LoadMode::Sim(_) | LoadMode::KvrouteOnDynamo | LoadMode::Oracle => stack.envoy_url.clone(),
     };
     Ok((stack, format!("{base}{CHAT}"), process))
 }
@@ -568,12 +619,21 @@ async fn run_mode(
     };
     let (mut points, mut past) = (Vec::new(), 0);
     let (warm_up, steps) = steps.split_first().context("an empty ladder")?;
-    run_step(&stack.http, &url, warm_up).await;
+    let addresses: Vec<String> = stack.engines.iter().map(|e| e.address.clone()).collect();
+    let in_flight: Vec<AtomicUsize> = addresses.iter().map(|_| AtomicUsize::new(0)).collect();
+    let route = match mode {
+        LoadMode::Oracle => Route::Oracle {
+            engines: &addresses,
+            in_flight: &in_flight,
+        },
+        _ => Route::Url(&url),
+    };
+    run_step(&stack.http, &route, warm_up).await;
     for (rate, sessions) in bench.rates.iter().zip(steps) {
         let (cpu0, t0) = (stack.cpu_seconds(), Instant::now());
         let harness0 = crate::process::cpu_seconds(std::process::id()).unwrap_or(0.0);
         let rules0 = hint_rules(&stack).await;
-        let mut outcomes = run_step(&stack.http, &url, sessions).await;
+        let mut outcomes = run_step(&stack.http, &route, sessions).await;
         let seconds = t0.elapsed().as_secs_f64();
         for o in &mut outcomes {
             if let Some((worker, _)) = o.dynamo_workers {

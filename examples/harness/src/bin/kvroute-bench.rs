@@ -101,6 +101,10 @@ enum Command {
         /// not installed or does not start is reported unavailable.
         #[arg(long)]
         peers: bool,
+        /// Also run an oracle on the ladder: the harness sends each request to the engine holding
+        /// the most of its prompt (asked of every engine just before), ties to the least busy.
+        #[arg(long)]
+        oracle: bool,
         /// Extra sidecar configuration, e.g. `"[routing]\nmax_in_flight = 64"`.
         #[arg(long, default_value = "")]
         sidecar_toml: String,
@@ -480,6 +484,7 @@ async fn main() -> Result<()> {
             suffix,
             dynamo,
             peers,
+            oracle,
             sidecar_toml,
             modes,
         } => {
@@ -503,6 +508,9 @@ async fn main() -> Result<()> {
             }
             if let Some(workers) = dynamo {
                 bench.with_dynamo(workers);
+            }
+            if oracle {
+                bench.with_oracle();
             }
             if peers {
                 bench.with_peers();
