@@ -310,7 +310,6 @@ pub fn plan(workload: &LoadWorkload, rates: &[f64], step: Duration) -> Vec<Vec<P
         .collect()
 }
 
-/// Run one step's sessions against `url`; every outcome.
 /// Where a step's requests go.
 enum Route<'a> {
     /// All to this URL.
@@ -342,6 +341,7 @@ impl Route<'_> {
         }
     }
 
+    /// The request [`Route::pick`] counted against `engine` is over.
     fn done(&self, engine: Option<usize>) {
         if let (Route::Oracle { in_flight, .. }, Some(i)) = (self, engine) {
             in_flight[i].fetch_sub(1, Ordering::Relaxed);
@@ -349,6 +349,7 @@ impl Route<'_> {
     }
 }
 
+/// Run one step's sessions along `route`; every outcome.
 async fn run_step(http: &reqwest::Client, route: &Route<'_>, sessions: &[Planned]) -> Vec<Outcome> {
     let start = tokio::time::Instant::now();
     let runs = sessions.iter().map(|s| async move {

@@ -280,13 +280,10 @@ impl Pace {
         if turn == 0 || self.think_max.is_zero() {
             return Duration::ZERO;
         }
-        // splitmix64 of (session, turn): a fixed, evenly spread fraction.
-        let mut z = ((session as u64) << 32 | turn as u64).wrapping_add(0x9e37_79b9_7f4a_7c15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^= z >> 31;
+        // A fixed, evenly spread fraction per (session, turn).
+        let draw = crate::workload::Rng::new((session as u64) << 32 | turn as u64).next_u64();
         self.think_max
-            .mul_f64((z >> 11) as f64 / (1u64 << 53) as f64)
+            .mul_f64((draw >> 11) as f64 / (1u64 << 53) as f64)
     }
 }
 
