@@ -213,7 +213,7 @@ async fn run_mode(mode: &str, workload: &Workload, bench: &RoutingBench) -> Resu
     opts.sim.max_running = bench.max_running;
     opts.sidecar_toml = bench.sidecar_toml.clone();
     // Engines publish vLLM's ZMQ events for the routers that read them.
-    let peer = PEERS.iter().find(|p| p.mode == mode);
+    let peer = crate::peers::named(mode);
     if mode == KVROUTE_ZMQ || peer.is_some_and(|p| p.kv_events) {
         opts.sim.event_formats = vec!["vllm-map".into()];
     }

@@ -285,10 +285,12 @@ async fn run_mode(
         },
     );
     opts.sidecar_toml = bench.sidecar_toml.clone();
-    // TTFT is compared with Dynamo's router alone: the filter reads responses' usage as shipped
-    // (one stream in 32, filter/src/config.rs), not every one as the harness does elsewhere.
-    opts.filter_extra
-        .insert("stream_usage_every".into(), json!(32));
+    // TTFT is compared with Dynamo's router alone: the filter reads responses' usage as
+    // shipped, not every stream as the harness does elsewhere.
+    opts.filter_extra.insert(
+        "stream_usage_every".into(),
+        crate::stack::SHIPPED_STREAM_USAGE_EVERY.into(),
+    );
     opts.dynamo = Some(DynamoOptions {
         router_mode: router_mode.into(),
         ..bench.fleet.clone()

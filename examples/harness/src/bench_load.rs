@@ -24,7 +24,7 @@ use anyhow::{Context as _, Result};
 use serde_json::{json, Value};
 
 use crate::bench::Scale;
-use crate::client::{oracle_cached, send_streaming, Outcome};
+use crate::client::{oracle_cached_all, send_streaming, Outcome};
 use crate::process::Process;
 use crate::report::quantile;
 use crate::stack::{Mode, SimOptions, Stack, StackOptions, MODEL};
@@ -327,8 +327,7 @@ impl Route<'_> {
         match self {
             Route::Url(url) => ((*url).to_owned(), None),
             Route::Oracle { engines, in_flight } => {
-                let asks = engines.iter().map(|e| oracle_cached(http, e, body));
-                let cached: Vec<u64> = futures::future::join_all(asks).await;
+                let cached = oracle_cached_all(http, engines, body).await;
                 let best = (0..engines.len())
                     .max_by_key(|&i| {
                         let busy = in_flight[i].load(Ordering::Relaxed);
@@ -542,13 +541,11 @@ async fn start(
     mode: LoadMode,
 ) -> Result<(Stack, String, Option<Process>)> {
     let name = format!("load-{workload}-{}", mode.name().replace(':', "-"));
+    // Before a fleet starts for nothing.
     let peer = match mode {
-        LoadMode::Peer(name) => Some(
-            crate::peers::PEERS
-                .iter()
-                .find(|p| p.mode == name)
-                .with_context(|| format!("no peer router {name}"))?,
-        ),
+        LoadMode::Peer(name) => {
+            Some(crate::peers::named(name).with_context(|| format!("no peer router {name}"))?)
+        }
         _ => None,
     };
     let (stack_mode, dynamo_router) = match mode {
@@ -571,21 +568,20 @@ async fn start(
     }
     let stack = Stack::start(opts).await?;
     let mut process = None;
-    let base = match mode {
-        LoadMode::Dynamo(_) => format!(
+    let base = match (mode, peer) {
+        (LoadMode::Dynamo(_), _) => format!(
             "http://{}",
             stack
                 .frontend
                 .as_deref()
                 .context("the Dynamo fleet has no frontend")?
         ),
-        LoadMode::Peer(_) => {
-            let peer = peer.context("a peer mode names its peer")?;
+        (_, Some(peer)) => {
             let (started, url) = peer.start(&stack.engines, &stack.dir).await?;
             process = Some(started);
             url
         }
-        LoadMode::Sim(_) | LoadMode::KvrouteOnDynamo | LoadMode::Oracle => stack.envoy_url.clone(),
+        _ => stack.envoy_url.clone(),
     };
     Ok((stack, format!("{base}{CHAT}"), process))
 }

@@ -230,14 +230,23 @@ pub async fn oracle_cached(http: &reqwest::Client, engine: &str, body: &Value) -
     answer.await.unwrap_or(0)
 }
 
+/// What every engine holds of `body`'s prompt ([`oracle_cached`]), asked at once, in order.
+pub async fn oracle_cached_all(
+    http: &reqwest::Client,
+    engines: &[String],
+    body: &Value,
+) -> Vec<u64> {
+    let asks = engines.iter().map(|e| oracle_cached(http, e, body));
+    futures::future::join_all(asks).await
+}
+
 async fn oracle_pick(
     http: &reqwest::Client,
     engines: &[String],
     body: &Value,
     turn: usize,
 ) -> usize {
-    let asks = engines.iter().map(|e| oracle_cached(http, e, body));
-    let cached: Vec<u64> = futures::future::join_all(asks).await;
+    let cached = oracle_cached_all(http, engines, body).await;
     let best = cached.iter().copied().max().unwrap_or(0);
     let tied: Vec<usize> = (0..engines.len()).filter(|&i| cached[i] == best).collect();
     tied[turn % tied.len()]

@@ -181,8 +181,7 @@ fn bundle_load_ms(dir: &Path) -> Option<f64> {
 /// plus the usage chunk, as a streaming client gets them. Envoy's CPU per request (user +
 /// system, 10 ms ticks) over `requests` requests 16 at a time is compared round by round.
 async fn usage_cost(rounds: usize, requests: usize) -> Result<Value> {
-    // The filter's default `stream_usage_every` (filter/src/config.rs).
-    let default_every = 32;
+    let default_every = crate::stack::SHIPPED_STREAM_USAGE_EVERY;
     let mut stacks = Vec::new();
     for (name, read_usage, every) in [
         ("every", true, 1),

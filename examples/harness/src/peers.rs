@@ -61,6 +61,11 @@ pub const PEERS: [Peer; 4] = [
     },
 ];
 
+/// The peer whose report name is `mode`.
+pub fn named(mode: &str) -> Option<&'static Peer> {
+    PEERS.iter().find(|p| p.mode == mode)
+}
+
 /// The venv the peers are installed in (`KVROUTE_PEERS_VENV` overrides `.venv-peers`).
 pub fn venv() -> PathBuf {
     std::env::var_os("KVROUTE_PEERS_VENV")

@@ -256,9 +256,7 @@ async fn engines_view(
     engines: &[String],
     body: &Value,
 ) -> Vec<(String, u64)> {
-    let cached =
-        futures::future::join_all(engines.iter().map(|e| client::oracle_cached(http, e, body)))
-            .await;
+    let cached = client::oracle_cached_all(http, engines, body).await;
     engines.iter().cloned().zip(cached).collect()
 }
 

@@ -596,8 +596,9 @@ mod tests {
         ));
     }
 
-    /// A ticket's blocks go out with its first share only; a ticket's arrival or end is a
-    /// change, and the blocks beyond a message's budget are never sent.
+    /// Tickets go out with the blocks the core gave them (a ticket's first listing only; see
+    /// `core/load.rs`); a ticket's arrival or end is a change, and the blocks beyond a message's
+    /// budget are dropped.
     #[test]
     fn tickets_share_their_blocks_within_a_budget() {
         let (mut b, now) = (brain(), Instant::now());

@@ -32,6 +32,10 @@ pub use options::{Fallback, Mode, ReplicaOptions, SimOptions, StackOptions, Tran
 use sidecar::{sidecar_text, start_sidecar, SidecarPlace};
 use sim::start_sim;
 
+/// The filter's shipped `stream_usage_every` (filter/src/config.rs): one stream in this many has
+/// its usage read. Stacks read every stream unless their `filter_extra` says otherwise.
+pub const SHIPPED_STREAM_USAGE_EVERY: u32 = 32;
+
 /// What the sidecar logs once its NATS subscriptions are in place.
 pub const SIDECAR_SUBSCRIBED: &str = "subscribed to Dynamo KV events";
 
