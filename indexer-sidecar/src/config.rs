@@ -62,7 +62,7 @@
 //! min_matched_blocks = 1            # a shorter match is not worth a hint
 //! max_hinted_workers = 3            # length of the override_host list (retries go down it)
 //! max_waiting = 8                   # saturation thresholds: queued requests,
-//! max_in_flight = 16                #   requests (running + queued, or hinted and unfinished),
+//! max_in_flight = 16                #   requests where the engine reports no queue,
 //! # max_kv_usage = 0.95             #   KV cache usage (unset: not a threshold)
 //! saturation_slack = 4              # over a threshold counts only 4 requests above the mean
 //! load_penalty_blocks = 2           # one request on a worker costs as much as 2 uncached blocks
@@ -70,6 +70,7 @@
 //! home_key_blocks = 8               # cold prompts go to the home of their first 8 blocks
 //! spread_slack = 4                  # a popular prefix spreads to a worker this many requests less
 //!                                   #   busy, from a holder this many (and 2×) above the mean
+//!                                   #   running at least this many requests of the prefix
 //! predict_survival = true           # weigh what a worker will still hold, not all the index matched
 //! ```
 
@@ -678,7 +679,8 @@ pub struct RoutingConfig {
     /// vLLM and Dynamo this threshold sent warm turns away at the load where their cache
     /// mattered (docs/benchmarks.md).
     pub max_kv_usage: Option<f64>,
-    /// A worker with this many requests (see [`crate::core::load::Load::busy`]) is saturated.
+    /// A worker with this many requests (see [`crate::core::load::Load::busy`]) is saturated,
+    /// where its engine reports no queue ([`crate::core::policy::saturated`]).
     pub max_in_flight: f64,
     /// A worker over a threshold counts as saturated only with this many requests more than
     /// the fleet's mean: when every worker is that busy, moving a request pays its prefill
@@ -703,7 +705,8 @@ pub struct RoutingConfig {
     /// A popular prefix (requests lately branched off it in different ways, or several workers hold it)
     /// goes to another worker, which then holds it too, when each holder has this many
     /// requests more than that worker and than the workers without it have on average (and
-    /// twice their average): it spreads instead of queueing where it first landed.
+    /// twice their average), and runs at least this many requests of the prefix: it spreads
+    /// instead of queueing where it first landed.
     pub spread_slack: f64,
     /// Weigh what a worker will still hold when the request gets there: the prompt blocks its
     /// running requests share, and of its other matched blocks the share its engine's reports

@@ -3,8 +3,10 @@
 //! through kvroute. Every request is answered, the report has the shape `make bench-load`
 //! writes, and at the same rates kvroute finds more of the prompts cached than round robin (the
 //! groups' prefixes outgrow one engine's cache, so spreading them evicts), and so does the
-//! oracle; a peer router that cannot start is reported unavailable and the ladder goes on. `make bench-load` runs the
-//! whole ladder.
+//! oracle; a peer router that cannot start is reported unavailable and the ladder goes on. What
+//! the engines held just before each request is probed for every mode: the oracle, which sends
+//! each request where the most is held, sent where the probe saw the most. `make bench-load`
+//! runs the whole ladder.
 
 use kvroute_harness::bench::Scale;
 use kvroute_harness::bench_load::{run, LoadBench, LoadMode};
@@ -38,6 +40,15 @@ async fn the_ladder_runs_and_kvroute_keeps_prefixes_round_robin_evicts() {
                     assert!(p[field].is_f64(), "{field} missing: {p}");
                 }
                 assert_eq!(p["errors"], 0, "{p}");
+                let (best, sent) = (p["held_best"].as_f64(), p["held_sent"].as_f64());
+                let (best, sent) = (best.expect("held_best"), sent.expect("held_sent"));
+                assert!(best > 0.0 && sent <= best + 1e-9, "{p}");
+                if mode == "oracle" {
+                    assert!(
+                        sent >= best - 1e-9,
+                        "the oracle sent where less was held: {p}"
+                    );
+                }
                 assert!(p["requests"].as_u64().unwrap() > 0, "{p}");
                 p["hit_rate"].as_f64().unwrap()
             })

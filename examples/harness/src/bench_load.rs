@@ -70,6 +70,27 @@ impl LoadWorkload {
         }
     }
 
+    /// The shared prefixes with one of them hot: half the questions behind one prefix, which
+    /// one engine cannot serve at the ladder's upper rates (where spreading a prefix pays).
+    pub fn hot_prefix() -> Self {
+        LoadWorkload {
+            name: "hot_prefix",
+            spec: ChatSpec {
+                seed: 25,
+                hot_share: Some(0.5),
+                ..Self::shared_prefix().spec
+            },
+            ..Self::shared_prefix()
+        }
+    }
+
+    /// Every workload the ladder knows, by name.
+    pub fn named(name: &str) -> Option<Self> {
+        [Self::shared_prefix(), Self::hot_prefix(), Self::chat()]
+            .into_iter()
+            .find(|w| w.name == name)
+    }
+
     /// Multi-turn chat behind 16 apps' system prompts, users thinking between turns: the
     /// system prompts alone outgrow one engine's cache.
     pub fn chat() -> Self {
@@ -321,21 +342,35 @@ enum Route<'a> {
     },
 }
 
+/// One request sent and what the engines held of its prompt just before.
+struct Sent {
+    outcome: Outcome,
+    /// Leading prompt blocks each engine held (its `/oracle`), in fleet order; empty where the
+    /// engines cannot be asked (Dynamo's mockers).
+    held: Vec<u64>,
+}
+
 impl Route<'_> {
-    /// The URL for `body` and the engine it is counted against (the oracle's).
-    async fn pick(&self, http: &reqwest::Client, body: &Value) -> (String, Option<usize>) {
+    /// The URL for `body`, the engine it is counted against (the oracle's), and what every
+    /// engine of `probe` holds of its prompt: the outside view each mode's routing is held to.
+    async fn pick(
+        &self,
+        http: &reqwest::Client,
+        probe: &[String],
+        body: &Value,
+    ) -> (String, Option<usize>, Vec<u64>) {
+        let held = oracle_cached_all(http, probe, body).await;
         match self {
-            Route::Url(url) => ((*url).to_owned(), None),
+            Route::Url(url) => ((*url).to_owned(), None, held),
             Route::Oracle { engines, in_flight } => {
-                let cached = oracle_cached_all(http, engines, body).await;
                 let best = (0..engines.len())
                     .max_by_key(|&i| {
                         let busy = in_flight[i].load(Ordering::Relaxed);
-                        (cached[i], std::cmp::Reverse(busy))
+                        (held.get(i).copied().unwrap_or(0), std::cmp::Reverse(busy))
                     })
                     .unwrap_or(0);
                 in_flight[best].fetch_add(1, Ordering::Relaxed);
-                (format!("http://{}{CHAT}", engines[best]), Some(best))
+                (format!("http://{}{CHAT}", engines[best]), Some(best), held)
             }
         }
     }
@@ -348,32 +383,38 @@ impl Route<'_> {
     }
 }
 
-/// Run one step's sessions along `route`; every outcome.
-async fn run_step(http: &reqwest::Client, route: &Route<'_>, sessions: &[Planned]) -> Vec<Outcome> {
+/// Run one step's sessions along `route`, asking the engines of `probe` before each request;
+/// every request sent.
+async fn run_step(
+    http: &reqwest::Client,
+    route: &Route<'_>,
+    probe: &[String],
+    sessions: &[Planned],
+) -> Vec<Sent> {
     let start = tokio::time::Instant::now();
     let runs = sessions.iter().map(|s| async move {
         tokio::time::sleep_until(start + s.at).await;
-        let mut outcomes = Vec::new();
+        let mut sent = Vec::new();
         for (think, body) in &s.turns {
             tokio::time::sleep(*think).await;
-            let (url, engine) = route.pick(http, body).await;
-            let sent =
+            let (url, engine, held) = route.pick(http, probe, body).await;
+            let answer =
                 tokio::time::timeout(REQUEST_TIMEOUT, send_streaming(http, &url, body)).await;
             route.done(engine);
-            let o = match sent {
+            let outcome = match answer {
                 Ok(o) => o,
                 Err(_) => Outcome {
                     error: Some(format!("no answer within {REQUEST_TIMEOUT:?}")),
                     ..Outcome::default()
                 },
             };
-            let failed = !o.ok();
-            outcomes.push(o);
+            let failed = !outcome.ok();
+            sent.push(Sent { outcome, held });
             if failed {
                 break;
             }
         }
-        outcomes
+        sent
     });
     futures::future::join_all(runs)
         .await
@@ -446,15 +487,22 @@ async fn hint_rules(stack: &Stack) -> BTreeMap<String, f64> {
         .collect()
 }
 
-/// One rate's figures.
-pub fn point(
+/// One rate's figures. With what the engines held just before each request (`sent`, in blocks
+/// of `block_size` tokens): `held_best`, the share of prompt tokens the engine holding the most
+/// had, and `held_sent`, the share the engine it went to had — so a hit rate below the oracle's
+/// splits into what the fleet no longer held anywhere, what routing passed over
+/// (`held_best − held_sent`), and what was evicted while the request queued
+/// (`held_sent − hit_rate`).
+fn point(
     rate: f64,
-    outcomes: &[Outcome],
+    sent: &[Sent],
+    block_size: u32,
     seconds: f64,
     engines: usize,
     target_ms: f64,
 ) -> Value {
-    let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok()).collect();
+    let outcomes: Vec<&Outcome> = sent.iter().map(|s| &s.outcome).collect();
+    let ok: Vec<&Outcome> = outcomes.iter().copied().filter(|o| o.ok()).collect();
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let ttft: Vec<f64> = ok.iter().map(|o| ms(o.ttft)).collect();
     let e2e: Vec<f64> = ok.iter().map(|o| ms(o.latency)).collect();
@@ -470,7 +518,24 @@ pub fn point(
     let mean = ok.len() as f64 / engines.max(1) as f64;
     let max = per_engine.iter().copied().max().unwrap_or(0) as f64;
     let within = ttft.iter().filter(|&&t| t <= target_ms).count();
-    json!({
+    let probed: Vec<&Sent> = sent
+        .iter()
+        .filter(|s| s.outcome.ok() && !s.held.is_empty())
+        .collect();
+    let probed_tokens: u64 = probed.iter().map(|s| s.outcome.prompt_tokens).sum();
+    let held_share = |held: &dyn Fn(&Sent) -> u64| {
+        let tokens: u64 = probed
+            .iter()
+            .map(|s| (held(s) * u64::from(block_size)).min(s.outcome.prompt_tokens))
+            .sum();
+        tokens as f64 / probed_tokens.max(1) as f64
+    };
+    let held_best = held_share(&|s| s.held.iter().copied().max().unwrap_or(0));
+    let held_sent = held_share(&|s| {
+        let engine = s.outcome.engine.and_then(|e| s.held.get(e));
+        engine.copied().unwrap_or(0)
+    });
+    let mut p = json!({
         "rate": rate,
         "requests": outcomes.len(),
         "errors": outcomes.len() - ok.len(),
@@ -485,7 +550,12 @@ pub fn point(
         "imbalance": if mean > 0.0 { max / mean } else { 0.0 },
         "requests_per_engine": per_engine,
         "first_error": outcomes.iter().find(|o| !o.ok()).map(|o| format!("status {}: {}", o.status, o.error.clone().unwrap_or_default())),
-    })
+    });
+    if !probed.is_empty() {
+        p["held_best"] = json!(held_best);
+        p["held_sent"] = json!(held_sent);
+    }
+    p
 }
 
 /// Whether a rate's TTFT p90 stays within the target with at most 1% errors.
@@ -625,19 +695,28 @@ async fn run_mode(
         },
         _ => Route::Url(&url),
     };
-    run_step(&stack.http, &route, warm_up).await;
+    // Dynamo's mockers cannot say what they hold.
+    let probe: &[String] = if mode.on_dynamo() { &[] } else { &addresses };
+    run_step(&stack.http, &route, probe, warm_up).await;
     for (rate, sessions) in bench.rates.iter().zip(steps) {
         let (cpu0, t0) = (stack.cpu_seconds(), Instant::now());
         let harness0 = crate::process::cpu_seconds(std::process::id()).unwrap_or(0.0);
         let rules0 = hint_rules(&stack).await;
-        let mut outcomes = run_step(&stack.http, &route, sessions).await;
+        let mut sent = run_step(&stack.http, &route, probe, sessions).await;
         let seconds = t0.elapsed().as_secs_f64();
-        for o in &mut outcomes {
+        for o in sent.iter_mut().map(|s| &mut s.outcome) {
             if let Some((worker, _)) = o.dynamo_workers {
                 o.engine = ids.iter().position(|&id| id == worker);
             }
         }
-        let mut p = point(*rate, &outcomes, seconds, engines, target_ms);
+        let mut p = point(
+            *rate,
+            &sent,
+            bench.sim.block_size,
+            seconds,
+            engines,
+            target_ms,
+        );
         let mut used = cores(&cpu0, &stack.cpu_seconds(), seconds);
         let harness = crate::process::cpu_seconds(std::process::id()).unwrap_or(0.0);
         used.insert("harness".into(), (harness - harness0) / seconds);
@@ -655,12 +734,20 @@ async fn run_mode(
             p["hint_rules"] = json!(rules);
         }
         println!(
-            "load: {} / {} at {rate:.1} req/s: TTFT p50 {:.0} ms p90 {:.0} ms (target {target_ms:.0}), hit rate {:.1}%, {:.1} req/s, errors {}, CPU {}{}",
+            "load: {} / {} at {rate:.1} req/s: TTFT p50 {:.0} ms p90 {:.0} ms (target {target_ms:.0}), hit rate {:.1}%{}, {:.1} req/s, errors {}, CPU {}{}",
             workload.name,
             mode.name(),
             p["ttft_p50_ms"].as_f64().unwrap_or(0.0),
             p["ttft_p90_ms"].as_f64().unwrap_or(0.0),
             100.0 * p["hit_rate"].as_f64().unwrap_or(0.0),
+            match (p["held_best"].as_f64(), p["held_sent"].as_f64()) {
+                (Some(best), Some(sent)) => format!(
+                    " (held before sending: {:.1}% by the best engine, {:.1}% where sent)",
+                    100.0 * best,
+                    100.0 * sent
+                ),
+                _ => String::new(),
+            },
             p["throughput"].as_f64().unwrap_or(0.0),
             p["errors"],
             used.iter().map(|(k, v)| format!("{k} {v:.2}")).collect::<Vec<_>>().join(", "),

@@ -52,7 +52,7 @@ impl Core {
         // adapter, and every worker of a base model serves its adapters.
         let blocks = || req.hashes.iter().map(|h| h.0);
         let predict = self.routing.predict_survival;
-        let workers = self
+        let mut workers = self
             .fleet
             .iter()
             .filter(|w| w.usable() && w.model == req.model)
@@ -66,6 +66,7 @@ impl Core {
                     0
                 },
                 survival: w.load.survival(),
+                prefix_in_flight: 0,
                 prefill: w.role == Role::Prefill,
             })
             .collect::<Vec<_>>();
@@ -77,7 +78,16 @@ impl Core {
             .chain(workers.iter().map(|w| w.in_flight_blocks as usize))
             .max()
             .unwrap_or(0);
-        let shared = match longest.checked_sub(1).and_then(|i| req.hashes.get(i)) {
+        let last = longest.checked_sub(1).and_then(|i| req.hashes.get(i));
+        if let Some(prefix) = last {
+            for w in &mut workers {
+                w.prefix_in_flight = self
+                    .fleet
+                    .get(w.id)
+                    .map_or(0, |f| f.load.in_flight_sharing(prefix.0));
+            }
+        }
+        let shared = match last {
             Some(prefix) => {
                 let next = req.hashes.get(longest).map(|h| h.0);
                 self.shared_prefixes.matched(prefix.0, next, now)

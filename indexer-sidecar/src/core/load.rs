@@ -33,6 +33,9 @@ pub struct Load {
     pub running: f64,
     /// Requests queued (`vllm:num_requests_waiting`).
     pub waiting: f64,
+    /// Whether its engine reports its queue (`waiting`, scraped): then the queue, not a count
+    /// of requests, says when it is saturated.
+    pub queue_reported: bool,
     /// KV cache usage, 0..1 (`vllm:kv_cache_usage_perc`).
     pub kv_usage: f64,
     /// Requests hinted to it that have not finished.
@@ -279,6 +282,12 @@ impl WorkerLoad {
             .take_while(|b| self.in_flight_blocks.contains_key(b))
             .count();
         u32::try_from(n).unwrap_or(u32::MAX)
+    }
+
+    /// Requests running here (hinted by this replica or a peer) whose prompts have `block`: with
+    /// a prefix's last block, that prefix's own requests here.
+    pub fn in_flight_sharing(&self, block: u64) -> u32 {
+        self.in_flight_blocks.get(&block).copied().unwrap_or(0)
     }
 
     /// Of the cached blocks hints predicted here beyond those running requests shared, the
@@ -550,7 +559,10 @@ pub fn parse_vllm_metrics(text: &str) -> Option<Load> {
         let name = series.split('{').next().unwrap_or(series);
         let slot = match name {
             "vllm:num_requests_running" => &mut load.running,
-            "vllm:num_requests_waiting" => &mut load.waiting,
+            "vllm:num_requests_waiting" => {
+                load.queue_reported = true;
+                &mut load.waiting
+            }
             "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => &mut load.kv_usage,
             _ => continue,
         };
@@ -622,6 +634,12 @@ mod tests {
         assert_eq!(
             (load.running, load.waiting, load.kv_usage),
             (4.0, 2.0, 0.25)
+        );
+        assert!(load.queue_reported);
+        let running_only = parse_vllm_metrics("vllm:num_requests_running 3\n").unwrap();
+        assert!(
+            !running_only.queue_reported,
+            "no queue reported, none assumed"
         );
         assert_eq!(parse_vllm_metrics("no metrics here 1\n"), None);
     }

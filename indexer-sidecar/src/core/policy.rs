@@ -49,6 +49,9 @@ pub struct Candidate {
     /// The share of its other matched blocks expected to be still cached when the request gets
     /// there ([`crate::core::load::WorkerLoad::survival`]).
     pub survival: f64,
+    /// Requests running there whose prompts have the longest match too: the prefix's own
+    /// queue there.
+    pub prefix_in_flight: u32,
     /// Its load as the rule weighed it (shown field by field).
     #[serde(flatten)]
     pub load: Load,
@@ -99,10 +102,15 @@ pub struct Decision {
 /// the worker's current requests can hold it: a scrape can be seconds old (seen on real vLLM: an
 /// engine the sidecar's tickets showed draining to no request at all stayed "saturated" by its
 /// last scraped queue of 4 for a dozen hints), while hinted requests are counted as they end.
+/// `max_in_flight` stands in for the queue only where the engine does not report one: an engine
+/// batches as many requests as its own limit allows, and one that says nothing waits is not
+/// saturated whatever it runs (a cap below its batch sent requests away from their cache near
+/// saturation, each paying a prefill that slowed the fleet into more: docs/benchmarks.md, "Under
+/// load").
 pub fn saturated(load: &Load, routing: &RoutingConfig) -> bool {
     load.waiting.min(load.busy()) >= routing.max_waiting
         || routing.max_kv_usage.is_some_and(|max| load.kv_usage >= max)
-        || load.busy() >= routing.max_in_flight
+        || (!load.queue_reported && load.busy() >= routing.max_in_flight)
 }
 
 /// The mean of the candidates' requests ([`Load::busy`]); 0 for none.
@@ -145,6 +153,9 @@ pub struct Worker<'a> {
     pub in_flight_blocks: u32,
     /// The share of an idle cached prefix that survives there until a request reaches it.
     pub survival: f64,
+    /// Requests running there (hinted by any replica) whose prompts have the request's longest
+    /// match too ([`crate::core::load::WorkerLoad::in_flight_sharing`]).
+    pub prefix_in_flight: u32,
     /// A disaggregated fleet's prefill worker (which `home_slack_blocks` applies to by default).
     pub prefill: bool,
 }
@@ -196,6 +207,7 @@ pub fn choose<'a>(
                 } else {
                     1.0
                 },
+                prefix_in_flight: w.prefix_in_flight,
                 load: w.load,
                 saturated: false,
                 home_slack_blocks: routing.home_slack_blocks_for(w.prefill),
@@ -273,13 +285,17 @@ pub fn choose<'a>(
 }
 
 /// Put first a worker without the longest match when the match is a popular prefix — recent
-/// requests branched off it in other ways (`shared`), or several workers hold it — and the
-/// cheapest holder (first) is `spread_slack` requests busier than that worker: the
-/// one-request rule never pays a long prefix's prefill to make another holder, so a hot prefix
-/// stays on the workers that happened to take it first and queues there while another worker
-/// idles (docs/benchmarks.md, "Spreading a popular prefix"). Whether the prefill is worth it
-/// is the next requests' question, which a popular prefix answers yes; one conversation's
-/// history, which only its own turns continue, is neither. Whether a move happened.
+/// requests branched off it in other ways (`shared`), or several workers hold it — that queues
+/// on its holders: the cheapest holder (first) is `spread_slack` requests busier than that
+/// worker and than the workers without it on average, and runs at least `spread_slack` requests
+/// of this prefix. The one-request rule never pays a long prefix's prefill to make another
+/// holder, so a hot prefix stays on the workers that happened to take it first and queues there
+/// while another worker idles (docs/benchmarks.md, "Spreading a popular prefix"). Whether the
+/// prefill is worth it is the next requests' question, which a prefix with its own queue answers
+/// yes; one whose holder is busy with other prefixes' requests answers no — the move only pays
+/// a prefill, and near saturation each one slows the fleet into more (docs/benchmarks.md, "Under
+/// load"). One conversation's history, which only its own turns continue, is neither. Whether a
+/// move happened.
 fn spread(
     candidates: &mut [Candidate],
     longest: u32,
@@ -303,7 +319,10 @@ fn spread(
         .fold((0usize, 0.0), |(n, sum), c| (n + 1, sum + c.load.busy()));
     let others_mean = others_busy / others.max(1) as f64;
     let outlier = (others_mean + routing.spread_slack).max(2.0 * others_mean);
-    if others == 0 || first.load.busy() < outlier {
+    if others == 0
+        || first.load.busy() < outlier
+        || f64::from(first.prefix_in_flight) < routing.spread_slack
+    {
         return false;
     }
     let busiest_allowed = first.load.busy() - routing.spread_slack;
@@ -365,6 +384,7 @@ mod tests {
             load,
             in_flight_blocks: 0,
             survival: 1.0,
+            prefix_in_flight: 0,
             prefill: false,
         }
     }
@@ -392,19 +412,28 @@ mod tests {
     }
 
     /// The decision on a 23-block prompt over `reg` with `matches`, whether it branches off its
-    /// match where others did (`shared`), each worker running `requests` as a scrape shows them.
+    /// match where others did (`shared`), each worker running `requests` as a scrape shows them,
+    /// of which the holders' are all requests of the matched prefix (`own_queue`) or none.
     fn decide_23_blocks(
         reg: &[String],
         matches: &[(WorkerId, u32)],
         shared: bool,
+        own_queue: bool,
         requests: &'static [f64],
         routing: &RoutingConfig,
     ) -> Decision {
         let load = running(requests);
-        let workers = reg
-            .iter()
-            .enumerate()
-            .map(|(i, a)| worker(i, a, load(WorkerId(i as u32))));
+        let workers = reg.iter().enumerate().map(|(i, a)| {
+            let holder = matches.iter().any(|(w, _)| w.0 as usize == i);
+            Worker {
+                prefix_in_flight: if holder && own_queue {
+                    requests[i] as u32
+                } else {
+                    0
+                },
+                ..worker(i, a, load(WorkerId(i as u32)))
+            }
+        });
         let prompt = Prompt {
             blocks: 23,
             shared,
@@ -855,7 +884,7 @@ mod tests {
                       shared: bool,
                       requests: &'static [f64],
                       routing: &RoutingConfig| {
-            decide_23_blocks(&reg, matches, shared, requests, routing)
+            decide_23_blocks(&reg, matches, shared, true, requests, routing)
         };
         let routing = RoutingConfig::default();
         let three = [(WorkerId(0), 20), (WorkerId(1), 20), (WorkerId(2), 20)];
@@ -882,6 +911,22 @@ mod tests {
         };
         let d = decide(&three, false, &[5.0, 5.0, 5.0, 1.0], &off);
         assert_eq!(d.rule, Rule::LongestMatch);
+    }
+
+    /// A popular prefix whose holders are busy with other prefixes' requests stays: a copy would
+    /// pay its prefill while the holders' queues, not this prefix's, stay where they are.
+    #[test]
+    fn a_prefix_without_its_own_queue_does_not_spread() {
+        let reg = registry(4);
+        let routing = RoutingConfig::default();
+        let three = [(WorkerId(0), 20), (WorkerId(1), 20), (WorkerId(2), 20)];
+        let requests = &[5.0, 5.0, 5.0, 1.0];
+        let d = decide_23_blocks(&reg, &three, true, true, requests, &routing);
+        assert_eq!(d.rule, Rule::Spread);
+        let d = decide_23_blocks(&reg, &three, true, false, requests, &routing);
+        assert_eq!(d.rule, Rule::LongestMatch);
+        assert_ne!(order(&d)[0], addr(3));
+        assert_eq!(d.candidates[0].prefix_in_flight, 0);
     }
 
     /// A fleet busy all over keeps each prompt where its prefix is: a holder over
@@ -918,6 +963,39 @@ mod tests {
         assert_ne!(order(&d)[0], addr(0));
     }
 
+    /// An engine that reports its queue is saturated by its queue, not by its requests: one
+    /// running past `max_in_flight` with nothing waiting keeps the prompt its cache holds.
+    #[test]
+    fn a_reported_queue_decides_saturation_not_a_request_count() {
+        let routing = RoutingConfig::default();
+        let load = |requests: f64, waiting: f64, queue_reported: bool| Load {
+            running: requests,
+            unhinted: requests,
+            waiting,
+            queue_reported,
+            ..Load::default()
+        };
+        let busy = routing.max_in_flight + 4.0;
+        assert!(saturated(&load(busy, 0.0, false), &routing));
+        assert!(!saturated(&load(busy, 0.0, true), &routing));
+        assert!(saturated(&load(busy, routing.max_waiting, true), &routing));
+        // In a decision: the holder runs 22 where the others run 14, nothing waits anywhere.
+        let reg = registry(4);
+        let workers = reg.iter().enumerate().map(|(i, a)| {
+            let requests = if i == 0 { 22.0 } else { 14.0 };
+            worker(i, a, load(requests, 0.0, true))
+        });
+        let prompt = Prompt {
+            blocks: 23,
+            ..Prompt::default()
+        };
+        let d = super::choose(prompt, &[(WorkerId(0), 20)], workers, &routing);
+        assert_eq!(
+            (d.rule, order(&d)[0].clone()),
+            (Rule::LongestMatch, addr(0))
+        );
+    }
+
     /// Under even load a popular prefix stays where it is: its holders are busier than the
     /// least busy worker by the slack, but not than the other workers on average.
     #[test]
@@ -925,7 +1003,7 @@ mod tests {
         let reg = registry(6);
         let routing = RoutingConfig::default();
         let matches = [(WorkerId(0), 20), (WorkerId(1), 20)];
-        let decide = |requests| decide_23_blocks(&reg, &matches, true, requests, &routing);
+        let decide = |requests| decide_23_blocks(&reg, &matches, true, true, requests, &routing);
         let d = decide(&[10.0, 10.0, 6.0, 12.0, 11.0, 11.0]);
         assert_eq!(d.rule, Rule::LongestMatch);
         let d = decide(&[10.0, 10.0, 6.0, 2.0, 3.0, 5.0]);

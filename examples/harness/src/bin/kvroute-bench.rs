@@ -78,7 +78,8 @@ enum Command {
         /// The short run `make test` holds.
         #[arg(long)]
         smoke: bool,
-        /// Only these workloads (comma-separated: `shared_prefix`, `chat`).
+        /// These workloads (comma-separated: `shared_prefix`, `hot_prefix`, `chat`; default: the
+        /// scale's).
         #[arg(long, value_delimiter = ',')]
         workloads: Option<Vec<String>>,
         /// Cache capacity per engine in blocks.
@@ -488,14 +489,16 @@ async fn main() -> Result<()> {
             sidecar_toml,
             modes,
         } => {
-            use kvroute_harness::bench_load::{markdown, run, LoadBench};
+            use kvroute_harness::bench_load::{markdown, run, LoadBench, LoadWorkload};
             let scale = if smoke { Scale::Smoke } else { scale };
             let mut bench = LoadBench::new(scale, engines);
             if let Some(names) = workloads {
-                bench
-                    .workloads
-                    .retain(|w| names.iter().any(|n| n == w.name));
-                anyhow::ensure!(!bench.workloads.is_empty(), "no such workload: {names:?}");
+                bench.workloads = names
+                    .iter()
+                    .map(|n| {
+                        LoadWorkload::named(n).with_context(|| format!("no such workload: {n}"))
+                    })
+                    .collect::<Result<_>>()?;
             }
             if let Some(c) = capacity_blocks {
                 bench.capacity_blocks = c;
