@@ -70,7 +70,7 @@
 //! home_key_blocks = 8               # cold prompts go to the home of their first 8 blocks
 //! spread_slack = 4                  # a popular prefix spreads to a worker this many requests less
 //!                                   #   busy, from a holder this many (and 2×) above the mean
-//!                                   #   running at least this many requests of the prefix
+//!                                   #   running this many of the prefix's requests (half: to an idle one)
 //! predict_survival = true           # weigh what a worker will still hold, not all the index matched
 //! ```
 
@@ -705,8 +705,8 @@ pub struct RoutingConfig {
     /// A popular prefix (requests lately branched off it in different ways, or several workers hold it)
     /// goes to another worker, which then holds it too, when each holder has this many
     /// requests more than that worker and than the workers without it have on average (and
-    /// twice their average), and runs at least this many requests of the prefix: it spreads
-    /// instead of queueing where it first landed.
+    /// twice their average), and runs at least this many requests of the prefix (half as many
+    /// when that worker runs nothing): it spreads instead of queueing where it first landed.
     pub spread_slack: f64,
     /// Weigh what a worker will still hold when the request gets there: the prompt blocks its
     /// running requests share, and of its other matched blocks the share its engine's reports

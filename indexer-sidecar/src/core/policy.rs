@@ -287,8 +287,8 @@ pub fn choose<'a>(
 /// Put first a worker without the longest match when the match is a popular prefix — recent
 /// requests branched off it in other ways (`shared`), or several workers hold it — that queues
 /// on its holders: the cheapest holder (first) is `spread_slack` requests busier than that
-/// worker and than the workers without it on average, and runs at least `spread_slack` requests
-/// of this prefix. The one-request rule never pays a long prefix's prefill to make another
+/// worker and than the workers without it on average, and runs at least `spread_slack`
+/// requests of this prefix (half as many when that worker runs nothing). The one-request rule never pays a long prefix's prefill to make another
 /// holder, so a hot prefix stays on the workers that happened to take it first and queues there
 /// while another worker idles (docs/benchmarks.md, "Spreading a popular prefix"). Whether the
 /// prefill is worth it is the next requests' question, which a prefix with its own queue answers
@@ -319,10 +319,7 @@ fn spread(
         .fold((0usize, 0.0), |(n, sum), c| (n + 1, sum + c.load.busy()));
     let others_mean = others_busy / others.max(1) as f64;
     let outlier = (others_mean + routing.spread_slack).max(2.0 * others_mean);
-    if others == 0
-        || first.load.busy() < outlier
-        || f64::from(first.prefix_in_flight) < routing.spread_slack
-    {
+    if others == 0 || first.load.busy() < outlier {
         return false;
     }
     let busiest_allowed = first.load.busy() - routing.spread_slack;
@@ -331,14 +328,20 @@ fn spread(
         .enumerate()
         .filter(|(_, c)| !c.saturated && c.held() < longest)
         .filter(|(_, c)| c.load.busy() <= busiest_allowed)
-        .min_by(|(_, a), (_, b)| a.load.busy().total_cmp(&b.load.busy()))
-        .map(|(i, _)| i);
+        .min_by(|(_, a), (_, b)| a.load.busy().total_cmp(&b.load.busy()));
+    // The copy's prefill slows the requests batched with it on a busy worker, which pays only
+    // for a prefix with its own queue at the holder; on a worker running nothing it slows no
+    // one, and pays for a prefix with half that queue.
+    let own = f64::from(first.prefix_in_flight);
     match target {
-        Some(i) => {
+        Some((i, c))
+            if own >= routing.spread_slack
+                || (c.load.busy() < 1.0 && own >= routing.spread_slack / 2.0) =>
+        {
             candidates[..=i].rotate_right(1);
             true
         }
-        None => false,
+        _ => false,
     }
 }
 
@@ -413,12 +416,12 @@ mod tests {
 
     /// The decision on a 23-block prompt over `reg` with `matches`, whether it branches off its
     /// match where others did (`shared`), each worker running `requests` as a scrape shows them,
-    /// of which the holders' are all requests of the matched prefix (`own_queue`) or none.
+    /// of which each holder's are requests of the matched prefix up to `own`.
     fn decide_23_blocks(
         reg: &[String],
         matches: &[(WorkerId, u32)],
         shared: bool,
-        own_queue: bool,
+        own: u32,
         requests: &'static [f64],
         routing: &RoutingConfig,
     ) -> Decision {
@@ -426,8 +429,8 @@ mod tests {
         let workers = reg.iter().enumerate().map(|(i, a)| {
             let holder = matches.iter().any(|(w, _)| w.0 as usize == i);
             Worker {
-                prefix_in_flight: if holder && own_queue {
-                    requests[i] as u32
+                prefix_in_flight: if holder {
+                    (requests[i] as u32).min(own)
                 } else {
                     0
                 },
@@ -884,7 +887,7 @@ mod tests {
                       shared: bool,
                       requests: &'static [f64],
                       routing: &RoutingConfig| {
-            decide_23_blocks(&reg, matches, shared, true, requests, routing)
+            decide_23_blocks(&reg, matches, shared, u32::MAX, requests, routing)
         };
         let routing = RoutingConfig::default();
         let three = [(WorkerId(0), 20), (WorkerId(1), 20), (WorkerId(2), 20)];
@@ -913,20 +916,25 @@ mod tests {
         assert_eq!(d.rule, Rule::LongestMatch);
     }
 
-    /// A popular prefix whose holders are busy with other prefixes' requests stays: a copy would
-    /// pay its prefill while the holders' queues, not this prefix's, stay where they are.
+    /// A popular prefix whose holders are busy with other prefixes' requests stays: a copy on a
+    /// busy worker would pay its prefill, slowing the requests there, while the holders'
+    /// queues, not this prefix's, stay where they are. On a worker running nothing, half its
+    /// own queue (`spread_slack` / 2) is enough.
     #[test]
     fn a_prefix_without_its_own_queue_does_not_spread() {
         let reg = registry(4);
         let routing = RoutingConfig::default();
         let three = [(WorkerId(0), 20), (WorkerId(1), 20), (WorkerId(2), 20)];
-        let requests = &[5.0, 5.0, 5.0, 1.0];
-        let d = decide_23_blocks(&reg, &three, true, true, requests, &routing);
-        assert_eq!(d.rule, Rule::Spread);
-        let d = decide_23_blocks(&reg, &three, true, false, requests, &routing);
+        let decide = |own, requests| decide_23_blocks(&reg, &three, true, own, requests, &routing);
+        let (busy, idle) = (&[5.0, 5.0, 5.0, 1.0], &[5.0, 5.0, 5.0, 0.0]);
+        assert_eq!(decide(4, busy).rule, Rule::Spread);
+        let d = decide(3, busy);
         assert_eq!(d.rule, Rule::LongestMatch);
         assert_ne!(order(&d)[0], addr(3));
-        assert_eq!(d.candidates[0].prefix_in_flight, 0);
+        assert_eq!(d.candidates[0].prefix_in_flight, 3);
+        let d = decide(2, idle);
+        assert_eq!((d.rule, order(&d)[0].clone()), (Rule::Spread, addr(3)));
+        assert_eq!(decide(1, idle).rule, Rule::LongestMatch);
     }
 
     /// A fleet busy all over keeps each prompt where its prefix is: a holder over
@@ -1003,7 +1011,8 @@ mod tests {
         let reg = registry(6);
         let routing = RoutingConfig::default();
         let matches = [(WorkerId(0), 20), (WorkerId(1), 20)];
-        let decide = |requests| decide_23_blocks(&reg, &matches, true, true, requests, &routing);
+        let decide =
+            |requests| decide_23_blocks(&reg, &matches, true, u32::MAX, requests, &routing);
         let d = decide(&[10.0, 10.0, 6.0, 12.0, 11.0, 11.0]);
         assert_eq!(d.rule, Rule::LongestMatch);
         let d = decide(&[10.0, 10.0, 6.0, 2.0, 3.0, 5.0]);
