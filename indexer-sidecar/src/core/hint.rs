@@ -78,16 +78,17 @@ impl Core {
             .chain(workers.iter().map(|w| w.in_flight_blocks as usize))
             .max()
             .unwrap_or(0);
-        let last = longest.checked_sub(1).and_then(|i| req.hashes.get(i));
-        if let Some(prefix) = last {
-            for w in &mut workers {
+        // The prefix's own requests on each worker holding it (only a holder can spread it).
+        for w in &mut workers {
+            let matched = matches.iter().find(|(m, _)| *m == w.id).map_or(0, |m| m.1);
+            if longest > 0 && matched.max(w.in_flight_blocks) as usize >= longest {
                 w.prefix_in_flight = self
                     .fleet
                     .get(w.id)
-                    .map_or(0, |f| f.load.in_flight_sharing(prefix.0));
+                    .map_or(0, |f| f.load.in_flight_sharing(blocks(), longest));
             }
         }
-        let shared = match last {
+        let shared = match longest.checked_sub(1).and_then(|i| req.hashes.get(i)) {
             Some(prefix) => {
                 let next = req.hashes.get(longest).map(|h| h.0);
                 self.shared_prefixes.matched(prefix.0, next, now)

@@ -81,7 +81,7 @@ pub const TICKET_LIFETIME: Duration = Duration::from_secs(600);
 
 /// Leading blocks of a hinted prompt kept with its ticket: what it holds in its worker's cache
 /// while it runs (4 KiB a ticket at most).
-const TICKET_BLOCKS: usize = 512;
+pub const TICKET_BLOCKS: usize = 512;
 
 /// Distinct blocks of open tickets remembered per worker; beyond, new tickets keep none (their
 /// requests still count as load).
@@ -284,10 +284,14 @@ impl WorkerLoad {
         u32::try_from(n).unwrap_or(u32::MAX)
     }
 
-    /// Requests running here (hinted by this replica or a peer) whose prompts have `block`: with
-    /// a prefix's last block, that prefix's own requests here.
-    pub fn in_flight_sharing(&self, block: u64) -> u32 {
-        self.in_flight_blocks.get(&block).copied().unwrap_or(0)
+    /// Requests running here (hinted by this replica or a peer) whose prompts begin with the
+    /// first `len` of `blocks`: that prefix's own requests here. Prefix hashes chain, so its last
+    /// block tells — or, past what a ticket keeps ([`TICKET_BLOCKS`]), the last one kept.
+    pub fn in_flight_sharing(&self, blocks: impl IntoIterator<Item = u64>, len: usize) -> u32 {
+        len.min(TICKET_BLOCKS)
+            .checked_sub(1)
+            .and_then(|i| blocks.into_iter().nth(i))
+            .map_or(0, |b| self.in_flight_blocks.get(&b).copied().unwrap_or(0))
     }
 
     /// Of the cached blocks hints predicted here beyond those running requests shared, the
@@ -765,6 +769,15 @@ mod tests {
         // Expired tickets let go too; a long prompt keeps its first blocks only.
         w.open(3, now, predicted(0), 0..10_000);
         assert_eq!(w.in_flight_match(0..10_000), TICKET_BLOCKS as u32);
+        w.open(4, now, predicted(0), 0..3);
+        assert_eq!(
+            w.in_flight_sharing(0..10_000, 600),
+            1,
+            "by its first blocks"
+        );
+        assert_eq!(w.in_flight_sharing(0..10_000, 3), 2);
+        assert_eq!(w.in_flight_sharing(0..10_000, 0), 0);
+        assert_eq!(w.in_flight_sharing(20_000..30_000, 3), 0);
         w.expire(now + TICKET_LIFETIME);
         assert_eq!(w.in_flight_match(0..10), 0);
     }

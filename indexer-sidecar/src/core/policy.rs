@@ -288,14 +288,15 @@ pub fn choose<'a>(
 /// requests branched off it in other ways (`shared`), or several workers hold it — that queues
 /// on its holders: the cheapest holder (first) is `spread_slack` requests busier than that
 /// worker and than the workers without it on average, and runs at least `spread_slack`
-/// requests of this prefix (half as many when that worker runs nothing). The one-request rule never pays a long prefix's prefill to make another
-/// holder, so a hot prefix stays on the workers that happened to take it first and queues there
-/// while another worker idles (docs/benchmarks.md, "Spreading a popular prefix"). Whether the
-/// prefill is worth it is the next requests' question, which a prefix with its own queue answers
-/// yes; one whose holder is busy with other prefixes' requests answers no — the move only pays
-/// a prefill, and near saturation each one slows the fleet into more (docs/benchmarks.md, "Under
-/// load"). One conversation's history, which only its own turns continue, is neither. Whether a
-/// move happened.
+/// requests of this prefix (half as many when that worker runs nothing). The one-request rule
+/// never pays a long prefix's prefill to make another holder, so a hot prefix stays on the
+/// workers that happened to take it first and queues there while another worker idles
+/// (docs/benchmarks.md, "Spreading a popular prefix"). Whether the prefill is worth it is the
+/// next requests' question, which a prefix with its own queue answers yes; one whose holder is
+/// busy with other prefixes' requests answers no — the move only pays a prefill, and near
+/// saturation each one slows the fleet into more (docs/benchmarks.md, "Under load"). One
+/// conversation's history, which only its own turns continue, is neither. Whether a move
+/// happened.
 fn spread(
     candidates: &mut [Candidate],
     longest: u32,

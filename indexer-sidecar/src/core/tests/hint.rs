@@ -25,6 +25,12 @@ fn reports_teach_how_much_of_an_idle_match_survives() {
         (4, 4, 1.0),
         "the first request holds all four"
     );
+    let own = |h: &Hint| h.decision.candidates[0].prefix_in_flight;
+    assert_eq!(
+        (own(&first), own(&second)),
+        (0, 1),
+        "the prefix's own requests there"
+    );
     // `/debug/explain` shows each of the candidate's fields once, its load's flattened beside.
     let shown = serde_json::to_string(&second.decision.candidates[0]).unwrap();
     assert!(shown.contains("\"in_flight_blocks\":4"), "{shown}");
