@@ -335,11 +335,9 @@ pub fn plan(workload: &LoadWorkload, rates: &[f64], step: Duration) -> Vec<Vec<P
 enum Route<'a> {
     /// All to this URL.
     Url(&'a str),
-    /// Each to the engine [`LoadMode::Oracle`] picks, its requests in flight counted here.
-    Oracle {
-        engines: &'a [String],
-        in_flight: &'a [AtomicUsize],
-    },
+    /// Each to the probed engine [`LoadMode::Oracle`] picks from what the probe saw; the
+    /// requests in flight per probed engine counted here.
+    Oracle(&'a [AtomicUsize]),
 }
 
 /// One request sent and what the engines held of its prompt just before.
@@ -362,22 +360,22 @@ impl Route<'_> {
         let held = oracle_cached_all(http, probe, body).await;
         match self {
             Route::Url(url) => ((*url).to_owned(), None, held),
-            Route::Oracle { engines, in_flight } => {
-                let best = (0..engines.len())
+            Route::Oracle(in_flight) => {
+                let best = (0..probe.len())
                     .max_by_key(|&i| {
                         let busy = in_flight[i].load(Ordering::Relaxed);
                         (held.get(i).copied().unwrap_or(0), std::cmp::Reverse(busy))
                     })
                     .unwrap_or(0);
                 in_flight[best].fetch_add(1, Ordering::Relaxed);
-                (format!("http://{}{CHAT}", engines[best]), Some(best), held)
+                (format!("http://{}{CHAT}", probe[best]), Some(best), held)
             }
         }
     }
 
     /// The request [`Route::pick`] counted against `engine` is over.
     fn done(&self, engine: Option<usize>) {
-        if let (Route::Oracle { in_flight, .. }, Some(i)) = (self, engine) {
+        if let (Route::Oracle(in_flight), Some(i)) = (self, engine) {
             in_flight[i].fetch_sub(1, Ordering::Relaxed);
         }
     }
@@ -689,10 +687,7 @@ async fn run_mode(
     let addresses: Vec<String> = stack.engines.iter().map(|e| e.address.clone()).collect();
     let in_flight: Vec<AtomicUsize> = addresses.iter().map(|_| AtomicUsize::new(0)).collect();
     let route = match mode {
-        LoadMode::Oracle => Route::Oracle {
-            engines: &addresses,
-            in_flight: &in_flight,
-        },
+        LoadMode::Oracle => Route::Oracle(&in_flight),
         _ => Route::Url(&url),
     };
     // Dynamo's mockers cannot say what they hold.

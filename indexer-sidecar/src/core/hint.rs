@@ -78,14 +78,13 @@ impl Core {
             .chain(workers.iter().map(|w| w.in_flight_blocks as usize))
             .max()
             .unwrap_or(0);
-        // The prefix's own requests on each worker holding it (only a holder can spread it).
-        for w in &mut workers {
-            let matched = matches.iter().find(|(m, _)| *m == w.id).map_or(0, |m| m.1);
-            if longest > 0 && matched.max(w.in_flight_blocks) as usize >= longest {
+        // The prefix's own requests on each worker: one lookup each.
+        if let Some(key) = load::sharing_block(longest).and_then(|i| req.hashes.get(i)) {
+            for w in &mut workers {
                 w.prefix_in_flight = self
                     .fleet
                     .get(w.id)
-                    .map_or(0, |f| f.load.in_flight_sharing(blocks(), longest));
+                    .map_or(0, |f| f.load.in_flight_sharing(key.0));
             }
         }
         let shared = match longest.checked_sub(1).and_then(|i| req.hashes.get(i)) {

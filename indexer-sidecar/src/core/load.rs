@@ -284,14 +284,10 @@ impl WorkerLoad {
         u32::try_from(n).unwrap_or(u32::MAX)
     }
 
-    /// Requests running here (hinted by this replica or a peer) whose prompts begin with the
-    /// first `len` of `blocks`: that prefix's own requests here. Prefix hashes chain, so its last
-    /// block tells — or, past what a ticket keeps ([`TICKET_BLOCKS`]), the last one kept.
-    pub fn in_flight_sharing(&self, blocks: impl IntoIterator<Item = u64>, len: usize) -> u32 {
-        len.min(TICKET_BLOCKS)
-            .checked_sub(1)
-            .and_then(|i| blocks.into_iter().nth(i))
-            .map_or(0, |b| self.in_flight_blocks.get(&b).copied().unwrap_or(0))
+    /// Requests running here (hinted by this replica or a peer) whose prompts have `block`: with
+    /// a prefix's [`sharing_block`], that prefix's own requests here.
+    pub fn in_flight_sharing(&self, block: u64) -> u32 {
+        self.in_flight_blocks.get(&block).copied().unwrap_or(0)
     }
 
     /// Of the cached blocks hints predicted here beyond those running requests shared, the
@@ -548,6 +544,13 @@ impl WorkerLoad {
     }
 }
 
+/// Which of a prefix of `len` blocks tells the requests that share it
+/// ([`WorkerLoad::in_flight_sharing`]): prefix hashes chain, so its last — or, past what a ticket
+/// keeps ([`TICKET_BLOCKS`]), the last one kept. `None` for an empty prefix.
+pub fn sharing_block(len: usize) -> Option<usize> {
+    len.min(TICKET_BLOCKS).checked_sub(1)
+}
+
 /// Parse vLLM's load gauges out of Prometheus text (summing over label sets, e.g. engines).
 pub fn parse_vllm_metrics(text: &str) -> Option<Load> {
     let mut load = Load::default();
@@ -770,14 +773,11 @@ mod tests {
         w.open(3, now, predicted(0), 0..10_000);
         assert_eq!(w.in_flight_match(0..10_000), TICKET_BLOCKS as u32);
         w.open(4, now, predicted(0), 0..3);
-        assert_eq!(
-            w.in_flight_sharing(0..10_000, 600),
-            1,
-            "by its first blocks"
-        );
-        assert_eq!(w.in_flight_sharing(0..10_000, 3), 2);
-        assert_eq!(w.in_flight_sharing(0..10_000, 0), 0);
-        assert_eq!(w.in_flight_sharing(20_000..30_000, 3), 0);
+        let sharing = |len| sharing_block(len).map_or(0, |b| w.in_flight_sharing(b as u64));
+        assert_eq!(sharing(600), 1, "by its first blocks");
+        assert_eq!(sharing(3), 2);
+        assert_eq!(sharing(0), 0);
+        assert_eq!(w.in_flight_sharing(20_000), 0);
         w.expire(now + TICKET_LIFETIME);
         assert_eq!(w.in_flight_match(0..10), 0);
     }
