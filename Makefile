@@ -117,9 +117,11 @@ bench-storm: venv build
 	target/release/kvroute-bench storm --plane dynamo-zmq
 	target/release/kvroute-bench storm --plane dynamo-zmq --batch 8 --rates 400000,800000 --burst 1200000
 
-# The chaos soak (about 3 minutes): faults one at a time under load, how long each takes to heal.
-soak: venv build
+# The chaos soak (about 5 minutes): faults one at a time under load, how long each takes to heal —
+# on simulated engines with two replicas, then on a real Dynamo fleet.
+soak: venv venv-dynamo build
 	target/release/kvroute-bench soak
+	target/release/kvroute-bench soak --dynamo
 
 bench-routing: venv venv-peers build
 	target/release/kvroute-bench routing

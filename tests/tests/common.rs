@@ -331,25 +331,9 @@ pub fn dynamo_chat(system: &str, user: &str) -> Value {
     body
 }
 
-/// Send a streamed chat to `base` (Envoy or the frontend) with extra headers.
-pub async fn post_with(base: &str, body: &Value, headers: &[(&str, String)]) -> Outcome {
-    let url = format!("{base}/v1/chat/completions");
-    let headers: reqwest::header::HeaderMap = headers
-        .iter()
-        .map(|(k, v)| {
-            (
-                reqwest::header::HeaderName::from_bytes(k.as_bytes()).unwrap(),
-                reqwest::header::HeaderValue::from_str(v).unwrap(),
-            )
-        })
-        .collect();
-    let client = reqwest::Client::builder()
-        .default_headers(headers)
-        .timeout(Duration::from_secs(30))
-        .build()
-        .unwrap();
-    send_streaming(&client, &url, body).await
-}
+// Not every test that includes this module sends pinned chats.
+#[allow(unused_imports)]
+pub use kvroute_harness::client::post_with;
 
 /// Dynamo 1.6's KV-event subject of component `backend`, endpoint `generate`.
 pub const DYNAMO_SUBJECT: &str = "namespace.dynamo.component.backend.endpoint.generate.kv-events";

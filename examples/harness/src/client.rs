@@ -194,6 +194,35 @@ pub async fn send_streaming(http: &reqwest::Client, url: &str, body: &Value) -> 
     out
 }
 
+/// Send a streamed chat to `base` (Envoy or a Dynamo frontend) with extra headers, e.g. a pin.
+pub async fn post_with(base: &str, body: &Value, headers: &[(&str, String)]) -> Outcome {
+    let url = format!("{base}/v1/chat/completions");
+    let mut map = reqwest::header::HeaderMap::new();
+    for (k, v) in headers {
+        let (Ok(k), Ok(v)) = (
+            reqwest::header::HeaderName::from_bytes(k.as_bytes()),
+            reqwest::header::HeaderValue::from_str(v),
+        ) else {
+            return Outcome {
+                error: Some(format!("not a header: {k}: {v}")),
+                ..Outcome::default()
+            };
+        };
+        map.insert(k, v);
+    }
+    let client = reqwest::Client::builder()
+        .default_headers(map)
+        .timeout(Duration::from_secs(30))
+        .build();
+    match client {
+        Ok(client) => send_streaming(&client, &url, body).await,
+        Err(e) => Outcome {
+            error: Some(e.to_string()),
+            ..Outcome::default()
+        },
+    }
+}
+
 /// How far apart the benchmark's concurrent clients start: the 16 clients of a workload open
 /// within 40 ms, as independent users would, instead of at one instant. Starting them together
 /// (a gap of zero) sends 16 cold prompts through the proxy in the same microsecond; every proxy

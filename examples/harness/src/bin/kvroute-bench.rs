@@ -150,6 +150,10 @@ enum Command {
         /// `replica_1_partitioned_from_events`).
         #[arg(long, value_delimiter = ',')]
         faults: Vec<String>,
+        /// Break a real Dynamo fleet (`.venv-dynamo`): workers killed and started again as new
+        /// instances, the sidecar killed.
+        #[arg(long)]
+        dynamo: bool,
     },
     /// 1, 2, 4 and 8 sidecar + Envoy pairs on one fleet whose caches evict, each sidecar losing
     /// 10% of the KV events on its transport (a lossy NATS proxy) and repairing from the others,
@@ -461,19 +465,28 @@ async fn main() -> Result<()> {
                 out.join(format!("{stem}.{{json,md}}")).display()
             );
         }
-        Command::Soak { smoke, faults } => {
-            use kvroute_harness::soak::{markdown, run, SoakBench};
-            let mut bench = if smoke {
-                SoakBench::smoke()
-            } else {
-                SoakBench::full()
+        Command::Soak {
+            smoke,
+            faults,
+            dynamo,
+        } => {
+            use kvroute_harness::soak::{file_stem, markdown, run, SoakBench};
+            let mut bench = match (dynamo, smoke) {
+                (false, false) => SoakBench::full(),
+                (false, true) => SoakBench::smoke(),
+                (true, false) => SoakBench::dynamo(),
+                (true, true) => SoakBench::dynamo_smoke(),
             };
             if !faults.is_empty() {
                 bench.only(&faults)?;
             }
             let doc = run(&bench, &out).await?;
             println!("\n{}", markdown(&doc));
-            println!("written to {}", out.join("soak.{json,md}").display());
+            let stem = file_stem(bench.fleet);
+            println!(
+                "written to {}",
+                out.join(format!("{stem}.{{json,md}}")).display()
+            );
         }
         Command::Load {
             engines,

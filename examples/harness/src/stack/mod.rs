@@ -502,6 +502,56 @@ impl Stack {
         ready
     }
 
+    /// Real Dynamo, aggregated: start engine `index`'s worker again (after [`Stack::kill`] of
+    /// `dynamo-worker-<index>`) as a restarted pod comes back — a new process on a new port, a
+    /// new instance id — and wait until its discovery records (the instance and its `kv-events`
+    /// publisher) are in place. `engines[index]` becomes the new worker.
+    pub async fn start_dynamo_worker(&mut self, index: usize) -> Result<EngineInfo> {
+        let opts = self
+            .options
+            .dynamo
+            .clone()
+            .context("no Dynamo fleet in this stack")?;
+        let name = format!("dynamo-worker-{index}");
+        self.kill(&name);
+        let port = free_port()?;
+        let cmd = crate::dynamo::worker_command(
+            &opts,
+            "agg",
+            port,
+            None,
+            &self.nats_url,
+            &self.discovery,
+        )?;
+        self.processes.push(Process::spawn(&name, cmd, &self.dir)?);
+        let address = format!("127.0.0.1:{port}");
+        let (discovery, address_ref) = (&self.discovery, &address);
+        let config = discovery.config(MODEL);
+        let config = &config;
+        let id = wait_for(
+            "the restarted Dynamo worker's discovery records",
+            Duration::from_secs(120),
+            || async move {
+                let records = discovery.records().await.ok()?;
+                let scan = kvroute_sidecar::observers::discovery::scan(&records, config);
+                let (&id, _) = scan
+                    .instances
+                    .iter()
+                    .find(|(_, i)| &i.address == address_ref)?;
+                let publishes = scan
+                    .channels
+                    .values()
+                    .any(|c| c.topic == "kv-events" && c.worker == Some(id));
+                publishes.then_some(id)
+            },
+        )
+        .await?;
+        let engine = self.engines.get_mut(index).context("no such engine")?;
+        engine.address = address;
+        engine.dynamo_worker_id = id;
+        Ok(engine.clone())
+    }
+
     /// Send a signal (`STOP`, `CONT`, …) to one process, e.g. to make it hang without dying;
     /// `STOP` returns once the process has stopped.
     pub fn signal(&self, name: &str, signal: &str) -> Result<()> {

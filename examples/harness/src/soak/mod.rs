@@ -14,6 +14,11 @@
 //! sidecar's matched blocks per worker, read from its `/debug/explain`, against each engine's
 //! `/oracle`). At the end the load stops, and the indexes are compared with the engines and with
 //! each other once more.
+//!
+//! `--dynamo` breaks a real Dynamo fleet instead ([`dynamo`]): workers SIGKILLed and started
+//! again as new instances, the sidecar killed; judged against what the workers report cached.
+
+mod dynamo;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -46,6 +51,8 @@ pub enum Fault {
     SidecarKill,
     /// The second sidecar SIGKILLed and started again.
     ReplicaKill,
+    /// Real Dynamo: worker `n` SIGKILLed, and after the hold started again as a new instance.
+    DynamoWorkerKill(usize),
 }
 
 impl Fault {
@@ -59,14 +66,27 @@ impl Fault {
             Fault::Partition => "replica_1_partitioned_from_events".into(),
             Fault::SidecarKill => "sidecar_0_killed".into(),
             Fault::ReplicaKill => "sidecar_1_killed".into(),
+            Fault::DynamoWorkerKill(n) => format!("dynamo_worker_{n}_killed"),
         }
     }
+}
+
+/// Which fleet the soak breaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fleet {
+    /// Simulated engines (even ones publish Dynamo's events on NATS, odd ones vLLM's on ZMQ),
+    /// two sidecar + Envoy replicas.
+    Simulated,
+    /// Real Dynamo mocker workers behind a `kv` frontend, one sidecar + Envoy pinning.
+    Dynamo,
 }
 
 /// The soak's inputs.
 #[derive(Debug, Clone)]
 pub struct SoakBench {
-    /// Simulated engines (even ones publish Dynamo's events on NATS, odd ones vLLM's on ZMQ).
+    /// What runs the requests.
+    pub fleet: Fleet,
+    /// Engines (simulated, or Dynamo workers).
     pub engines: usize,
     /// Each engine's cache, in blocks (small: caches evict under the load).
     pub capacity_blocks: usize,
@@ -90,6 +110,7 @@ impl SoakBench {
     /// `make soak`: every fault, each held 8 s.
     pub fn full() -> Self {
         SoakBench {
+            fleet: Fleet::Simulated,
             engines: 4,
             capacity_blocks: 384,
             clients: 4,
@@ -127,6 +148,32 @@ impl SoakBench {
         }
     }
 
+    /// `make soak`'s second part: 3 Dynamo workers, two of them killed in turn, and the sidecar.
+    pub fn dynamo() -> Self {
+        SoakBench {
+            fleet: Fleet::Dynamo,
+            engines: 3,
+            capacity_blocks: 512,
+            faults: vec![
+                Fault::DynamoWorkerKill(0),
+                Fault::SidecarKill,
+                Fault::DynamoWorkerKill(2),
+            ],
+            ..SoakBench::full()
+        }
+    }
+
+    /// The smoke of the Dynamo part `make test` runs: one worker killed, held 2 s.
+    pub fn dynamo_smoke() -> Self {
+        SoakBench {
+            faults: vec![Fault::DynamoWorkerKill(1)],
+            steady: Duration::from_secs(4),
+            hold: Duration::from_secs(2),
+            deadline: Duration::from_secs(60),
+            ..SoakBench::dynamo()
+        }
+    }
+
     /// Keep only the faults named (as in reports); a name no fault has is an error.
     pub fn only(&mut self, names: &[String]) -> Result<()> {
         if let Some(unknown) = names
@@ -141,36 +188,61 @@ impl SoakBench {
     }
 }
 
+/// A request that failed.
+#[derive(Debug, Clone)]
+struct Failure {
+    sent: Instant,
+    failed: Instant,
+    /// The one retry was served.
+    saved: bool,
+    error: String,
+}
+
 /// What the clients saw.
 #[derive(Debug, Default)]
 struct Tally {
     sent: AtomicUsize,
-    failed: AtomicUsize,
-    /// Failed, and the one retry was served.
-    saved_by_retry: AtomicUsize,
+    failures: Mutex<Vec<Failure>>,
+    /// From a worker's kill to the moment every sidecar stopped using it: a request sent into
+    /// it — or in flight at the kill, its stream cut — no router could have saved.
+    blind: Mutex<Vec<(Instant, Instant)>>,
     cached_tokens: AtomicUsize,
     prompt_tokens: AtomicUsize,
     /// The last prompts sent (the probes' pool).
     recent: Mutex<Vec<Value>>,
-    errors: Mutex<Vec<String>>,
 }
 
 const RECENT: usize = 64;
 const ERRORS_KEPT: usize = 8;
 
 impl Tally {
-    fn record(&self, body: &Value, first: &Outcome, retry: Option<&Outcome>) {
+    fn failures(&self) -> Vec<Failure> {
+        self.failures
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Whether `f` met a worker no router could yet know was dead.
+    fn blind(&self, f: &Failure) -> bool {
+        let blind = self.blind.lock().unwrap_or_else(|e| e.into_inner());
+        blind
+            .iter()
+            .any(|&(killed, seen)| f.sent <= seen && f.failed >= killed)
+    }
+
+    /// `first` was sent at `sent`.
+    fn record(&self, body: &Value, sent: Instant, first: &Outcome, retry: Option<&Outcome>) {
         self.sent.fetch_add(1, Ordering::Relaxed);
         let served = if first.ok() { Some(first) } else { retry };
         if !first.ok() {
-            self.failed.fetch_add(1, Ordering::Relaxed);
-            if retry.is_some_and(Outcome::ok) {
-                self.saved_by_retry.fetch_add(1, Ordering::Relaxed);
-            }
-            let mut errors = self.errors.lock().unwrap_or_else(|e| e.into_inner());
-            if errors.len() < ERRORS_KEPT {
-                errors.push(format!("status {}: {:?}", first.status, first.error));
-            }
+            let mut failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
+            failures.push(Failure {
+                sent,
+                failed: Instant::now(),
+                saved: retry.is_some_and(Outcome::ok),
+                error: format!("status {}: {:?}", first.status, first.error),
+            });
         }
         if let Some(o) = served.filter(|o| o.ok()) {
             self.cached_tokens
@@ -219,6 +291,7 @@ async fn clients(
                     let body = workload.body(MODEL, conv, turn);
                     sent += 1;
                     let url = format!("{}/v1/chat/completions", routers[sent % routers.len()]);
+                    let sent = Instant::now();
                     let first = client::send_streaming(&http, &url, &body).await;
                     let retry = if first.ok() {
                         None
@@ -226,7 +299,7 @@ async fn clients(
                         tokio::time::sleep(Duration::from_millis(200)).await;
                         Some(client::send_streaming(&http, &url, &body).await)
                     };
-                    tally.record(&body, &first, retry.as_ref());
+                    tally.record(&body, sent, &first, retry.as_ref());
                 }
             }
         }
@@ -237,7 +310,7 @@ async fn clients(
 /// One sidecar's index view of a prompt: matched blocks per worker, read back from its
 /// `/debug/explain` right after asking (its ticket closed at once). `None`: the sidecar did
 /// not answer, or its decision was not found among the newest.
-async fn index_view(
+pub(crate) async fn index_view(
     http: &reqwest::Client,
     base: &str,
     hint: &kvroute_protocol::hint::HintRequest,
@@ -262,7 +335,7 @@ async fn engines_view(
 
 /// One sidecar's verdict on one prompt.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Verdict {
+pub(crate) enum Verdict {
     /// Its index matched what every engine held, on every worker.
     Agrees,
     /// It did not (or did not answer): how.
@@ -344,28 +417,35 @@ pub async fn engine_agreement(
         .buffer_unordered(PROBES_AT_ONCE)
         .collect()
         .await;
-    let (mut agreed, mut judged) = (vec![0usize; sidecars.len()], vec![0usize; sidecars.len()]);
-    let mut disagreements = Vec::new();
-    for answer in answers {
-        for (i, verdict) in answer?.into_iter().enumerate() {
-            agreed[i] += usize::from(verdict == Verdict::Agrees);
-            judged[i] += usize::from(verdict != Verdict::Unsettled);
-            if let Verdict::Differs(how) = verdict {
-                if disagreements.len() < DISAGREEMENTS_KEPT {
-                    disagreements.push(how);
+    EngineAgreement::tally(answers, sidecars.len())
+}
+
+impl EngineAgreement {
+    /// Per prompt, each sidecar's verdict: the shares, and the first disagreements.
+    pub(crate) fn tally(answers: Vec<Result<Vec<Verdict>>>, sidecars: usize) -> Result<Self> {
+        let (mut agreed, mut judged) = (vec![0usize; sidecars], vec![0usize; sidecars]);
+        let mut disagreements = Vec::new();
+        for answer in answers {
+            for (i, verdict) in answer?.into_iter().enumerate() {
+                agreed[i] += usize::from(verdict == Verdict::Agrees);
+                judged[i] += usize::from(verdict != Verdict::Unsettled);
+                if let Verdict::Differs(how) = verdict {
+                    if disagreements.len() < DISAGREEMENTS_KEPT {
+                        disagreements.push(how);
+                    }
                 }
             }
         }
+        let shares = agreed
+            .into_iter()
+            .zip(judged)
+            .map(|(a, n)| (n > 0).then(|| a as f64 / n as f64))
+            .collect();
+        Ok(EngineAgreement {
+            shares,
+            disagreements,
+        })
     }
-    let shares = agreed
-        .into_iter()
-        .zip(judged)
-        .map(|(a, n)| (n > 0).then(|| a as f64 / n as f64))
-        .collect();
-    Ok(EngineAgreement {
-        shares,
-        disagreements,
-    })
 }
 
 /// `probes` of the recent prompts, at random.
@@ -378,8 +458,13 @@ fn pick(recent: &[Value], probes: usize, rng: &mut Rng) -> Vec<Value> {
         .collect()
 }
 
-/// Break the fleet as `fault` says, hold it, undo it.
-async fn apply(stack: &mut Stack, fault: Fault, hold: Duration) -> Result<()> {
+/// Break the fleet as `fault` says, hold it, undo it. For a worker killed: from the kill to the
+/// moment every sidecar stopped using it.
+async fn apply(
+    stack: &mut Stack,
+    fault: Fault,
+    hold: Duration,
+) -> Result<Option<(Instant, Instant)>> {
     let http = stack.http.clone();
     let admin = |n: usize, what: &str| format!("http://{}/admin/{what}", stack.engines[n].address);
     match fault {
@@ -418,8 +503,14 @@ async fn apply(stack: &mut Stack, fault: Fault, hold: Duration) -> Result<()> {
             tokio::time::sleep(hold).await;
             stack.restart_replica_sidecar(1, |toml| toml).await?;
         }
+        Fault::DynamoWorkerKill(n) => {
+            let (killed, seen) = dynamo::kill_worker(stack, n).await?;
+            tokio::time::sleep(hold.saturating_sub(killed.elapsed())).await;
+            dynamo::restart_worker(stack, n).await?;
+            return Ok(Some((killed, seen)));
+        }
     }
-    Ok(())
+    Ok(None)
 }
 
 /// How a fault healed: after how long, and every probe on the way.
@@ -436,15 +527,31 @@ fn engines_of(stack: &Stack) -> Vec<String> {
     stack.engines.iter().map(|e| e.address.clone()).collect()
 }
 
+/// How every sidecar's index compares with what the engines hold of `bodies`, asked as the
+/// fleet can be: simulated engines' `/oracle`, Dynamo workers' reported cached tokens.
+async fn agreement(
+    stack: &Stack,
+    fleet: Fleet,
+    bodies: &[Value],
+    rng: &mut Rng,
+) -> Result<EngineAgreement> {
+    let sidecars = sidecars_of(stack);
+    match fleet {
+        Fleet::Simulated => {
+            engine_agreement(&stack.http, &sidecars, &engines_of(stack), bodies).await
+        }
+        Fleet::Dynamo => dynamo::agreement(stack, &sidecars, bodies, rng).await,
+    }
+}
+
 /// Probe every second until every sidecar agrees with the engines on `healed_share` of the
 /// probes, or the deadline passes.
 async fn heal(stack: &Stack, bench: &SoakBench, tally: &Tally, rng: &mut Rng) -> Result<Healing> {
     let start = Instant::now();
-    let (sidecars, engines) = (sidecars_of(stack), engines_of(stack));
     let mut probes = Vec::new();
     loop {
         let bodies = pick(&tally.recent(), bench.probes, rng);
-        let agreement = engine_agreement(&stack.http, &sidecars, &engines, &bodies).await?;
+        let agreement = agreement(stack, bench.fleet, &bodies, rng).await?;
         let healed = agreement
             .shares
             .iter()
@@ -470,8 +577,9 @@ async fn heal(stack: &Stack, bench: &SoakBench, tally: &Tally, rng: &mut Rng) ->
     }
 }
 
-/// Run the soak; writes `soak.json` and `soak.md` into `out`.
-pub async fn run(bench: &SoakBench, out: &std::path::Path) -> Result<Value> {
+/// The simulated fleet: engines whose events arrive late, two replicas each reading NATS
+/// through a lossy proxy.
+fn simulated_fleet(bench: &SoakBench) -> StackOptions {
     let mut opts = StackOptions::new("soak", Mode::Kvroute);
     opts.sim = SimOptions {
         engines: bench.engines,
@@ -490,6 +598,15 @@ pub async fn run(bench: &SoakBench, out: &std::path::Path) -> Result<Value> {
         load_interval_ms: 10,
     });
     opts.transport_loss = Some(TransportLoss { loss: 0.0, seed: 7 });
+    opts
+}
+
+/// Run the soak; writes `soak.json` and `soak.md` into `out`.
+pub async fn run(bench: &SoakBench, out: &std::path::Path) -> Result<Value> {
+    let opts = match bench.fleet {
+        Fleet::Simulated => simulated_fleet(bench),
+        Fleet::Dynamo => dynamo::stack_options(bench.engines, bench.capacity_blocks),
+    };
     let mut stack = Stack::start(opts)
         .await
         .context("starting the soak's fleet")?;
@@ -499,6 +616,7 @@ pub async fn run(bench: &SoakBench, out: &std::path::Path) -> Result<Value> {
         ..ChatSpec::demo()
     }));
     let routers: Vec<String> = stack.replicas.iter().map(|r| r.envoy_url.clone()).collect();
+    let started = Instant::now();
     let (stop, tally) = (Arc::new(AtomicBool::new(false)), Arc::new(Tally::default()));
     let load = tokio::spawn(clients(
         stack.http.clone(),
@@ -509,7 +627,6 @@ pub async fn run(bench: &SoakBench, out: &std::path::Path) -> Result<Value> {
         tally.clone(),
     ));
     let mut rng = Rng::new(99);
-    let started = Instant::now();
     tokio::time::sleep(bench.steady).await;
     let baseline: Vec<Option<f64>> = heal(&stack, bench, &tally, &mut rng)
         .await?
@@ -520,11 +637,18 @@ pub async fn run(bench: &SoakBench, out: &std::path::Path) -> Result<Value> {
     println!("soak: steady state, indexes agree with the engines on {baseline:?} of the probes");
     let mut faults = Vec::new();
     for &fault in &bench.faults {
-        let failed_before = tally.failed.load(Ordering::Relaxed);
+        let failed_before = tally.failures().len();
         let at = started.elapsed();
-        apply(&mut stack, fault, bench.hold)
+        let blind = apply(&mut stack, fault, bench.hold)
             .await
             .with_context(|| format!("applying {}", fault.name()))?;
+        if let Some(window) = blind {
+            tally
+                .blind
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(window);
+        }
         let healing = heal(&stack, bench, &tally, &mut rng).await?;
         let healed = healing.after;
         let row = json!({
@@ -535,7 +659,8 @@ pub async fn run(bench: &SoakBench, out: &std::path::Path) -> Result<Value> {
             "agreement_with_engines": healing.probes.last().map(|p| p.1.clone()),
             "disagreements": healing.probes.last().map(|p| p.2.clone()),
             "probes": healing.probes,
-            "failed_requests": tally.failed.load(Ordering::Relaxed) - failed_before,
+            "failed_requests": tally.failures().len() - failed_before,
+            "kill_seen_after_ms": blind.map(|(killed, seen)| (seen - killed).as_secs_f64() * 1e3),
         });
         println!(
             "soak: {} at {:.0} s: healed {} after it was undone; requests failed meanwhile: {}",
@@ -558,25 +683,51 @@ pub async fn run(bench: &SoakBench, out: &std::path::Path) -> Result<Value> {
     load.await.context("the clients")?;
     // Load stopped: let late events land and the replicas compare once more.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let (sidecars, engines) = (sidecars_of(&stack), engines_of(&stack));
+    let sidecars = sidecars_of(&stack);
     let recent = tally.recent();
-    let final_engines = engine_agreement(&stack.http, &sidecars, &engines, &recent).await?;
+    let final_engines = agreement(&stack, bench.fleet, &recent, &mut rng).await?;
     let (final_engines, final_disagreements) = (final_engines.shares, final_engines.disagreements);
-    let final_replicas = crate::bench_replicas::agreement(&stack.http, &sidecars, &recent).await?;
-    let (sent, failed, saved) = (
-        tally.sent.load(Ordering::Relaxed),
-        tally.failed.load(Ordering::Relaxed),
-        tally.saved_by_retry.load(Ordering::Relaxed),
-    );
+    let final_replicas = match sidecars.len() {
+        1 => None,
+        _ => Some(crate::bench_replicas::agreement(&stack.http, &sidecars, &recent).await?),
+    };
+    let failures = tally.failures();
+    let saved: Vec<&Failure> = failures.iter().filter(|f| f.saved).collect();
+    let blind = saved.iter().filter(|f| tally.blind(f)).count();
+    let at = |t: Instant| t.saturating_duration_since(started).as_secs_f64();
+    let errors: Vec<String> = failures
+        .iter()
+        .take(ERRORS_KEPT)
+        .map(|f| {
+            format!(
+                "sent at {:.2} s, failed at {:.2} s{}: {}",
+                at(f.sent),
+                at(f.failed),
+                if tally.blind(f) {
+                    " (before the kill was seen)"
+                } else {
+                    ""
+                },
+                f.error
+            )
+        })
+        .collect();
     let doc = json!({
+        "fleet": match bench.fleet {
+            Fleet::Simulated => "simulated",
+            Fleet::Dynamo => "dynamo",
+        },
+        "replicas": sidecars.len(),
         "engines": bench.engines,
         "capacity_blocks": bench.capacity_blocks,
         "clients": bench.clients,
         "seconds": started.elapsed().as_secs_f64(),
-        "requests": sent,
-        "failed_requests": failed,
-        "failures_a_retry_saved": saved,
-        "errors": *tally.errors.lock().unwrap_or_else(|e| e.into_inner()),
+        "requests": tally.sent.load(Ordering::Relaxed),
+        "failed_requests": failures.len(),
+        "failures_a_retry_saved": saved.len(),
+        "failures_before_a_kill_was_seen": blind,
+        "failures_a_retry_could_have_saved": saved.len() - blind,
+        "errors": errors,
         "hit_rate": tally.cached_tokens.load(Ordering::Relaxed) as f64
             / tally.prompt_tokens.load(Ordering::Relaxed).max(1) as f64,
         "baseline_agreement_with_engines": baseline,
@@ -587,17 +738,31 @@ pub async fn run(bench: &SoakBench, out: &std::path::Path) -> Result<Value> {
         "transport_counts": stack.transport_counts().iter().map(|c| json!({"forwarded": c.forwarded, "dropped": c.dropped})).collect::<Vec<_>>(),
     });
     std::fs::create_dir_all(out)?;
-    std::fs::write(out.join("soak.json"), serde_json::to_string_pretty(&doc)?)?;
-    std::fs::write(out.join("soak.md"), markdown(&doc))?;
+    let stem = file_stem(bench.fleet);
+    std::fs::write(
+        out.join(format!("{stem}.json")),
+        serde_json::to_string_pretty(&doc)?,
+    )?;
+    std::fs::write(out.join(format!("{stem}.md")), markdown(&doc))?;
     Ok(doc)
+}
+
+/// The report's file name (without extension): `soak`, `soak_dynamo`.
+pub fn file_stem(fleet: Fleet) -> &'static str {
+    match fleet {
+        Fleet::Simulated => "soak",
+        Fleet::Dynamo => "soak_dynamo",
+    }
 }
 
 /// The report docs/benchmarks.md quotes.
 pub fn markdown(doc: &Value) -> String {
     let mut s = format!(
-        "{} engines ({} blocks each), 2 replicas, {} clients, {:.0} s: {} requests, {} failed, {} of them a retry served; hit rate {:.1}%\n\nIndexes agreeing with the engines: steady {}, final {}; replicas agreeing with each other at the end: {:.1}%\n\n| fault | at | held | healed after undone | agreement with engines then | requests failed |\n|---|---|---|---|---|---|\n",
+        "{} {} engines ({} blocks each), {} replicas, {} clients, {:.0} s: {} requests, {} failed, {} of them a retry served; hit rate {:.1}%\n\nIndexes agreeing with the engines: steady {}, final {}; replicas agreeing with each other at the end: {}\n\n| fault | at | held | healed after undone | agreement with engines then | requests failed |\n|---|---|---|---|---|---|\n",
         doc["engines"],
+        doc["fleet"].as_str().unwrap_or(""),
         doc["capacity_blocks"],
+        doc["replicas"],
         doc["clients"],
         doc["seconds"].as_f64().unwrap_or(0.0),
         doc["requests"],
@@ -606,7 +771,9 @@ pub fn markdown(doc: &Value) -> String {
         100.0 * doc["hit_rate"].as_f64().unwrap_or(0.0),
         doc["baseline_agreement_with_engines"],
         doc["final_agreement_with_engines"],
-        100.0 * doc["final_agreement_between_replicas"].as_f64().unwrap_or(0.0),
+        doc["final_agreement_between_replicas"]
+            .as_f64()
+            .map_or("— (one)".to_owned(), |a| format!("{:.1}%", 100.0 * a)),
     );
     for f in doc["faults"].as_array().into_iter().flatten() {
         s.push_str(&format!(
