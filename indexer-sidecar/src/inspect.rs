@@ -119,7 +119,7 @@ fn vllm_json(e: &VllmEvent) -> Value {
             "type": "BlockStored",
             "block_hashes": block_hashes.iter().map(|h| h.0).collect::<Vec<_>>(),
             "parent_block_hash": parent.map(|p| p.0),
-            "token_ids": token_ids,
+            "token_ids": token_ids.as_slice(),
             "block_size": block_size,
             "lora_name": lora_name,
             "medium": medium,

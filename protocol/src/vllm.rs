@@ -19,7 +19,10 @@
 //! every buffered message from `seq` on as `["", topic, seq, payload]`, then the end marker
 //! `["", "", u64::MAX, ""]`. A REQ client gets the same without the empty delimiter frame.
 
+use std::borrow::Cow;
+
 use rmpv::Value;
+use smallvec::SmallVec;
 use xxhash_rust::xxh3::xxh3_64;
 
 mod direct;
@@ -31,25 +34,49 @@ pub const REPLAY_END: u64 = u64::MAX;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct EngineBlockHash(pub u64);
 
+/// An event's block hashes: a decode step stores one block a request, an eviction a few.
+/// Inline up to 4 — like [`TokenIds`] and [`ExtraKeys`], so an event storm's common event
+/// allocates nothing of its own (the allocator was a fifth of the sidecar's time in it).
+pub type BlockHashes = SmallVec<[EngineBlockHash; 4]>;
+
+/// An event's tokens: one block's at vLLM's default block size inline.
+pub type TokenIds = SmallVec<[u32; 16]>;
+
+/// Per block, whether extra keys went into its hash.
+pub type ExtraKeys = SmallVec<[bool; 4]>;
+
+/// A storage tier's name; the common ones borrowed ([`medium`]).
+pub type Medium = Cow<'static, str>;
+
+/// A storage tier named in an event, without allocating for the tiers vLLM has.
+pub fn medium(name: &str) -> Medium {
+    match name {
+        "GPU" => Cow::Borrowed("GPU"),
+        "CPU" => Cow::Borrowed("CPU"),
+        "DISK" => Cow::Borrowed("DISK"),
+        other => Cow::Owned(other.to_owned()),
+    }
+}
+
 /// One cache event.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum VllmEvent {
     /// Blocks stored, in order, after `parent`.
     BlockStored {
         /// The blocks' hashes.
-        block_hashes: Vec<EngineBlockHash>,
+        block_hashes: BlockHashes,
         /// Hash of the block before the first one (`None`: start of a prompt).
         parent: Option<EngineBlockHash>,
         /// Tokens of all the blocks, `block_size` per block.
-        token_ids: Vec<u32>,
+        token_ids: TokenIds,
         /// Tokens per block.
         block_size: u32,
         /// LoRA adapter the blocks were computed with.
         lora_name: Option<String>,
         /// Storage tier (`GPU`, `CPU`, …; absent in older vLLM: GPU).
-        medium: Option<String>,
+        medium: Option<Medium>,
         /// Per block: whether extra keys (multimodal inputs, cache salt) went into its hash.
-        has_extra_keys: Vec<bool>,
+        has_extra_keys: ExtraKeys,
         /// The engine's KV-cache group (hybrid models have several; absent: one).
         group: Option<u32>,
         /// The group's kind (`full_attention`, `sliding_window`, `mamba`, …; absent in older
@@ -59,9 +86,9 @@ pub enum VllmEvent {
     /// Blocks evicted.
     BlockRemoved {
         /// Their hashes.
-        block_hashes: Vec<EngineBlockHash>,
+        block_hashes: BlockHashes,
         /// Storage tier.
-        medium: Option<String>,
+        medium: Option<Medium>,
         /// The engine's KV-cache group.
         group: Option<u32>,
     },
@@ -307,11 +334,11 @@ fn stored(f: StoredFields<'_>) -> Option<VllmEvent> {
         .as_array()?
         .iter()
         .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
-        .collect::<Option<Vec<u32>>>()?;
+        .collect::<Option<TokenIds>>()?;
     let block_size = u32::try_from(block_size?.as_u64()?).ok()?;
     let has_extra_keys = match extra_keys.and_then(Value::as_array) {
         Some(keys) => keys.iter().map(|k| !k.is_nil()).collect(),
-        None => vec![false; block_hashes.len()],
+        None => smallvec::smallvec![false; block_hashes.len()],
     };
     Some(VllmEvent::BlockStored {
         block_hashes,
@@ -319,7 +346,7 @@ fn stored(f: StoredFields<'_>) -> Option<VllmEvent> {
         token_ids,
         block_size,
         lora_name: lora_name.and_then(Value::as_str).map(str::to_owned),
-        medium: medium.and_then(Value::as_str).map(str::to_owned),
+        medium: medium.and_then(Value::as_str).map(self::medium),
         has_extra_keys,
         group: group_of(group),
         kind: kind.and_then(Value::as_str).map(str::to_owned),
@@ -333,7 +360,7 @@ fn removed(
 ) -> Option<VllmEvent> {
     Some(VllmEvent::BlockRemoved {
         block_hashes: hash_list(hashes?)?,
-        medium: medium.and_then(Value::as_str).map(str::to_owned),
+        medium: medium.and_then(Value::as_str).map(self::medium),
         group: group_of(group),
     })
 }
@@ -343,7 +370,7 @@ fn group_of(v: Option<&Value>) -> Option<u32> {
         .and_then(|g| u32::try_from(g).ok())
 }
 
-fn hash_list(v: &Value) -> Option<Vec<EngineBlockHash>> {
+fn hash_list(v: &Value) -> Option<BlockHashes> {
     v.as_array()?.iter().map(block_hash).collect()
 }
 
@@ -395,7 +422,7 @@ enum Field<'a> {
     ExtraKeys(&'a [bool]),
 }
 
-fn text(s: &Option<String>) -> Field<'_> {
+fn text<S: std::ops::Deref<Target = str>>(s: &Option<S>) -> Field<'_> {
     s.as_deref().map_or(Field::Nil, Field::Text)
 }
 
@@ -650,34 +677,34 @@ mod tests {
             dp_rank: 2,
             events: vec![
                 VllmEvent::BlockStored {
-                    block_hashes: vec![EngineBlockHash(7), EngineBlockHash(u64::MAX)],
+                    block_hashes: vec![EngineBlockHash(7), EngineBlockHash(u64::MAX)].into(),
                     parent: Some(EngineBlockHash(3)),
                     token_ids: (0..8).collect(),
                     block_size: 4,
                     lora_name: Some("adapter".into()),
                     medium: Some("GPU".into()),
-                    has_extra_keys: vec![false, true],
+                    has_extra_keys: vec![false, true].into(),
                     group: None,
                     kind: None,
                 },
                 VllmEvent::BlockStored {
-                    block_hashes: vec![EngineBlockHash(8)],
+                    block_hashes: vec![EngineBlockHash(8)].into(),
                     parent: None,
                     token_ids: (0..4).collect(),
                     block_size: 4,
                     lora_name: None,
                     medium: None,
-                    has_extra_keys: vec![false],
+                    has_extra_keys: vec![false].into(),
                     group: Some(1),
                     kind: Some("sliding_window".into()),
                 },
                 VllmEvent::BlockRemoved {
-                    block_hashes: vec![EngineBlockHash(7)],
+                    block_hashes: vec![EngineBlockHash(7)].into(),
                     medium: None,
                     group: None,
                 },
                 VllmEvent::BlockRemoved {
-                    block_hashes: vec![EngineBlockHash(8)],
+                    block_hashes: vec![EngineBlockHash(8)].into(),
                     medium: None,
                     group: Some(1),
                 },

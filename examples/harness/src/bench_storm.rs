@@ -236,7 +236,7 @@ impl Worker {
 fn vllm_event(change: Change) -> VllmEvent {
     match change {
         Change::Stored { parent, hash } => VllmEvent::BlockStored {
-            block_hashes: vec![EngineBlockHash(hash)],
+            block_hashes: std::iter::once(EngineBlockHash(hash)).collect(),
             parent: parent.map(EngineBlockHash),
             token_ids: (0..BLOCK_SIZE)
                 .map(|k| (hash as u32) ^ ((hash >> 32) as u32) << 8 ^ k)
@@ -244,7 +244,7 @@ fn vllm_event(change: Change) -> VllmEvent {
             block_size: BLOCK_SIZE,
             lora_name: None,
             medium: Some("GPU".into()),
-            has_extra_keys: vec![false],
+            has_extra_keys: std::iter::once(false).collect(),
             group: None,
             kind: None,
         },

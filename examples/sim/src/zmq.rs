@@ -12,7 +12,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::Context as _;
 use bytes::Bytes;
 use kvroute_protocol::vllm::{
-    encode_batch, EngineBlockHash, EventBatch, EventEncoding, VllmEvent, REPLAY_END,
+    encode_batch, BlockHashes, EngineBlockHash, EventBatch, EventEncoding, ExtraKeys, VllmEvent,
+    REPLAY_END,
 };
 use tokio::sync::mpsc;
 
@@ -175,8 +176,8 @@ impl VllmPublisher {
                 let size = self.block_size as usize;
                 let parent_full = parent.and_then(|p| self.full_hashes.get(&p).copied());
                 let mut chain = parent_full.unwrap_or_else(vllm_hash::none_hash);
-                let mut block_hashes = Vec::with_capacity(blocks.len());
-                let mut has_extra_keys = Vec::with_capacity(blocks.len());
+                let mut block_hashes = BlockHashes::with_capacity(blocks.len());
+                let mut has_extra_keys = ExtraKeys::with_capacity(blocks.len());
                 for (i, &(own, _)) in blocks.iter().enumerate() {
                     // vLLM's extra keys: the LoRA name on every block, the salt on block 0.
                     let salt = salt_of_first.as_deref().filter(|_| i == 0);
@@ -190,7 +191,7 @@ impl VllmPublisher {
                 VllmEvent::BlockStored {
                     block_hashes,
                     parent: parent_full.map(|full| EngineBlockHash(vllm_hash::event_value(&full))),
-                    token_ids: tokens,
+                    token_ids: tokens.into(),
                     block_size: self.block_size,
                     lora_name: lora,
                     medium: Some("GPU".into()),

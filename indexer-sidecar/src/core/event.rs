@@ -2,7 +2,7 @@
 
 use kvroute_protocol::dynamo::{KvCacheEventData, RouterEvent};
 use kvroute_protocol::hash::local_block_hash;
-use kvroute_protocol::vllm::VllmEvent;
+use kvroute_protocol::vllm::{Medium, VllmEvent};
 use kvroute_protocol::{HashSeed, LocalBlockHash};
 use serde::{Deserialize, Serialize};
 
@@ -134,7 +134,7 @@ impl KvEvent {
         dp_rank: u32,
         block_size: u32,
     ) -> Result<KvEvent, VllmEventProblem> {
-        let gpu = |medium: &Option<String>| match medium.as_deref() {
+        let gpu = |medium: &Option<Medium>| match medium.as_deref() {
             None | Some("GPU") | Some("gpu") => Ok(()),
             Some(other) => Err(VllmEventProblem::Medium(other.to_owned())),
         };
@@ -205,11 +205,11 @@ mod tests {
         VllmEvent::BlockStored {
             block_hashes: (0..tokens.len() as u64 / 4).map(EngineBlockHash).collect(),
             parent: None,
-            token_ids: tokens,
+            token_ids: tokens.into(),
             block_size: 4,
             lora_name: None,
             medium: Some("GPU".into()),
-            has_extra_keys: extra,
+            has_extra_keys: extra.into(),
             group: None,
             kind: None,
         }
@@ -246,7 +246,7 @@ mod tests {
             })
         );
         let cpu = VllmEvent::BlockRemoved {
-            block_hashes: vec![],
+            block_hashes: Default::default(),
             medium: Some("CPU".into()),
             group: None,
         };

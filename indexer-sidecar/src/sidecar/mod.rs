@@ -330,13 +330,13 @@ pub(crate) mod tests {
         let sidecar = sidecar();
         let batch = EventBatch {
             events: vec![VllmEvent::BlockStored {
-                block_hashes: vec![EngineBlockHash(1)],
+                block_hashes: vec![EngineBlockHash(1)].into(),
                 parent: None,
                 token_ids: (0..32).collect(),
                 block_size: 32,
                 lora_name: None,
                 medium: None,
-                has_extra_keys: vec![],
+                has_extra_keys: Default::default(),
                 group: None,
                 kind: None,
             }],

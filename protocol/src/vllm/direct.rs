@@ -11,7 +11,9 @@
 
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::{EngineBlockHash, EventBatch, VllmEvent, KNOWN_FIELDS};
+use super::{
+    BlockHashes, EngineBlockHash, EventBatch, ExtraKeys, TokenIds, VllmEvent, KNOWN_FIELDS,
+};
 
 /// The batch, or `None` when it needs the general decoder.
 pub(crate) fn decode(payload: &[u8]) -> Option<EventBatch> {
@@ -72,13 +74,13 @@ enum Head<'a> {
 #[derive(Default)]
 struct Fields<'a> {
     kind_tag: Option<&'a str>,
-    hashes: Option<Vec<EngineBlockHash>>,
+    hashes: Option<BlockHashes>,
     parent: Option<Option<EngineBlockHash>>,
-    tokens: Option<Vec<u32>>,
+    tokens: Option<TokenIds>,
     block_size: Option<u32>,
     lora_name: Option<Option<&'a str>>,
     medium: Option<Option<&'a str>>,
-    extra_keys: Option<Option<Vec<bool>>>,
+    extra_keys: Option<Option<ExtraKeys>>,
     group: Option<Option<u32>>,
     kind: Option<Option<&'a str>>,
 }
@@ -91,14 +93,14 @@ impl<'a> Fields<'a> {
                 let block_hashes = self.hashes?;
                 let has_extra_keys = match self.extra_keys.flatten() {
                     Some(keys) => keys,
-                    None => vec![false; block_hashes.len()],
+                    None => smallvec::smallvec![false; block_hashes.len()],
                 };
                 Some(VllmEvent::BlockStored {
                     parent: self.parent.flatten(),
                     token_ids: self.tokens?,
                     block_size: self.block_size?,
                     lora_name: owned(self.lora_name),
-                    medium: owned(self.medium),
+                    medium: self.medium.flatten().map(super::medium),
                     has_extra_keys,
                     group: self.group.flatten(),
                     kind: owned(self.kind),
@@ -107,7 +109,7 @@ impl<'a> Fields<'a> {
             }
             "BlockRemoved" => Some(VllmEvent::BlockRemoved {
                 block_hashes: self.hashes?,
-                medium: owned(self.medium),
+                medium: self.medium.flatten().map(super::medium),
                 group: self.group.flatten(),
             }),
             "AllBlocksCleared" => Some(VllmEvent::AllBlocksCleared),
@@ -271,13 +273,13 @@ impl<'a> Reader<'a> {
 
     /// Room for `n` elements of at least a byte each: never more than the bytes left, so a
     /// length that lies allocates nothing it cannot fill.
-    fn room<T>(&self, n: usize) -> Vec<T> {
-        Vec::with_capacity(n.min(self.buf.len()))
+    fn room(&self, n: usize) -> usize {
+        n.min(self.buf.len())
     }
 
-    fn hashes(&mut self) -> Option<Vec<EngineBlockHash>> {
+    fn hashes(&mut self) -> Option<BlockHashes> {
         let n = self.array()?;
-        let mut hashes = self.room(n);
+        let mut hashes = BlockHashes::with_capacity(self.room(n));
         for _ in 0..n {
             hashes.push(self.hash()?);
         }
@@ -293,9 +295,9 @@ impl<'a> Reader<'a> {
         self.hash().map(Some)
     }
 
-    fn tokens(&mut self) -> Option<Vec<u32>> {
+    fn tokens(&mut self) -> Option<TokenIds> {
         let n = self.array()?;
-        let mut tokens = self.room(n);
+        let mut tokens = TokenIds::with_capacity(self.room(n));
         for _ in 0..n {
             match self.head()? {
                 Head::Uint(t) => tokens.push(u32::try_from(t).ok()?),
@@ -306,13 +308,13 @@ impl<'a> Reader<'a> {
     }
 
     /// An array's elements as "not nil"; anything else: `None` (read past).
-    fn extra_keys(&mut self) -> Option<Option<Vec<bool>>> {
+    fn extra_keys(&mut self) -> Option<Option<ExtraKeys>> {
         let before = self.buf;
         let Head::Array(n) = self.head()? else {
             self.buf = before;
             return self.skip(0).map(|()| None);
         };
-        let mut keys = self.room(n);
+        let mut keys = ExtraKeys::with_capacity(self.room(n));
         for _ in 0..n {
             let at = self.buf;
             let nil = matches!(self.head()?, Head::Nil);
@@ -327,7 +329,7 @@ impl<'a> Reader<'a> {
 
     fn events(&mut self) -> Option<Vec<VllmEvent>> {
         let n = self.array()?;
-        let mut events = self.room(n);
+        let mut events = Vec::with_capacity(self.room(n));
         for _ in 0..n {
             let fields = match self.head()? {
                 Head::Map(len) => self.map_fields(len)?,

@@ -86,7 +86,7 @@ fn a_lost_message_filled_by_a_peer_is_applied_in_its_place() {
     let (mut clean, mut lossy, mut alone) = (replica(), replica(), vllm_core());
     let removed = EventBatch {
         events: vec![VllmEvent::BlockRemoved {
-            block_hashes: vec![EngineBlockHash(10), EngineBlockHash(11)],
+            block_hashes: vec![EngineBlockHash(10), EngineBlockHash(11)].into(),
             medium: None,
             group: None,
         }],
@@ -517,7 +517,7 @@ fn filled_caches_are_what_in_order_application_holds() {
                     .collect();
                 EventBatch {
                     events: vec![VllmEvent::BlockRemoved {
-                        block_hashes: gone,
+                        block_hashes: gone.into(),
                         medium: None,
                         group: None,
                     }],

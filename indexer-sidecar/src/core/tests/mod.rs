@@ -91,7 +91,7 @@ fn store(parent: Option<u64>, first: u64, blocks: u64) -> EventBatch {
             block_size: 16,
             lora_name: None,
             medium: None,
-            has_extra_keys: vec![],
+            has_extra_keys: Default::default(),
             group: None,
             kind: None,
         }],
