@@ -56,31 +56,34 @@ fn label(worker: &EngineInfo) -> String {
 /// stopped using it (its publisher's connection closed, or its discovery record gone).
 pub(crate) async fn kill_worker(stack: &mut Stack, n: usize) -> Result<(Instant, Instant)> {
     let worker = stack.engines.get(n).context("no such worker")?.clone();
-    let usable = usable_series(&worker);
     stack.kill(&format!("dynamo-worker-{n}"));
     let killed = Instant::now();
-    // Polled every 5 ms (not `wait_for`'s 50): the window is where failures are excused.
+    until_used(stack, &worker, false).await?;
+    Ok((killed, Instant::now()))
+}
+
+/// Until every sidecar's `kvroute_worker_usable` for `worker` is 1 (`used`) or not. Polled every
+/// 5 ms: after a kill, this window is where failures are excused.
+async fn until_used(stack: &Stack, worker: &EngineInfo, used: bool) -> Result<()> {
+    let series = format!("kvroute_worker_usable{{worker=\"{}\"}}", label(worker));
+    let start = Instant::now();
     for sidecar in crate::bench_replicas::sidecars_of(stack) {
         let url = format!("{sidecar}/metrics");
         loop {
             let text = crate::client::get_text(&stack.http, &url).await;
             let text = text.unwrap_or_default();
-            if !crate::prometheus::series(&text, &usable).any(|(_, v)| v == 1.0) {
+            if crate::prometheus::series(&text, &series).any(|(_, v)| v == 1.0) == used {
                 break;
             }
             anyhow::ensure!(
-                killed.elapsed() < Duration::from_secs(30),
-                "{sidecar} still uses killed worker {n} after 30 s"
+                start.elapsed() < Duration::from_secs(30),
+                "{sidecar}: {series} not {} after 30 s",
+                u8::from(used)
             );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
-    Ok((killed, Instant::now()))
-}
-
-/// `worker`'s `kvroute_worker_usable` series.
-fn usable_series(worker: &EngineInfo) -> String {
-    format!("kvroute_worker_usable{{worker=\"{}\"}}", label(worker))
+    Ok(())
 }
 
 /// Start killed worker `n` again and wait until the frontend serves the new instance and every
@@ -88,20 +91,7 @@ fn usable_series(worker: &EngineInfo) -> String {
 /// have (Dynamo's ZMQ plane keeps no history), and kvroute pins nothing there until then.
 pub(crate) async fn restart_worker(stack: &mut Stack, n: usize) -> Result<()> {
     let worker = stack.start_dynamo_worker(n).await?;
-    let usable = usable_series(&worker);
-    for sidecar in crate::bench_replicas::sidecars_of(stack) {
-        let (url, usable, http) = (&format!("{sidecar}/metrics"), &usable, &stack.http);
-        wait_for(
-            "the sidecar to use the restarted worker",
-            Duration::from_secs(30),
-            || async move {
-                let text = crate::client::get_text(http, url).await?;
-                let on = crate::prometheus::series(&text, usable).any(|(_, v)| v == 1.0);
-                on.then_some(())
-            },
-        )
-        .await?;
-    }
+    until_used(stack, &worker, true).await?;
     let frontend = frontend_url(stack)?;
     let (frontend, id) = (&frontend, worker.dynamo_worker_id.to_string());
     let ping = serde_json::json!({
@@ -185,9 +175,6 @@ pub(crate) async fn agreement(
             (b.clone(), stack.engines[w].clone())
         })
         .collect();
-    let answers: Vec<Result<Vec<Verdict>>> = futures::stream::iter(drawn.into_iter().map(one))
-        .buffer_unordered(1)
-        .collect()
-        .await;
+    let answers: Vec<Result<Vec<Verdict>>> = futures::stream::iter(drawn).then(one).collect().await;
     EngineAgreement::tally(answers, sidecars.len())
 }

@@ -7,7 +7,9 @@
 //! vLLM); two sidecar + Envoy pairs on one replica plane, each sidecar reading NATS through its
 //! own lossy proxy. Clients hold multi-turn conversations spread over both Envoys the whole time;
 //! a failed request is sent again once, and a failure the second try serves is one a retry
-//! could have saved (Envoy's retry policy should have).
+//! could have saved (Envoy's retry policy should have) — unless it met a killed worker before
+//! any sidecar could know (in flight when it died, or sent before the kill was seen), which no
+//! router can save and the report counts apart.
 //!
 //! Each fault is applied, held, undone; then every second both sidecars are probed until their
 //! indexes agree with the engines again ([`engine_agreement`]: for recent prompts, each
@@ -15,7 +17,7 @@
 //! `/oracle`). At the end the load stops, and the indexes are compared with the engines and with
 //! each other once more.
 //!
-//! `--dynamo` breaks a real Dynamo fleet instead ([`dynamo`]): workers SIGKILLed and started
+//! `--dynamo` breaks a real Dynamo fleet instead (`soak/dynamo.rs`): workers SIGKILLed and started
 //! again as new instances, the sidecar killed; judged against what the workers report cached.
 
 mod dynamo;
