@@ -388,12 +388,7 @@ pub async fn run(bench: &RoutingBench, out: &Path) -> Result<Value> {
     }
     let doc = json!({"engines": engines, "scale": format!("{scale:?}"),
                      "start_gap_ms": start_gap.as_secs_f64() * 1e3, "workloads": doc});
-    std::fs::create_dir_all(out)?;
-    std::fs::write(
-        out.join("routing.json"),
-        serde_json::to_string_pretty(&doc)?,
-    )?;
-    std::fs::write(out.join("routing.md"), markdown(&doc))?;
+    crate::report::write_pair(out, "routing", &doc, &markdown(&doc))?;
     let panels: Vec<(String, crate::plot::Bars)> = doc["workloads"]
         .as_object()
         .map(|w| {

@@ -938,14 +938,9 @@ pub async fn run(bench: &ReplicasBench, out: &std::path::Path) -> Result<String>
         }
     }
     compare(&mut rows);
-    std::fs::create_dir_all(out)?;
     let doc = Value::from(rows);
-    std::fs::write(
-        out.join("replicas.json"),
-        serde_json::to_string_pretty(&doc)?,
-    )?;
     let table = markdown(&doc);
-    std::fs::write(out.join("replicas.md"), &table)?;
+    crate::report::write_pair(out, "replicas", &doc, &table)?;
     println!(
         "{done} scenarios in {:.1} min",
         started.elapsed().as_secs_f64() / 60.0

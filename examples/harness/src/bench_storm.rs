@@ -668,13 +668,8 @@ pub async fn run(bench: &StormBench, out: &std::path::Path) -> Result<Value> {
         "highest_lossless_rate": lossless,
         "steps": steps,
     });
-    std::fs::create_dir_all(out)?;
     let stem = file_stem(bench.plane, bench.batch);
-    std::fs::write(
-        out.join(format!("{stem}.json")),
-        serde_json::to_string_pretty(&doc)?,
-    )?;
-    std::fs::write(out.join(format!("{stem}.md")), markdown(&doc))?;
+    crate::report::write_pair(out, &stem, &doc, &markdown(&doc))?;
     Ok(doc)
 }
 

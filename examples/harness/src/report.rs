@@ -118,19 +118,24 @@ pub fn markdown(title: &str, reports: &[ModeReport]) -> String {
 /// Write `<stem>.md` and `<stem>.json` (`{"title", "modes": {"<mode>": {...}}}`) into `dir`;
 /// the markdown.
 pub fn write(dir: &Path, stem: &str, title: &str, reports: &[ModeReport]) -> Result<String> {
-    std::fs::create_dir_all(dir)?;
     let md = markdown(title, reports);
-    std::fs::write(dir.join(format!("{stem}.md")), &md)?;
     let modes: serde_json::Map<String, serde_json::Value> = reports
         .iter()
         .map(|r| (r.mode.clone(), serde_json::to_value(r).unwrap_or_default()))
         .collect();
-    let doc = json!({"title": title, "modes": modes});
+    write_pair(dir, stem, &json!({"title": title, "modes": modes}), &md)?;
+    Ok(md)
+}
+
+/// A benchmark's report: `<stem>.json` (`doc`) and `<stem>.md` (`md`) in `dir`.
+pub fn write_pair(dir: &Path, stem: &str, doc: &serde_json::Value, md: &str) -> Result<()> {
+    std::fs::create_dir_all(dir)?;
     std::fs::write(
         dir.join(format!("{stem}.json")),
-        serde_json::to_string_pretty(&doc)?,
+        serde_json::to_string_pretty(doc)?,
     )?;
-    Ok(md)
+    std::fs::write(dir.join(format!("{stem}.md")), md)?;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -739,13 +739,7 @@ pub async fn run(bench: &SoakBench, out: &std::path::Path) -> Result<Value> {
         "final_agreement_between_replicas": final_replicas,
         "transport_counts": stack.transport_counts().iter().map(|c| json!({"forwarded": c.forwarded, "dropped": c.dropped})).collect::<Vec<_>>(),
     });
-    std::fs::create_dir_all(out)?;
-    let stem = file_stem(bench.fleet);
-    std::fs::write(
-        out.join(format!("{stem}.json")),
-        serde_json::to_string_pretty(&doc)?,
-    )?;
-    std::fs::write(out.join(format!("{stem}.md")), markdown(&doc))?;
+    crate::report::write_pair(out, file_stem(bench.fleet), &doc, &markdown(&doc))?;
     Ok(doc)
 }
 
