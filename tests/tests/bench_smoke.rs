@@ -127,9 +127,11 @@ async fn replicas_benchmark_smoke() {
 }
 
 /// Four replicas on the hot-prefix chat, each seeing a quarter of the requests. Sharing their
-/// requests in flight, they queue requests like one replica does; without, each weighs only its
-/// own quarter and they herd onto the warm workers: the TTFT p95 shows it (imbalance is printed
-/// beside it: at this size it moves ±0.3 run to run, docs/benchmarks.md has the full runs).
+/// requests in flight, they spread requests like one replica does: imbalance within the ±0.3 a
+/// run of this size moves, TTFT p95 within 15%. Without sharing each weighs only its own quarter
+/// and they herd onto the warm workers — printed beside, not asserted: at 120 requests its TTFT
+/// p95 ties the shared run's in some runs (CI: 30.9 against 31.1 ms, imbalance 1.47 against
+/// 1.10); docs/benchmarks.md has the full runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shared_load_keeps_four_replicas_like_one() {
     use kvroute_harness::bench_replicas::{run, ReplicasBench};
@@ -164,8 +166,9 @@ async fn shared_load_keeps_four_replicas_like_one() {
         );
     }
     assert!(
-        f(shared, "ttft_p95_ms") < f(alone, "ttft_p95_ms"),
-        "sharing: {shared}\nalone: {alone}"
+        f(shared, "imbalance") <= f(one, "imbalance") + 0.3
+            && f(shared, "ttft_p95_ms") <= 1.15 * f(one, "ttft_p95_ms"),
+        "four sharing replicas unlike one: {shared}\none: {one}"
     );
     for r in [alone, shared] {
         let predicted = r["predicted_per_replica"].as_array().unwrap();
