@@ -42,7 +42,22 @@ pub fn free_port() -> Result<u16> {
     bail!("no unused free port in {low}..{high} after 1000 tries")
 }
 
-/// A running child process; stdout and stderr go to `<dir>/<name>.log`.
+/// `<dir>/<name>.log`, its earlier content (a previous process of that name) moved aside.
+fn fresh_log(dir: &Path, name: &str) -> Result<PathBuf> {
+    let log = dir.join(format!("{name}.log"));
+    if log.exists() {
+        let kept = (1..)
+            .map(|n| dir.join(format!("{name}.{n}.log")))
+            .find(|p| !p.exists())
+            .expect("an unused log name");
+        std::fs::rename(&log, kept)?;
+    }
+    Ok(log)
+}
+
+/// A running child process; stdout and stderr go to `<dir>/<name>.log`. A process started
+/// again under the same name keeps its predecessor's log as `<name>.<n>.log` (what a killed
+/// engine said while it shut down is what a restart test needs to read).
 pub struct Process {
     name: String,
     child: Child,
@@ -52,7 +67,7 @@ pub struct Process {
 impl Process {
     /// Start `cmd` in a process group of its own, with its output in `<dir>/<name>.log`.
     pub fn spawn(name: &str, mut cmd: Command, dir: &Path) -> Result<Process> {
-        let log = dir.join(format!("{name}.log"));
+        let log = fresh_log(dir, name)?;
         let out = std::fs::File::create(&log)?;
         cmd.stdout(out.try_clone()?)
             .stderr(out)
@@ -77,7 +92,7 @@ impl Process {
         prefix: &str,
         timeout: Duration,
     ) -> Result<(Process, String)> {
-        let log = dir.join(format!("{name}.log"));
+        let log = fresh_log(dir, name)?;
         cmd.stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log)?)
             .stdin(Stdio::null())
