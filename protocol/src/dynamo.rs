@@ -9,7 +9,13 @@
 //! Subjects: 1.2.x `namespace.<ns>.component.<comp>.kv-events`, 1.6.x
 //! `namespace.<ns>.component.<comp>.endpoint.<ep>.kv-events` (see [`SubjectInfo`]).
 
+use std::borrow::Cow;
+
 use serde::{de::IgnoredAny, Deserialize, Serialize};
+
+mod direct;
+
+use crate::msgpack::Writer;
 
 /// The `topic` Dynamo writes into envelopes of KV events.
 pub const KV_EVENTS_TOPIC: &str = "kv-events";
@@ -39,16 +45,26 @@ pub struct RouterEvent {
     pub worker_id: u64,
     /// `device` for GPU memory; other tiers are offload copies.
     #[serde(default = "default_tier")]
-    pub storage_tier: String,
+    pub storage_tier: Cow<'static, str>,
     /// Present from 1.6 on (`worker`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub residency_domain: Option<String>,
+    pub residency_domain: Option<Cow<'static, str>>,
     /// The event proper.
     pub event: KvCacheEvent,
 }
 
-fn default_tier() -> String {
-    "device".to_owned()
+fn default_tier() -> Cow<'static, str> {
+    Cow::Borrowed("device")
+}
+
+/// A storage tier's or residency domain's name, borrowed for the ones Dynamo 1.6 writes on
+/// every event: a common event's names allocate nothing.
+pub fn tier(name: &str) -> Cow<'static, str> {
+    match name {
+        "device" => Cow::Borrowed("device"),
+        "worker" => Cow::Borrowed("worker"),
+        other => Cow::Owned(other.to_owned()),
+    }
 }
 
 /// The body of a [`RouterEvent`].
@@ -230,21 +246,31 @@ pub fn decode_message(body: &[u8]) -> Result<DecodedEvents, DecodeError> {
             stamp: None,
         });
     }
-    let envelope: Envelope = rmp_serde::from_slice(body).map_err(DecodeError::Envelope)?;
+    let envelope = read_envelope(body).map_err(DecodeError::Envelope)?;
     let mut out = decode_payload(&envelope.payload)?;
     out.stamp = Some(envelope.stamp());
     out.topic = envelope.topic;
     Ok(out)
 }
 
+/// Decode an envelope: straight from its bytes in the common case, else with serde.
+pub fn read_envelope(bytes: &[u8]) -> Result<Envelope, rmp_serde::decode::Error> {
+    match direct::envelope(bytes) {
+        Some(envelope) => Ok(envelope),
+        None => rmp_serde::from_slice(bytes),
+    }
+}
+
 /// Decode an envelope's payload: one event (1.2.x) or an array of events (1.6.x).
 pub fn decode_payload(payload: &[u8]) -> Result<DecodedEvents, DecodeError> {
     let is_array = matches!(payload.first(), Some(0x90..=0x9f | 0xdc | 0xdd));
     if is_array {
-        // Every element known: decoded directly. Only a batch with an element of a kind we do
-        // not know pays for the untagged decode, which buffers each element first (it was
-        // most of the sidecar's time in an event storm).
-        if let Ok(events) = rmp_serde::from_slice::<Vec<RouterEvent>>(payload) {
+        // Every element known: read straight from the bytes in the common case (named maps),
+        // else with serde. Only a batch with an element of a kind we do not know pays for the
+        // untagged decode, which buffers each element first.
+        let known = direct::events(payload)
+            .or_else(|| rmp_serde::from_slice::<Vec<RouterEvent>>(payload).ok());
+        if let Some(events) = known {
             return Ok(DecodedEvents {
                 topic: String::new(),
                 events,
@@ -393,7 +419,7 @@ pub fn decode_kv_metrics(body: &[u8]) -> Result<KvMetrics, DecodeError> {
 
 /// [`decode_kv_metrics`], with the envelope's [`Stamp`].
 pub fn decode_kv_metrics_stamped(body: &[u8]) -> Result<(KvMetrics, Stamp), DecodeError> {
-    let envelope: Envelope = rmp_serde::from_slice(body).map_err(DecodeError::Envelope)?;
+    let envelope = read_envelope(body).map_err(DecodeError::Envelope)?;
     if envelope.topic != KV_METRICS_TOPIC {
         return Err(DecodeError::Topic(envelope.topic));
     }
@@ -403,7 +429,7 @@ pub fn decode_kv_metrics_stamped(body: &[u8]) -> Result<(KvMetrics, Stamp), Deco
 
 /// Encode events the way Dynamo 1.6 publishes them: envelope around an array.
 pub fn encode_v16(envelope: EnvelopeHeader<'_>, events: &[RouterEvent]) -> Vec<u8> {
-    rmp_serde::to_vec_named(&envelope_v16(envelope, events)).expect("envelope serializes")
+    encode_envelope(envelope, &encode_events(events))
 }
 
 /// The envelope Dynamo 1.6 wraps events in, before it is encoded (its ZMQ plane frames it,
@@ -414,14 +440,91 @@ pub fn envelope_v16(h: EnvelopeHeader<'_>, events: &[RouterEvent]) -> Envelope {
         sequence: h.sequence,
         published_at: h.published_at,
         topic: h.topic.to_owned(),
-        payload: rmp_serde::to_vec_named(events).expect("router events serialize"),
+        payload: encode_events(events),
     }
 }
 
 /// Encode one event the way Dynamo 1.2 publishes it: envelope around a single event.
 pub fn encode_v12(envelope: EnvelopeHeader<'_>, event: &RouterEvent) -> Vec<u8> {
-    let payload = rmp_serde::to_vec_named(event).expect("router event serializes");
-    encode_envelope(envelope, payload)
+    let mut payload = Writer(Vec::with_capacity(size_hint(event)));
+    write_event(&mut payload, event);
+    encode_envelope(envelope, &payload.0)
+}
+
+/// A 1.6 payload: the events as an array, written as Dynamo writes them
+/// (`rmp_serde::to_vec_named`: named maps, every number in its shortest form; the captures in
+/// `testdata/samples/dynamo` pin it byte for byte).
+pub fn encode_events(events: &[RouterEvent]) -> Vec<u8> {
+    let room = events.iter().map(size_hint).sum::<usize>();
+    let mut out = Writer(Vec::with_capacity(5 + room));
+    out.array(events.len());
+    for event in events {
+        write_event(&mut out, event);
+    }
+    out.0
+}
+
+/// About the bytes an event takes: ~100 around its data, ~60 a stored block, ≤ 9 a hash.
+fn size_hint(event: &RouterEvent) -> usize {
+    100 + match &event.event.data {
+        KvCacheEventData::Stored(s) => 60 * s.blocks.len(),
+        KvCacheEventData::Removed(r) => 9 * r.block_hashes.len(),
+        KvCacheEventData::Cleared => 0,
+    }
+}
+
+/// One [`RouterEvent`], its fields in their declaration order (serde's).
+fn write_event(out: &mut Writer, e: &RouterEvent) {
+    out.map(3 + usize::from(e.residency_domain.is_some()));
+    out.text("worker_id");
+    out.uint(e.worker_id);
+    out.text("storage_tier");
+    out.text(&e.storage_tier);
+    if let Some(domain) = &e.residency_domain {
+        out.text("residency_domain");
+        out.text(domain);
+    }
+    out.text("event");
+    out.map(3);
+    out.text("event_id");
+    out.uint(e.event.event_id);
+    out.text("data");
+    match &e.event.data {
+        KvCacheEventData::Stored(s) => {
+            out.map(1);
+            out.text("stored");
+            out.map(3);
+            out.text("parent_hash");
+            out.opt_uint(s.parent_hash);
+            out.text("start_position");
+            out.opt_uint(s.start_position);
+            out.text("blocks");
+            out.array(s.blocks.len());
+            for b in &s.blocks {
+                out.map(3);
+                out.text("block_hash");
+                out.uint(b.block_hash);
+                out.text("tokens_hash");
+                out.uint(b.tokens_hash);
+                out.text("mm_extra_info");
+                out.nil();
+            }
+        }
+        KvCacheEventData::Removed(r) => {
+            out.map(1);
+            out.text("removed");
+            out.map(1);
+            out.text("block_hashes");
+            out.array(r.block_hashes.len());
+            for &h in &r.block_hashes {
+                out.uint(h);
+            }
+        }
+        // A unit variant: its name alone.
+        KvCacheEventData::Cleared => out.text("cleared"),
+    }
+    out.text("dp_rank");
+    out.uint(u64::from(e.event.dp_rank));
 }
 
 /// The envelope fields other than the payload.
@@ -437,15 +540,26 @@ pub struct EnvelopeHeader<'a> {
     pub topic: &'a str,
 }
 
-fn encode_envelope(h: EnvelopeHeader<'_>, payload: Vec<u8>) -> Vec<u8> {
-    let env = Envelope {
-        publisher_id: h.publisher_id,
-        sequence: h.sequence,
-        published_at: h.published_at,
-        topic: h.topic.to_owned(),
-        payload,
-    };
-    rmp_serde::to_vec_named(&env).expect("envelope serializes")
+/// An envelope around `payload`, as Dynamo writes it.
+fn encode_envelope(h: EnvelopeHeader<'_>, payload: &[u8]) -> Vec<u8> {
+    let mut out = Writer(Vec::with_capacity(80 + h.topic.len() + payload.len()));
+    write_envelope(&mut out, h, payload);
+    out.0
+}
+
+/// [`encode_envelope`], appended to `out`.
+pub(crate) fn write_envelope(out: &mut Writer, h: EnvelopeHeader<'_>, payload: &[u8]) {
+    out.map(5);
+    out.text("publisher_id");
+    out.uint(h.publisher_id);
+    out.text("sequence");
+    out.uint(h.sequence);
+    out.text("published_at");
+    out.uint(h.published_at);
+    out.text("topic");
+    out.text(h.topic);
+    out.text("payload");
+    out.bin(payload);
 }
 
 /// What a KV-events subject says about its publisher.
@@ -627,6 +741,172 @@ mod tests {
             };
             assert_eq!(encode_v16(header, &out.events), body, "{name}");
         }
+    }
+
+    /// One event of each kind and shape kvroute knows: cleared, a removal, a stored run with
+    /// and without a parent, position and residency domain, another rank and tier.
+    fn shapes() -> Vec<RouterEvent> {
+        let event = |event_id, data, tier: &str, domain: Option<&str>| RouterEvent {
+            worker_id: u64::MAX - event_id,
+            storage_tier: tier.to_owned().into(),
+            residency_domain: domain.map(|d| d.to_owned().into()),
+            event: KvCacheEvent {
+                event_id,
+                data,
+                dp_rank: event_id as u32 % 3,
+            },
+        };
+        let stored = |parent_hash, start_position| {
+            KvCacheEventData::Stored(StoredBlocks {
+                parent_hash,
+                start_position,
+                blocks: (0..3)
+                    .map(|b| StoredBlock {
+                        block_hash: b << 60,
+                        tokens_hash: b,
+                        mm_extra_info: None,
+                    })
+                    .collect(),
+            })
+        };
+        vec![
+            event(1, KvCacheEventData::Cleared, "device", None),
+            event(
+                2,
+                KvCacheEventData::Removed(RemovedBlocks {
+                    block_hashes: vec![0, 1 << 63, 300],
+                }),
+                "device",
+                Some("worker"),
+            ),
+            event(3, stored(None, None), "device", Some("worker")),
+            event(4, stored(Some(9), Some(32)), "host_pinned", Some("node")),
+        ]
+    }
+
+    /// Every captured envelope, and [`shapes`] in both versions' envelopes.
+    fn known_envelopes() -> Vec<Vec<u8>> {
+        let mut bodies: Vec<Vec<u8>> = std::fs::read_dir(dynamo(""))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| {
+                let name = p.file_name().unwrap().to_string_lossy();
+                name.starts_with("kv") && name.ends_with(".msgpack")
+            })
+            .map(|p| std::fs::read(p).unwrap())
+            .collect();
+        bodies.sort();
+        let events = shapes();
+        let header = EnvelopeHeader {
+            publisher_id: 1 << 50,
+            sequence: 70_000,
+            published_at: 1_796_026_194_128,
+            topic: KV_EVENTS_TOPIC,
+        };
+        bodies.push(encode_v16(header, &events));
+        bodies.push(encode_v12(header, &events[3]));
+        bodies
+    }
+
+    /// The encoder writes what serde writes, for every shape, in both versions' envelopes.
+    #[test]
+    fn the_encoder_writes_what_serde_writes() {
+        let events = shapes();
+        let header = EnvelopeHeader {
+            publisher_id: 3,
+            sequence: 1 << 40,
+            published_at: 255,
+            topic: KV_EVENTS_TOPIC,
+        };
+        let serde = |payload: Vec<u8>| {
+            rmp_serde::to_vec_named(&Envelope {
+                publisher_id: 3,
+                sequence: 1 << 40,
+                published_at: 255,
+                topic: KV_EVENTS_TOPIC.into(),
+                payload,
+            })
+            .unwrap()
+        };
+        for n in 0..=events.len() {
+            let payload = rmp_serde::to_vec_named(&events[..n]).unwrap();
+            assert_eq!(encode_events(&events[..n]), payload, "{n} events");
+            assert_eq!(encode_v16(header, &events[..n]), serde(payload));
+        }
+        for event in &events {
+            let payload = rmp_serde::to_vec_named(event).unwrap();
+            assert_eq!(encode_v12(header, event), serde(payload), "{event:?}");
+        }
+    }
+
+    /// The direct decoder takes every captured message and every shape kvroute writes, and
+    /// reads each exactly as serde does.
+    #[test]
+    fn the_direct_decoder_reads_what_serde_reads() {
+        let (mut envelopes, mut arrays) = (0, 0);
+        for body in known_envelopes() {
+            let envelope = direct::envelope(&body).expect("an envelope decodes directly");
+            assert_eq!(envelope, rmp_serde::from_slice::<Envelope>(&body).unwrap());
+            envelopes += 1;
+            let array = matches!(envelope.payload.first(), Some(0x90..=0x9f | 0xdc | 0xdd));
+            if envelope.topic == KV_EVENTS_TOPIC && array {
+                let events = direct::events(&envelope.payload)
+                    .unwrap_or_else(|| panic!("not read directly: {:x?}", envelope.payload));
+                let serde: Vec<RouterEvent> = rmp_serde::from_slice(&envelope.payload).unwrap();
+                assert_eq!(events, serde);
+                arrays += 1;
+            }
+        }
+        assert!(envelopes >= 8 && arrays >= 6, "{envelopes} {arrays}");
+    }
+
+    /// On damaged messages (each byte replaced in turn by a few values, cut at every length)
+    /// the direct decoder either steps aside or agrees with serde.
+    #[test]
+    fn the_direct_decoder_agrees_or_steps_aside_on_damaged_input() {
+        let (mut direct_reads, mut checked) = (0, 0);
+        for body in known_envelopes() {
+            let payload = rmp_serde::from_slice::<Envelope>(&body).unwrap().payload;
+            for bytes in [
+                &body[..body.len().min(400)],
+                &payload[..payload.len().min(400)],
+            ] {
+                let mut damaged: Vec<Vec<u8>> =
+                    (0..bytes.len()).map(|n| bytes[..n].to_vec()).collect();
+                for i in 0..bytes.len() {
+                    for b in [0x00, 0x7f, 0x81, 0x91, 0xa1, 0xc0, 0xc1, 0xcc, 0xd0, 0xff] {
+                        let mut d = bytes.to_vec();
+                        d[i] = b;
+                        damaged.push(d);
+                    }
+                }
+                for d in damaged {
+                    checked += 1;
+                    if let Some(envelope) = direct::envelope(&d) {
+                        direct_reads += 1;
+                        assert_eq!(envelope, rmp_serde::from_slice(&d).unwrap(), "{d:?}");
+                    }
+                    if let Some(events) = direct::events(&d) {
+                        direct_reads += 1;
+                        let serde: Vec<RouterEvent> = rmp_serde::from_slice(&d).unwrap();
+                        assert_eq!(events, serde, "{d:?}");
+                    }
+                }
+            }
+        }
+        assert!(
+            direct_reads > 100 && checked > 10_000,
+            "{direct_reads} of {checked}"
+        );
+    }
+
+    /// A length that lies (4 billion events or blocks in a few bytes) allocates nothing it
+    /// cannot fill: serde's turn, and its error.
+    #[test]
+    fn a_lying_length_is_an_error_not_an_allocation() {
+        let events = [0xdd, 0xff, 0xff, 0xff, 0xff, 0x80];
+        assert!(direct::events(&events).is_none());
+        assert!(decode_payload(&events).is_err());
     }
 
     #[test]

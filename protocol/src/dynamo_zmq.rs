@@ -17,7 +17,11 @@
 //! after the declared payload length are ignored. Nothing here panics on any input: every way a
 //! message can be wrong is a named [`ZmqError`].
 
-use crate::dynamo::{decode_payload, DecodedEvents, Envelope, KvMetrics};
+use crate::dynamo::{
+    decode_payload, read_envelope, write_envelope, DecodedEvents, Envelope, EnvelopeHeader,
+    KvMetrics,
+};
+use crate::msgpack::Writer;
 
 /// The only frame-header version Dynamo writes (and accepts).
 pub const FRAME_VERSION: u8 = 1;
@@ -112,7 +116,7 @@ pub fn decode_frames<F: AsRef<[u8]>>(frames: &[F]) -> Result<ZmqMessage, ZmqErro
     let publisher_id = id_frame("publisher id", publisher.as_ref())?;
     let sequence = id_frame("sequence", sequence.as_ref())?;
     let envelope_bytes = frame_payload(data.as_ref())?;
-    let envelope: Envelope = rmp_serde::from_slice(envelope_bytes).map_err(ZmqError::Envelope)?;
+    let envelope = read_envelope(envelope_bytes).map_err(ZmqError::Envelope)?;
     if envelope.publisher_id != publisher_id || envelope.sequence != sequence {
         return Err(ZmqError::Mismatch {
             frame_publisher: publisher_id,
@@ -169,16 +173,24 @@ impl ZmqMessage {
 
 /// Encode a message as a Dynamo publisher sends it: the four frames around an envelope.
 pub fn encode_frames(envelope: &Envelope, topic: &str) -> Vec<Vec<u8>> {
-    let body = rmp_serde::to_vec_named(envelope).expect("envelope serializes");
-    let mut data = Vec::with_capacity(FRAME_HEADER_BYTES + body.len());
-    data.push(FRAME_VERSION);
-    data.extend_from_slice(&(body.len() as u32).to_be_bytes());
-    data.extend_from_slice(&body);
+    let header = EnvelopeHeader {
+        publisher_id: envelope.publisher_id,
+        sequence: envelope.sequence,
+        published_at: envelope.published_at,
+        topic: &envelope.topic,
+    };
+    let mut data = Writer(Vec::with_capacity(
+        FRAME_HEADER_BYTES + 80 + envelope.topic.len() + envelope.payload.len(),
+    ));
+    data.0.extend_from_slice(&[FRAME_VERSION, 0, 0, 0, 0]);
+    write_envelope(&mut data, header, &envelope.payload);
+    let body = (data.0.len() - FRAME_HEADER_BYTES) as u32;
+    data.0[1..FRAME_HEADER_BYTES].copy_from_slice(&body.to_be_bytes());
     vec![
         topic.as_bytes().to_vec(),
         envelope.publisher_id.to_be_bytes().to_vec(),
         envelope.sequence.to_be_bytes().to_vec(),
-        data,
+        data.0,
     ]
 }
 

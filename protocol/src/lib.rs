@@ -17,6 +17,7 @@ pub mod dynamo_zmq;
 pub mod hash;
 pub mod headers;
 pub mod hint;
+mod msgpack;
 pub mod vllm;
 
 pub use hash::{HashSeed, LocalBlockHash, PrefixHash};

@@ -27,6 +27,8 @@ use xxhash_rust::xxh3::xxh3_64;
 
 mod direct;
 
+use crate::msgpack::Writer;
+
 /// The sequence number vLLM's replay socket sends after the last buffered message.
 pub const REPLAY_END: u64 = u64::MAX;
 
@@ -400,7 +402,7 @@ pub enum EventEncoding {
 /// publisher and tests. Written straight to bytes: a value tree cost the storm's publisher more
 /// CPU than the sidecar reading what it sent.
 pub fn encode_batch(batch: &EventBatch, encoding: EventEncoding) -> Vec<u8> {
-    let mut out = Out(Vec::with_capacity(16 + 160 * batch.events.len()));
+    let mut out = Writer(Vec::with_capacity(16 + 160 * batch.events.len()));
     out.array(3);
     out.f64(batch.ts);
     out.array(batch.events.len());
@@ -426,7 +428,7 @@ fn text<S: std::ops::Deref<Target = str>>(s: &Option<S>) -> Field<'_> {
     s.as_deref().map_or(Field::Nil, Field::Text)
 }
 
-fn encode_event(out: &mut Out, event: &VllmEvent, encoding: EventEncoding) {
+fn encode_event(out: &mut Writer, event: &VllmEvent, encoding: EventEncoding) {
     let (kind, fields): (&str, Vec<(&str, Field<'_>)>) = match event {
         VllmEvent::BlockStored {
             block_hashes,
@@ -505,33 +507,7 @@ fn encode_event(out: &mut Out, event: &VllmEvent, encoding: EventEncoding) {
 
 /// MessagePack into a `Vec`, each value in its shortest form (as vLLM's msgspec writes).
 /// Writing to a `Vec` cannot fail, so the writers' results carry nothing.
-struct Out(Vec<u8>);
-
-impl Out {
-    fn array(&mut self, len: usize) {
-        let _ = rmp::encode::write_array_len(&mut self.0, len as u32);
-    }
-
-    fn map(&mut self, len: usize) {
-        let _ = rmp::encode::write_map_len(&mut self.0, len as u32);
-    }
-
-    fn uint(&mut self, v: u64) {
-        let _ = rmp::encode::write_uint(&mut self.0, v);
-    }
-
-    fn f64(&mut self, v: f64) {
-        let _ = rmp::encode::write_f64(&mut self.0, v);
-    }
-
-    fn text(&mut self, s: &str) {
-        let _ = rmp::encode::write_str(&mut self.0, s);
-    }
-
-    fn nil(&mut self) {
-        let _ = rmp::encode::write_nil(&mut self.0);
-    }
-
+impl Writer {
     fn field(&mut self, value: &Field<'_>) {
         match value {
             Field::Nil => self.nil(),

@@ -11,13 +11,15 @@
 
 use xxhash_rust::xxh3::xxh3_64;
 
+use crate::msgpack::{Head, Reader};
+
 use super::{
     BlockHashes, EngineBlockHash, EventBatch, ExtraKeys, TokenIds, VllmEvent, KNOWN_FIELDS,
 };
 
 /// The batch, or `None` when it needs the general decoder.
 pub(crate) fn decode(payload: &[u8]) -> Option<EventBatch> {
-    let mut r = Reader { buf: payload };
+    let mut r = Reader::new(payload);
     let mut batch = EventBatch::default();
     let mut events = None;
     match r.head()? {
@@ -54,20 +56,6 @@ pub(crate) fn decode(payload: &[u8]) -> Option<EventBatch> {
     }
     batch.events = events?;
     Some(batch)
-}
-
-/// What a msgpack header announces.
-enum Head<'a> {
-    Nil,
-    Bool,
-    Uint(u64),
-    /// Negative only.
-    Int(i64),
-    Float(f64),
-    Str(&'a [u8]),
-    Bin(&'a [u8]),
-    Array(usize),
-    Map(usize),
 }
 
 /// The fields of one event, typed as the tree decoder reads them; `None`: absent.
@@ -118,102 +106,7 @@ impl<'a> Fields<'a> {
     }
 }
 
-/// A signed integer as msgpack readers see it: one that is not negative is an unsigned one.
-fn signed(n: i64) -> Head<'static> {
-    match u64::try_from(n) {
-        Ok(n) => Head::Uint(n),
-        Err(_) => Head::Int(n),
-    }
-}
-
-/// Deeper nesting than any batch has: the general decoder refuses it.
-const MAX_SKIP_DEPTH: usize = 16;
-
-struct Reader<'a> {
-    buf: &'a [u8],
-}
-
 impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
-        if self.buf.len() < n {
-            return None;
-        }
-        let (head, rest) = self.buf.split_at(n);
-        self.buf = rest;
-        Some(head)
-    }
-
-    fn be(&mut self, n: usize) -> Option<u64> {
-        Some(
-            self.take(n)?
-                .iter()
-                .fold(0u64, |acc, b| (acc << 8) | u64::from(*b)),
-        )
-    }
-
-    fn sized(&mut self, n: usize) -> Option<usize> {
-        usize::try_from(self.be(n)?).ok()
-    }
-
-    fn head(&mut self) -> Option<Head<'a>> {
-        let m = *self.take(1)?.first()?;
-        Some(match m {
-            0x00..=0x7f => Head::Uint(u64::from(m)),
-            0x80..=0x8f => Head::Map(usize::from(m & 0x0f)),
-            0x90..=0x9f => Head::Array(usize::from(m & 0x0f)),
-            0xa0..=0xbf => Head::Str(self.take(usize::from(m & 0x1f))?),
-            0xc0 => Head::Nil,
-            0xc2 | 0xc3 => Head::Bool,
-            0xc4 => Head::Bin(self.sized_bytes(1)?),
-            0xc5 => Head::Bin(self.sized_bytes(2)?),
-            0xc6 => Head::Bin(self.sized_bytes(4)?),
-            0xca => Head::Float(f64::from(f32::from_bits(self.be(4)? as u32))),
-            0xcb => Head::Float(f64::from_bits(self.be(8)?)),
-            0xcc => Head::Uint(self.be(1)?),
-            0xcd => Head::Uint(self.be(2)?),
-            0xce => Head::Uint(self.be(4)?),
-            0xcf => Head::Uint(self.be(8)?),
-            0xd0 => signed(i64::from(self.be(1)? as u8 as i8)),
-            0xd1 => signed(i64::from(self.be(2)? as u16 as i16)),
-            0xd2 => signed(i64::from(self.be(4)? as u32 as i32)),
-            0xd3 => signed(self.be(8)? as i64),
-            0xd9 => Head::Str(self.sized_bytes(1)?),
-            0xda => Head::Str(self.sized_bytes(2)?),
-            0xdb => Head::Str(self.sized_bytes(4)?),
-            0xdc => Head::Array(self.sized(2)?),
-            0xdd => Head::Array(self.sized(4)?),
-            0xde => Head::Map(self.sized(2)?),
-            0xdf => Head::Map(self.sized(4)?),
-            0xe0..=0xff => Head::Int(i64::from(m as i8)),
-            // Extension types (and the unused 0xc1): the general decoder's business.
-            _ => return None,
-        })
-    }
-
-    fn sized_bytes(&mut self, n: usize) -> Option<&'a [u8]> {
-        let len = self.sized(n)?;
-        self.take(len)
-    }
-
-    /// Past one value.
-    fn skip(&mut self, depth: usize) -> Option<()> {
-        if depth > MAX_SKIP_DEPTH {
-            return None;
-        }
-        match self.head()? {
-            Head::Array(n) => (0..n).try_for_each(|_| self.skip(depth + 1)),
-            Head::Map(n) => (0..2 * n).try_for_each(|_| self.skip(depth + 1)),
-            _ => Some(()),
-        }
-    }
-
-    fn str(&mut self) -> Option<&'a str> {
-        match self.head()? {
-            Head::Str(b) => std::str::from_utf8(b).ok(),
-            _ => None,
-        }
-    }
-
     /// A string, or `None` for anything else (read past), as `Value::as_str` reads a field.
     fn opt_str(&mut self) -> Option<Option<&'a str>> {
         let before = self.buf;
@@ -262,19 +155,6 @@ impl<'a> Reader<'a> {
             Head::Bin(b) | Head::Str(b) => xxh3_64(b),
             _ => return None,
         }))
-    }
-
-    fn array(&mut self) -> Option<usize> {
-        match self.head()? {
-            Head::Array(n) => Some(n),
-            _ => None,
-        }
-    }
-
-    /// Room for `n` elements of at least a byte each: never more than the bytes left, so a
-    /// length that lies allocates nothing it cannot fill.
-    fn room(&self, n: usize) -> usize {
-        n.min(self.buf.len())
     }
 
     fn hashes(&mut self) -> Option<BlockHashes> {
