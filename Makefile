@@ -113,9 +113,9 @@ bench-storm: venv build
 	target/release/kvroute-bench storm
 	target/release/kvroute-bench storm --batch 8 --rates 400000,600000,800000,900000 --burst 1200000
 	target/release/kvroute-bench storm --plane vllm-zmq
-	target/release/kvroute-bench storm --plane vllm-zmq --batch 8 --rates 400000,800000 --burst 1200000
+	target/release/kvroute-bench storm --plane vllm-zmq --batch 8 --rates 400000,800000,1000000 --burst 1200000
 	target/release/kvroute-bench storm --plane dynamo-zmq
-	target/release/kvroute-bench storm --plane dynamo-zmq --batch 8 --rates 400000,800000 --burst 1200000
+	target/release/kvroute-bench storm --plane dynamo-zmq --batch 8 --rates 400000,800000,1000000 --burst 1200000
 
 # The chaos soak (about 5 minutes): faults one at a time under load, how long each takes to heal —
 # on simulated engines with two replicas, then on a real Dynamo fleet.

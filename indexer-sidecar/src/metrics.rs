@@ -424,6 +424,9 @@ pub struct Metrics {
     /// Events of an engine's cache group that is not a prefix cache (a hybrid model's
     /// sliding-window or state-space layers): not indexed.
     pub other_group_events: Family<SourceLabel, Counter>,
+    /// Events about copies outside GPU memory (offloaded to CPU, disk, a shared store), by
+    /// worker: not indexed.
+    pub offloaded_events: Family<WorkerLabel, Counter>,
     /// Events missing from a worker's sequence numbers (the sizes of live gaps), by worker: lost
     /// on the way here, whatever lost them.
     pub lost_events: Family<WorkerLabel, Counter>,
@@ -536,6 +539,7 @@ impl Default for Metrics {
             lost_messages: family(&mut r, "lost_messages", "Dynamo messages lost on the way here (gaps in a publisher's own numbering), by transport and topic"),
             unknown_event_fields: family(&mut r, "unknown_event_fields", "Event fields kvroute does not know (one per field per vLLM batch or checked Dynamo message)"),
             other_group_events: family(&mut r, "other_group_events", "Events of a cache group that is not a prefix cache (sliding window, state space): not indexed"),
+            offloaded_events: family(&mut r, "offloaded_events", "Events about copies outside GPU memory (vLLM medium, Dynamo storage tier): not indexed"),
             lost_events: family(&mut r, "lost_events", "Events missing from a worker's sequence numbers: lost on the way here"),
             source_dropped_messages: family(&mut r, "source_dropped_messages", "Messages an event source's client library dropped before the sidecar read them (buffer full)"),
             source_disconnects: family(&mut r, "source_disconnects", "Connections to an event source's server lost"),

@@ -72,8 +72,12 @@ pub struct KvEvent {
 
 impl KvEvent {
     /// Convert a Dynamo event. Dynamo carries our local hash as `tokens_hash`, so nothing is
-    /// recomputed; the engine's `block_hash` names blocks for parents and removals.
-    pub fn from_dynamo(event: &RouterEvent) -> KvEvent {
+    /// recomputed; the engine's `block_hash` names blocks for parents and removals. Dynamo
+    /// sends events about offloaded copies on the same subject, told apart by their tier.
+    pub fn from_dynamo(event: &RouterEvent) -> Result<KvEvent, EventProblem> {
+        if event.storage_tier != "device" {
+            return Err(EventProblem::Offloaded(event.storage_tier.to_string()));
+        }
         let kind = match &event.event.data {
             KvCacheEventData::Stored(s) => KvEventKind::Stored {
                 parent: s.parent_hash.map(EngineHash),
@@ -91,16 +95,16 @@ impl KvEvent {
             },
             KvCacheEventData::Cleared => KvEventKind::Cleared,
         };
-        KvEvent {
+        Ok(KvEvent {
             dp_rank: event.event.dp_rank,
             kind,
-        }
+        })
     }
 }
 
-/// Why a vLLM event is not indexed as it came.
+/// Why an engine's event is not indexed as it came.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum VllmEventProblem {
+pub enum EventProblem {
     /// The engine's block size differs from the model's configured one: no hash could match.
     #[error("engine block size {engine} differs from the configured {configured}")]
     BlockSize {
@@ -109,9 +113,12 @@ pub enum VllmEventProblem {
         /// In the sidecar's `[[models]]`.
         configured: u32,
     },
-    /// Another storage tier than the GPU (CPU offload, disk): not routable cache.
-    #[error("blocks on medium {0}, not GPU")]
-    Medium(String),
+    /// A copy in another tier than GPU memory (vLLM's `medium` CPU or disk, Dynamo's
+    /// `storage_tier` host_pinned, disk, external): a request routed for it still computes
+    /// its prefill on the GPU unless the engine loads it back, so kvroute indexes GPU memory
+    /// only (Dynamo's router keeps such copies in indexes of their own, weighted lower).
+    #[error("blocks in {0}, not GPU memory: an offloaded copy")]
+    Offloaded(String),
     /// `token_ids` does not cover the announced blocks.
     #[error("{tokens} token ids for {blocks} blocks of {block_size}")]
     Tokens {
@@ -133,10 +140,10 @@ impl KvEvent {
         event: &VllmEvent,
         dp_rank: u32,
         block_size: u32,
-    ) -> Result<KvEvent, VllmEventProblem> {
+    ) -> Result<KvEvent, EventProblem> {
         let gpu = |medium: &Option<Medium>| match medium.as_deref() {
             None | Some("GPU") | Some("gpu") => Ok(()),
-            Some(other) => Err(VllmEventProblem::Medium(other.to_owned())),
+            Some(other) => Err(EventProblem::Offloaded(other.to_owned())),
         };
         let kind = match event {
             VllmEvent::BlockStored {
@@ -151,14 +158,14 @@ impl KvEvent {
             } => {
                 gpu(medium)?;
                 if *engine != block_size {
-                    return Err(VllmEventProblem::BlockSize {
+                    return Err(EventProblem::BlockSize {
                         engine: *engine,
                         configured: block_size,
                     });
                 }
                 let size = block_size.max(1) as usize;
                 if token_ids.len() != block_hashes.len() * size {
-                    return Err(VllmEventProblem::Tokens {
+                    return Err(EventProblem::Tokens {
                         tokens: token_ids.len(),
                         blocks: block_hashes.len(),
                         block_size,
@@ -240,11 +247,27 @@ mod tests {
         let tokens: Vec<u32> = (0..8).collect();
         assert_eq!(
             KvEvent::from_vllm(&stored(tokens.clone(), vec![]), 0, 16),
-            Err(VllmEventProblem::BlockSize {
+            Err(EventProblem::BlockSize {
                 engine: 4,
                 configured: 16
             })
         );
+        let mut host = RouterEvent {
+            worker_id: 1,
+            storage_tier: "host_pinned".into(),
+            residency_domain: None,
+            event: kvroute_protocol::dynamo::KvCacheEvent {
+                event_id: 1,
+                data: KvCacheEventData::Cleared,
+                dp_rank: 0,
+            },
+        };
+        assert_eq!(
+            KvEvent::from_dynamo(&host),
+            Err(EventProblem::Offloaded("host_pinned".into()))
+        );
+        host.storage_tier = "device".into();
+        assert!(KvEvent::from_dynamo(&host).is_ok());
         let cpu = VllmEvent::BlockRemoved {
             block_hashes: Default::default(),
             medium: Some("CPU".into()),
@@ -252,7 +275,7 @@ mod tests {
         };
         assert!(matches!(
             KvEvent::from_vllm(&cpu, 0, 4),
-            Err(VllmEventProblem::Medium(_))
+            Err(EventProblem::Offloaded(_))
         ));
         let mut short = stored(tokens, vec![]);
         if let VllmEvent::BlockStored { token_ids, .. } = &mut short {
@@ -260,7 +283,7 @@ mod tests {
         }
         assert!(matches!(
             KvEvent::from_vllm(&short, 0, 4),
-            Err(VllmEventProblem::Tokens { .. })
+            Err(EventProblem::Tokens { .. })
         ));
     }
 

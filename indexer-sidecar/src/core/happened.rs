@@ -128,7 +128,7 @@ pub enum Happened {
         /// The worker.
         worker: Name,
         /// Why.
-        problem: VllmEventProblem,
+        problem: EventProblem,
     },
     /// A message naming a known worker was refused.
     Rejected {

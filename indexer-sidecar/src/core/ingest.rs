@@ -143,23 +143,25 @@ impl Core {
             worker.last_event = Some(now);
             worker.hints_since_event = 0;
         }
+        // An event not indexed still took its number in the sequence (the cursor above).
+        let mut refused = |converted: Result<KvEvent, EventProblem>| match converted {
+            Ok(kv) => Some(kv),
+            Err(problem) => {
+                out.push(Happened::Refused {
+                    worker: name.clone(),
+                    problem,
+                });
+                None
+            }
+        };
         let events: Vec<KvEvent> = match m.body {
-            Body::Dynamo(e) => vec![KvEvent::from_dynamo(e)],
+            Body::Dynamo(e) => refused(KvEvent::from_dynamo(e)).into_iter().collect(),
             Body::Vllm(batch) => {
                 let block_size = self.block_sizes.get(&model).copied().unwrap_or(0);
                 batch
                     .events
                     .iter()
-                    .filter_map(|e| match KvEvent::from_vllm(e, batch.dp_rank, block_size) {
-                        Ok(kv) => Some(kv),
-                        Err(problem) => {
-                            out.push(Happened::Refused {
-                                worker: name.clone(),
-                                problem,
-                            });
-                            None
-                        }
-                    })
+                    .filter_map(|e| refused(KvEvent::from_vllm(e, batch.dp_rank, block_size)))
                     .collect()
             }
         };

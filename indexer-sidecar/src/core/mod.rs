@@ -57,7 +57,7 @@ use kvroute_protocol::vllm::EventBatch;
 
 use crate::config::{Config, IndexConfig, RoutingConfig};
 use cursor::Verdict;
-use event::{EventTag, KvEvent, VllmEventProblem};
+use event::{EventProblem, EventTag, KvEvent};
 use fleet::{Fleet, Role, TicketKey, WorkerId};
 use index::{ApplyOutcome, RadixIndex};
 use load::{Closed, Expected, Load, PeerTicket, Reclaimed};

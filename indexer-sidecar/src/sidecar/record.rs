@@ -7,7 +7,7 @@ use kvroute_protocol::hint::Usage;
 
 use super::{lock, Sidecar, SourceRef};
 use crate::core::cursor::Verdict;
-use crate::core::event::{EventTag, VllmEventProblem};
+use crate::core::event::{EventProblem, EventTag};
 use crate::core::fleet::Role;
 use crate::core::truth::Prediction;
 use crate::core::{Delivery, Forgot, Happened, Name, Rejected, TicketClosed};
@@ -186,17 +186,21 @@ impl Sidecar {
                 }
             },
             Happened::Refused { worker, problem } => match problem {
-                VllmEventProblem::BlockSize { .. } => {
+                EventProblem::BlockSize { .. } => {
                     let counter = m.block_size_mismatches.get_or_create(&worker_label(worker));
                     if counter.get() == 0 {
                         tracing::error!(worker = %worker.address, %problem, "block-size mismatch: this worker's KV events can never match a request; fix [[models]] block_size or the engine's --block-size");
                     }
                     counter.inc();
                 }
-                VllmEventProblem::Medium(_) => {
-                    m.skipped_events.get_or_create(&ZMQ).inc();
+                EventProblem::Offloaded(tier) => {
+                    let counter = m.offloaded_events.get_or_create(&worker_label(worker));
+                    if counter.get() == 0 {
+                        tracing::info!(worker = %worker.address, %tier, "this engine publishes events about offloaded copies of blocks: not indexed (kvroute routes on GPU memory); kvroute_offloaded_events_total counts them");
+                    }
+                    counter.inc();
                 }
-                VllmEventProblem::Tokens { .. } => {
+                EventProblem::Tokens { .. } => {
                     tracing::warn!(worker = %worker.address, %problem, "malformed vLLM store event");
                     m.decode_errors.get_or_create(&ZMQ).inc();
                 }

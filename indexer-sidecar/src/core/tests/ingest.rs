@@ -649,3 +649,68 @@ fn replicas_that_both_lose_fill_each_other() {
         assert_eq!(blocks(&b), 300 - both, "run {run}: b");
     }
 }
+
+/// Dynamo sends events about offloaded copies (KVBM, vLLM's CPU offload, SGLang's host cache)
+/// on the same subject as GPU ones: they are refused, the GPU entries stay, and their numbers
+/// still count in the worker's sequence (the next GPU event is no gap).
+#[test]
+fn events_about_offloaded_copies_leave_the_gpu_index_alone() {
+    use kvroute_protocol::dynamo::{KvCacheEventData, RemovedBlocks};
+    let (mut core, evs, req) = pin_fixture();
+    let now = Instant::now();
+    let id = evs[0].worker_id;
+    discover(
+        &mut core,
+        &instances(&[(id, 40051, Role::Aggregated)]),
+        &[],
+        now,
+    );
+    events(&mut core, &evs, now);
+    assert_eq!(core.hint(&req, now).unwrap().decision.matched_blocks, 4);
+    let last = evs.last().unwrap().event.event_id;
+    let KvCacheEventData::Stored(stored) = &evs[0].event.data else {
+        panic!("the capture stores blocks")
+    };
+    // The blocks copied to host memory, then that copy evicted, then the host tier cleared.
+    let mut offloaded = evs[0].clone();
+    offloaded.storage_tier = "host_pinned".into();
+    offloaded.event.event_id = last + 1;
+    let mut evicted = offloaded.clone();
+    evicted.event.event_id = last + 2;
+    evicted.event.data = KvCacheEventData::Removed(RemovedBlocks {
+        block_hashes: stored.blocks.iter().map(|b| b.block_hash).collect(),
+    });
+    let mut cleared = offloaded.clone();
+    cleared.storage_tier = "disk".into();
+    cleared.event.event_id = last + 3;
+    cleared.event.data = KvCacheEventData::Cleared;
+    let happened = events(&mut core, &[offloaded, evicted, cleared], now);
+    let refused = happened
+        .iter()
+        .filter(|h| {
+            matches!(
+                h,
+                Happened::Refused {
+                    problem: EventProblem::Offloaded(_),
+                    ..
+                }
+            )
+        })
+        .count();
+    assert_eq!(refused, 3, "{happened:?}");
+    assert_eq!(core.hint(&req, now).unwrap().decision.matched_blocks, 4);
+    // The GPU copy evicted next: applied, in sequence.
+    let mut gpu_evicted = evs[0].clone();
+    gpu_evicted.event.event_id = last + 4;
+    gpu_evicted.event.data = KvCacheEventData::Removed(RemovedBlocks {
+        block_hashes: vec![stored.blocks[0].block_hash],
+    });
+    let happened = events(&mut core, &[gpu_evicted], now);
+    assert!(
+        !happened
+            .iter()
+            .any(|h| matches!(h, Happened::Held { .. } | Happened::Forgot { .. })),
+        "{happened:?}"
+    );
+    assert_eq!(core.hint(&req, now).unwrap().decision.matched_blocks, 0);
+}
