@@ -871,16 +871,7 @@ mod tests {
                 &body[..body.len().min(400)],
                 &payload[..payload.len().min(400)],
             ] {
-                let mut damaged: Vec<Vec<u8>> =
-                    (0..bytes.len()).map(|n| bytes[..n].to_vec()).collect();
-                for i in 0..bytes.len() {
-                    for b in [0x00, 0x7f, 0x81, 0x91, 0xa1, 0xc0, 0xc1, 0xcc, 0xd0, 0xff] {
-                        let mut d = bytes.to_vec();
-                        d[i] = b;
-                        damaged.push(d);
-                    }
-                }
-                for d in damaged {
+                for d in crate::msgpack::damaged(bytes) {
                     checked += 1;
                     if let Some(envelope) = direct::envelope(&d) {
                         direct_reads += 1;

@@ -214,3 +214,21 @@ impl Writer {
         let _ = rmp::encode::write_bin(&mut self.0, b);
     }
 }
+
+/// `bytes` damaged every way the decoders' tests try: cut at every length, and each byte
+/// replaced in turn by markers that change what follows (a map, an array, a string, nil, the
+/// unused 0xc1, a u8, an i8, a long array, a negative fixint).
+#[cfg(test)]
+pub(crate) fn damaged(bytes: &[u8]) -> Vec<Vec<u8>> {
+    let mut out: Vec<Vec<u8>> = (0..bytes.len()).map(|n| bytes[..n].to_vec()).collect();
+    for i in 0..bytes.len() {
+        for b in [
+            0x00, 0x7f, 0x81, 0x91, 0xa1, 0xc0, 0xc1, 0xcc, 0xd0, 0xdc, 0xff,
+        ] {
+            let mut d = bytes.to_vec();
+            d[i] = b;
+            out.push(d);
+        }
+    }
+    out
+}
