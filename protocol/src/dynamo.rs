@@ -59,7 +59,7 @@ fn default_tier() -> Cow<'static, str> {
 
 /// A storage tier's or residency domain's name, borrowed for the ones Dynamo 1.6 writes on
 /// every event: a common event's names allocate nothing.
-pub fn tier(name: &str) -> Cow<'static, str> {
+fn tier(name: &str) -> Cow<'static, str> {
     match name {
         "device" => Cow::Borrowed("device"),
         "worker" => Cow::Borrowed("worker"),

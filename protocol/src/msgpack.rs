@@ -151,6 +151,23 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// A u64, or nil as `None`.
+    #[inline]
+    pub fn opt_uint(&mut self) -> Option<Option<u64>> {
+        if self.nil()? {
+            return Some(None);
+        }
+        self.uint().map(Some)
+    }
+
+    #[inline]
+    pub fn map(&mut self) -> Option<usize> {
+        match self.head()? {
+            Head::Map(n) => Some(n),
+            _ => None,
+        }
+    }
+
     #[inline]
     pub fn array(&mut self) -> Option<usize> {
         match self.head()? {

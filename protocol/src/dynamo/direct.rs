@@ -21,7 +21,7 @@ pub(crate) fn envelope(bytes: &[u8]) -> Option<Envelope> {
     let mut r = Reader::new(bytes);
     let (mut publisher_id, mut sequence, mut published_at) = (None, None, None);
     let (mut topic, mut payload) = (None, None);
-    for _ in 0..map(&mut r)? {
+    for _ in 0..r.map()? {
         match r.str()? {
             "publisher_id" => once(&mut publisher_id, r.uint()?)?,
             "sequence" => once(&mut sequence, r.uint()?)?,
@@ -54,14 +54,6 @@ pub(crate) fn events(payload: &[u8]) -> Option<Vec<RouterEvent>> {
     r.buf.is_empty().then_some(events)
 }
 
-/// A map's length; anything else (serde would also take a positional array) is serde's.
-fn map(r: &mut Reader<'_>) -> Option<usize> {
-    match r.head()? {
-        Head::Map(n) => Some(n),
-        _ => None,
-    }
-}
-
 /// Fill `slot` with `value`; a key seen twice is serde's (it refuses a duplicate field).
 fn once<T>(slot: &mut Option<T>, value: T) -> Option<()> {
     match slot.replace(value) {
@@ -70,18 +62,10 @@ fn once<T>(slot: &mut Option<T>, value: T) -> Option<()> {
     }
 }
 
-/// A u64, or nil as `None`.
-fn opt_uint(r: &mut Reader<'_>) -> Option<Option<u64>> {
-    if r.nil()? {
-        return Some(None);
-    }
-    r.uint().map(Some)
-}
-
 fn router_event(r: &mut Reader<'_>) -> Option<RouterEvent> {
     let (mut worker_id, mut storage_tier, mut residency_domain, mut event) =
         (None, None, None, None);
-    for _ in 0..map(r)? {
+    for _ in 0..r.map()? {
         match r.str()? {
             "worker_id" => once(&mut worker_id, r.uint()?)?,
             "storage_tier" => once(&mut storage_tier, tier(r.str()?))?,
@@ -103,7 +87,7 @@ fn router_event(r: &mut Reader<'_>) -> Option<RouterEvent> {
 
 fn cache_event(r: &mut Reader<'_>) -> Option<KvCacheEvent> {
     let (mut event_id, mut data, mut dp_rank) = (None, None, None);
-    for _ in 0..map(r)? {
+    for _ in 0..r.map()? {
         match r.str()? {
             "event_id" => once(&mut event_id, r.uint()?)?,
             "data" => once(&mut data, event_data(r)?)?,
@@ -134,10 +118,10 @@ fn event_data(r: &mut Reader<'_>) -> Option<KvCacheEventData> {
 
 fn stored(r: &mut Reader<'_>) -> Option<StoredBlocks> {
     let (mut parent_hash, mut start_position, mut blocks) = (None, None, None);
-    for _ in 0..map(r)? {
+    for _ in 0..r.map()? {
         match r.str()? {
-            "parent_hash" => once(&mut parent_hash, opt_uint(r)?)?,
-            "start_position" => once(&mut start_position, opt_uint(r)?)?,
+            "parent_hash" => once(&mut parent_hash, r.opt_uint()?)?,
+            "start_position" => once(&mut start_position, r.opt_uint()?)?,
             "blocks" => {
                 let n = r.array()?;
                 let mut list = Vec::with_capacity(r.room(n));
@@ -159,7 +143,7 @@ fn stored(r: &mut Reader<'_>) -> Option<StoredBlocks> {
 
 fn block(r: &mut Reader<'_>) -> Option<StoredBlock> {
     let (mut block_hash, mut tokens_hash) = (None, None);
-    for _ in 0..map(r)? {
+    for _ in 0..r.map()? {
         match r.str()? {
             "block_hash" => once(&mut block_hash, r.uint()?)?,
             "tokens_hash" => once(&mut tokens_hash, r.uint()?)?,
@@ -176,7 +160,7 @@ fn block(r: &mut Reader<'_>) -> Option<StoredBlock> {
 
 fn removed(r: &mut Reader<'_>) -> Option<RemovedBlocks> {
     let mut block_hashes = None;
-    for _ in 0..map(r)? {
+    for _ in 0..r.map()? {
         match r.str()? {
             "block_hashes" => {
                 let n = r.array()?;
