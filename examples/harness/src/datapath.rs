@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 
 use crate::bench::Scale;
 use crate::report::quantile;
-use crate::stack::MODEL;
+use crate::stack::{quantile_between, Bucket, MODEL};
 use crate::workload::{words, Rng};
 use crate::{paths, Mode, Stack, StackOptions};
 
@@ -309,6 +309,19 @@ fn median_round(mut rounds: Vec<Value>) -> Value {
     median
 }
 
+/// Envoy's stats flush in the datapath stacks: the filter's histograms are read per step.
+const STATS_FLUSH_MS: u64 = 500;
+
+/// What the filter's `prepare_us` histogram holds once Envoy has flushed what was recorded so
+/// far (empty before anything was).
+async fn filter_prepare(stack: &Stack) -> Vec<Bucket> {
+    tokio::time::sleep(Duration::from_millis(3 * STATS_FLUSH_MS)).await;
+    stack
+        .envoy_histogram("wasmcustom.kvroute.prepare_us")
+        .await
+        .unwrap_or_default()
+}
+
 /// Run `selection` at `scale`; writes `out/datapath.json`.
 pub async fn run(scale: Scale, out: &Path, selection: &Selection) -> Result<Value> {
     // `8k_turn`: the next turn of an ~8k-token conversation (the filter's token cache has its
@@ -369,9 +382,20 @@ pub async fn run(scale: Scale, out: &Path, selection: &Selection) -> Result<Valu
             opts.sim.engines = 1;
             opts.sidecar_uds = uds;
             opts.hint_timeout_ms = 1000;
+            opts.envoy_stats_flush_ms = Some(STATS_FLUSH_MS);
             let stack = Stack::start(opts).await?;
             for (name, body) in &bodies {
-                let c1 = load(&stack, body, 1, n1).await?;
+                // The filter's own time preparing each request (its warm-ups among them).
+                let filtered = mode != Mode::RoundRobin;
+                let before = match filtered {
+                    true => filter_prepare(&stack).await,
+                    false => Vec::new(),
+                };
+                let mut c1 = load(&stack, body, 1, n1).await?;
+                if filtered {
+                    let after = filter_prepare(&stack).await;
+                    c1["filter_prepare_p50_us"] = json!(quantile_between(&before, &after, 0.5));
+                }
                 let c16 = load(&stack, body, 16, n16).await?;
                 println!(
                     "[round {round}] {setup:>12} {name:>4}: c=1 {c1}\n{:>17}  c=16 {c16}",

@@ -98,7 +98,10 @@ pub fn render_envoy(
             wasm: params.wasm,
         });
     }
-    let text = envoy_config::render(template(opts).text(), &params)?;
+    let mut text = envoy_config::render(template(opts).text(), &params)?;
+    if let Some(ms) = opts.envoy_stats_flush_ms {
+        text += &format!("\nstats_flush_interval: {}s\n", ms as f64 / 1000.0);
+    }
     with_ejection(text, opts.ejection_s)
 }
 

@@ -29,6 +29,7 @@ pub use envoy::{render_envoy, write_eds, BootstrapFn, EnvoyInputs, SidecarAddres
 use nats::event_proxy;
 pub(crate) use nats::start_nats;
 pub use options::{Fallback, Mode, ReplicaOptions, SimOptions, StackOptions, TransportLoss};
+pub use read::{quantile_between, Bucket};
 use sidecar::{sidecar_text, start_sidecar, SidecarPlace};
 use sim::start_sim;
 

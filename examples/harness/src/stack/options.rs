@@ -169,6 +169,9 @@ pub struct StackOptions {
     /// Envoy's outlier `base_ejection_time` in seconds, in place of the shipped configuration's
     /// 30 (tests of what happens when an ejection ends).
     pub ejection_s: Option<u64>,
+    /// Envoy's `stats_flush_interval` in milliseconds, in place of its 5 s: histograms reach
+    /// `/stats` only when flushed, so a benchmark reading them per step waits one interval.
+    pub envoy_stats_flush_ms: Option<u64>,
     /// A fleet under a control plane: Envoy's `workers` cluster reads an EDS file
     /// ([`super::Stack::set_members`]), and the sidecar takes its workers from Envoy's membership
     /// (`[[envoy.members]]`, events at `{port+1}`, replay at `{port+2}`) instead of
@@ -228,6 +231,7 @@ impl StackOptions {
             transport_loss: None,
             shared_sidecar: false,
             ejection_s: None,
+            envoy_stats_flush_ms: None,
             eds_membership: false,
             envoy_bootstrap: None,
             workers_cluster: "workers".into(),

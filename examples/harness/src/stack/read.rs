@@ -103,6 +103,22 @@ impl Stack {
         (!quantiles.is_empty()).then_some(quantiles)
     }
 
+    /// A histogram's recorded values as Envoy last flushed them (`histogram_buckets=detailed`:
+    /// every bucket's lower bound, width and count since Envoy started), for quantiles of what
+    /// one step recorded: the counts after it less those before.
+    pub async fn envoy_histogram(&self, name: &str) -> Option<Vec<Bucket>> {
+        let escaped = name.replace('.', "\\.");
+        let url = format!(
+            "{}/stats?filter=^{escaped}$&histogram_buckets=detailed",
+            self.admin_url
+        );
+        let text = crate::client::get_text(&self.http, &url).await?;
+        let totals = text
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("totals="))?;
+        Some(parse_buckets(totals))
+    }
+
     /// A counter or gauge from the `/stats` of the Envoy at `admin_url`.
     pub async fn envoy_stat_at(&self, admin_url: &str, name: &str) -> Option<u64> {
         let escaped = name.replace('.', "\\.").replace('|', "\\|");
@@ -139,5 +155,80 @@ impl Stack {
             .await?
             .text()
             .await?)
+    }
+}
+
+/// One bucket of an Envoy histogram: values from `lower` to `lower + width`, `count` of them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Bucket {
+    /// The smallest value it holds.
+    pub lower: f64,
+    /// Its width: it holds values below `lower + width`.
+    pub width: f64,
+    /// Values recorded in it.
+    pub count: u64,
+}
+
+/// `lower,width:count, …` as Envoy writes a detailed histogram's buckets.
+fn parse_buckets(text: &str) -> Vec<Bucket> {
+    text.split(", ")
+        .filter_map(|b| {
+            let (range, count) = b.trim().split_once(':')?;
+            let (lower, width) = range.split_once(',')?;
+            Some(Bucket {
+                lower: lower.parse().ok()?,
+                width: width.parse().ok()?,
+                count: count.parse().ok()?,
+            })
+        })
+        .collect()
+}
+
+/// The `q` quantile (0..=1) of what was recorded between `before` and `after` (two reads of
+/// one histogram), at its bucket's middle; `None` if nothing was.
+pub fn quantile_between(before: &[Bucket], after: &[Bucket], q: f64) -> Option<f64> {
+    let earlier = |b: &Bucket| {
+        before
+            .iter()
+            .find(|x| x.lower == b.lower && x.width == b.width)
+            .map_or(0, |x| x.count)
+    };
+    let mut step: Vec<(f64, u64)> = after
+        .iter()
+        .map(|b| (b.lower + b.width / 2.0, b.count.saturating_sub(earlier(b))))
+        .filter(|&(_, n)| n > 0)
+        .collect();
+    step.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let total: u64 = step.iter().map(|s| s.1).sum();
+    let rank = (q * total as f64).ceil().max(1.0) as u64;
+    let mut seen = 0;
+    step.into_iter().find_map(|(value, n)| {
+        seen += n;
+        (total > 0 && seen >= rank).then_some(value)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Buckets as Envoy 1.40 writes them; the step's quantile ignores what came before it.
+    #[test]
+    fn a_quantile_of_one_step() {
+        let before = parse_buckets("59,1:1, 60,1:4, 100,10:6");
+        assert_eq!(
+            before[2],
+            Bucket {
+                lower: 100.0,
+                width: 10.0,
+                count: 6
+            }
+        );
+        let after = parse_buckets("59,1:1, 60,1:4, 100,10:9, 3400,100:1");
+        assert_eq!(quantile_between(&before, &after, 0.5), Some(105.0));
+        assert_eq!(quantile_between(&before, &after, 1.0), Some(3450.0));
+        assert_eq!(quantile_between(&after, &after, 0.5), None);
+        assert_eq!(quantile_between(&[], &before, 0.4), Some(60.5));
+        assert_eq!(quantile_between(&[], &before, 0.5), Some(105.0));
     }
 }
