@@ -9,6 +9,7 @@
 //! - [`model_dir`]: read an HF-style model directory into a [`kvroute_protocol::bundle::ModelBundle`].
 //! - [`Preprocessor`]: the three above bound to one model bundle.
 
+mod clock;
 pub mod model_dir;
 pub mod request;
 pub mod segments;
@@ -19,7 +20,7 @@ use kvroute_protocol::bundle::ModelBundle;
 use kvroute_protocol::hash::{token_prefix_hashes, HashSeed, PrefixHash};
 
 pub use request::{LlmRequest, PromptInput, RequestError};
-pub use segments::{SegmentUse, Segmenter};
+pub use segments::{Cut, SegmentUse, Segmenter};
 pub use template::{ChatTemplate, TemplateError};
 pub use tokenizer::{Tokenizer, TokenizerError};
 
@@ -86,6 +87,14 @@ fn sample_chat() -> Result<request::ChatInput, RequestError> {
     }
 }
 
+/// Ids that did not come from the token cache.
+fn whole(ids: Vec<u32>) -> Cut {
+    Cut {
+        ids,
+        ..Cut::default()
+    }
+}
+
 impl Preprocessor {
     /// Load a bundle; this compiles the template and builds the tokenizer (slow: do it once).
     pub fn from_bundle(bundle: &ModelBundle) -> Result<Self, BundleError> {
@@ -136,17 +145,10 @@ impl Preprocessor {
     }
 
     /// A rendered chat's ids, through the token cache where there is one.
-    fn encode_chat(
-        &self,
-        text: &str,
-        add_special_tokens: bool,
-    ) -> Result<(Vec<u32>, SegmentUse), TokenizerError> {
+    fn encode_chat(&self, text: &str, add_special_tokens: bool) -> Result<Cut, TokenizerError> {
         match &self.segments {
             Some(segments) if !add_special_tokens => segments.encode(text, &self.tokenizer),
-            _ => Ok((
-                self.tokenizer.encode(text, add_special_tokens)?,
-                SegmentUse::default(),
-            )),
+            _ => Ok(whole(self.tokenizer.encode(text, add_special_tokens)?)),
         }
     }
 
@@ -169,11 +171,11 @@ impl Preprocessor {
 
     /// Token ids exactly as the engine sees them.
     pub fn tokens(&self, req: &LlmRequest) -> Result<Vec<u32>, PromptError> {
-        Ok(self.tokens_used(req)?.0)
+        Ok(self.tokens_cut(req)?.ids)
     }
 
-    /// The same, and what the token cache did.
-    fn tokens_used(&self, req: &LlmRequest) -> Result<(Vec<u32>, SegmentUse), PromptError> {
+    /// The same, with what the token cache did and where its segments end.
+    fn tokens_cut(&self, req: &LlmRequest) -> Result<Cut, PromptError> {
         match &req.input {
             PromptInput::Chat(chat) => {
                 let template = self.template.as_ref().ok_or(TemplateError::Missing)?;
@@ -182,12 +184,11 @@ impl Preprocessor {
                 // without adding special tokens unless the request asks (vLLM's default: no).
                 Ok(self.encode_chat(&text, req.add_special_tokens.unwrap_or(false))?)
             }
-            PromptInput::Text(text) => Ok((
+            PromptInput::Text(text) => Ok(whole(
                 self.tokenizer
                     .encode(text, req.add_special_tokens.unwrap_or(true))?,
-                SegmentUse::default(),
             )),
-            PromptInput::TokenIds(ids) => Ok((ids.clone(), SegmentUse::default())),
+            PromptInput::TokenIds(ids) => Ok(whole(ids.clone())),
         }
     }
 
@@ -200,23 +201,27 @@ impl Preprocessor {
             PromptInput::Chat(chat) => chat.text_prefix(),
             _ => None,
         };
-        let (tokens, segments) = match prefix {
-            None => self.tokens_used(req)?,
-            Some(prefix) if prefix.messages.is_empty() => (Vec::new(), SegmentUse::default()),
+        let mut cut = match prefix {
+            None => self.tokens_cut(req)?,
+            Some(prefix) if prefix.messages.is_empty() => Cut::default(),
             Some(prefix) => {
                 let template = self.template.as_ref().ok_or(TemplateError::Missing)?;
                 let special = req.add_special_tokens.unwrap_or(false);
-                let (mut tokens, used) = self.encode_chat(&template.render(&prefix)?, special)?;
-                let safe_blocks = (tokens.len() / self.block_size).saturating_sub(1);
-                tokens.truncate(safe_blocks * self.block_size);
-                (tokens, used)
+                let mut cut = self.encode_chat(&template.render(&prefix)?, special)?;
+                let safe_blocks = (cut.ids.len() / self.block_size).saturating_sub(1);
+                cut.ids.truncate(safe_blocks * self.block_size);
+                cut.ends.retain(|end| end.tokens <= cut.ids.len());
+                cut
             }
         };
-        let hashes = token_prefix_hashes(&tokens, self.block_size, seed);
+        let hashes = match &self.segments {
+            Some(segments) => segments.prefix_hashes(&cut, self.block_size, seed),
+            None => token_prefix_hashes(&cut.ids, self.block_size, seed),
+        };
         Ok(PromptHashes {
-            tokens,
+            tokens: std::mem::take(&mut cut.ids),
             hashes,
-            segments,
+            segments: cut.used,
         })
     }
 }

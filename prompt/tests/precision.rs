@@ -118,7 +118,12 @@ fn the_token_cache_gives_every_fixture_transformers_ids() {
                 let Some(want) = &cases.ids[i] else { continue };
                 let req = LlmRequest::parse(body.to_string().as_bytes()).unwrap();
                 checked += 1;
+                // Block hashes through the cache are the plain preprocessor's.
+                let hashes = plain.hashes(&req).map(|h| h.hashes).ok();
                 match pre.hashes(&req) {
+                    Ok(got) if &got.tokens == want && Some(&got.hashes) != hashes.as_ref() => {
+                        failures.push(format!("{model} #{i} ({pass}): block hashes differ"))
+                    }
                     Ok(got) if &got.tokens == want => found += u64::from(got.segments.found),
                     Ok(got) => failures.push(format!(
                         "{model} #{i} ({pass}): ids differ\n  want {want:?}\n  got  {:?}",
@@ -135,12 +140,14 @@ fn the_token_cache_gives_every_fixture_transformers_ids() {
             let body = serde_json::json!({"model": model, "messages": messages});
             let req = LlmRequest::parse(body.to_string().as_bytes()).unwrap();
             checked += 1;
-            match (plain.tokens(&req), pre.hashes(&req)) {
-                (Ok(want), Ok(got)) if want == got.tokens => {}
+            match (plain.hashes(&req), pre.hashes(&req)) {
+                (Ok(want), Ok(got))
+                    if (&want.tokens, &want.hashes) == (&got.tokens, &got.hashes) => {}
                 (Err(_), Err(_)) => {}
                 (want, got) => failures.push(format!(
-                    "{model} turn {turn}: {want:?} against {:?}",
-                    got.map(|g| g.tokens)
+                    "{model} turn {turn}: {:?} against {:?}",
+                    want.map(|w| (w.tokens, w.hashes)),
+                    got.map(|g| (g.tokens, g.hashes))
                 )),
             }
             messages.push(

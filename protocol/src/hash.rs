@@ -104,12 +104,49 @@ pub fn prefix_hashes(locals: &[LocalBlockHash]) -> Vec<PrefixHash> {
 
 /// Prefix hashes of every full block of `tokens`: what the filter sends and the index stores.
 pub fn token_prefix_hashes(tokens: &[u32], block_size: usize, seed: HashSeed) -> Vec<PrefixHash> {
-    prefix_hashes(&local_block_hashes(tokens, block_size, seed))
+    let mut hashes = Vec::with_capacity(tokens.len().checked_div(block_size).unwrap_or(0));
+    extend_prefix_hashes(&mut hashes, tokens, block_size, seed);
+    hashes
+}
+
+/// Append the prefix hashes of every full block of `more`, the tokens that follow the blocks
+/// `hashes` already names: a prompt hashed from where a known prefix of it ends.
+pub fn extend_prefix_hashes(
+    hashes: &mut Vec<PrefixHash>,
+    more: &[u32],
+    block_size: usize,
+    seed: HashSeed,
+) {
+    if block_size == 0 {
+        return;
+    }
+    let mut parent = hashes.last().copied();
+    for block in more.chunks_exact(block_size) {
+        let p = chain(parent, local_block_hash(block, seed));
+        hashes.push(p);
+        parent = Some(p);
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Hashing a prompt from where a known prefix ends gives the whole prompt's hashes.
+    #[test]
+    fn extending_a_known_prefix_is_hashing_the_whole() {
+        let tokens: Vec<u32> = (0..100).map(|t| t * 7919 % 32000).collect();
+        let seed = HashSeed::for_request(Some("lora"), None);
+        let whole = token_prefix_hashes(&tokens, 16, seed);
+        assert_eq!(whole.len(), 6);
+        for known in 0..=whole.len() {
+            let mut hashes = whole[..known].to_vec();
+            extend_prefix_hashes(&mut hashes, &tokens[known * 16..], 16, seed);
+            assert_eq!(hashes, whole, "{known}");
+        }
+        assert_eq!(prefix_hashes(&local_block_hashes(&tokens, 16, seed)), whole);
+        assert!(token_prefix_hashes(&tokens, 0, seed).is_empty());
+    }
 
     /// The golden file from a real Dynamo 1.6.1 run: token ids and both hash chains.
     fn golden() -> serde_json::Value {

@@ -53,12 +53,12 @@ pub fn vllm_python() -> Result<PathBuf> {
     existing(venv.join("bin/python"), "run `make venv-vllm` first")
 }
 
-/// The filter's wasm module.
+/// The filter's wasm module (`KVROUTE_FILTER_WASM` overrides the release build: A/B runs).
 pub fn filter_wasm() -> Result<PathBuf> {
-    existing(
-        workspace().join("target/wasm32-wasip1/release/kvroute_filter.wasm"),
-        "run `make build` first",
-    )
+    let path = std::env::var_os("KVROUTE_FILTER_WASM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace().join("target/wasm32-wasip1/release/kvroute_filter.wasm"));
+    existing(path, "run `make build` first")
 }
 
 /// The demo model directory.
