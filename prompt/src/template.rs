@@ -6,7 +6,7 @@
 //! `strftime_now`. Anything else changes whitespace, and whitespace changes tokens.
 
 use minijinja::syntax::SyntaxConfig;
-use minijinja::value::{Kwargs, Value as JValue};
+use minijinja::value::{Kwargs, Serde, Value as JValue};
 use minijinja::{Environment, Error, ErrorKind};
 use serde_json::Value;
 
@@ -61,27 +61,30 @@ impl ChatTemplate {
     /// Render a chat request to the prompt string.
     pub fn render(&self, chat: &ChatInput) -> Result<String, TemplateError> {
         // As transformers layers it: special tokens, then chat_template_kwargs (which may
-        // override them), then the request's own fields, which nothing overrides.
-        let mut ctx = serde_json::Map::new();
-        ctx.insert("bos_token".into(), Value::String(self.bos_token.clone()));
-        ctx.insert("eos_token".into(), Value::String(self.eos_token.clone()));
+        // override them), then the request's own fields, which nothing overrides. A key given
+        // again keeps its first place with the later value, as a JSON map would. Values are
+        // converted straight from the request: each message string is copied once.
+        let mut ctx: Vec<(&str, JValue)> = vec![
+            ("bos_token", JValue::from(self.bos_token.as_str())),
+            ("eos_token", JValue::from(self.eos_token.as_str())),
+        ];
         for (k, v) in &chat.template_kwargs {
-            ctx.insert(k.clone(), v.clone());
+            ctx.push((k, JValue::from(Serde(v))));
         }
-        ctx.insert("messages".into(), Value::Array(chat.messages.clone()));
+        ctx.push(("messages", JValue::from(Serde(&chat.messages))));
         if let Some(tools) = &chat.tools {
-            ctx.insert("tools".into(), tools.clone());
+            ctx.push(("tools", JValue::from(Serde(tools))));
         }
-        ctx.insert(
-            "add_generation_prompt".into(),
-            Value::Bool(chat.add_generation_prompt),
-        );
+        ctx.push((
+            "add_generation_prompt",
+            JValue::from(chat.add_generation_prompt),
+        ));
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| TemplateError::Render(e.to_string()))?;
         let rendered = template
-            .render(JValue::from(minijinja::value::Serde(&ctx)))
+            .render(JValue::from_pairs(ctx))
             .map_err(|e| TemplateError::Render(e.to_string()))?;
         if chat.continue_final_message {
             continue_final_message(rendered, &chat.messages)
