@@ -201,7 +201,7 @@ impl Preprocessor {
             PromptInput::Chat(chat) => chat.text_prefix(),
             _ => None,
         };
-        let mut cut = match prefix {
+        let cut = match prefix {
             None => self.tokens_cut(req)?,
             Some(prefix) if prefix.messages.is_empty() => Cut::default(),
             Some(prefix) => {
@@ -219,7 +219,7 @@ impl Preprocessor {
             None => token_prefix_hashes(&cut.ids, self.block_size, seed),
         };
         Ok(PromptHashes {
-            tokens: std::mem::take(&mut cut.ids),
+            tokens: cut.ids,
             hashes,
             segments: cut.used,
         })

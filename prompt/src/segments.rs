@@ -157,7 +157,7 @@ impl Segmenter {
             state: Mutex::new(State::new(budget)),
         };
         let whole = tokenizer.encode(sample, false).ok()?;
-        let cut = segmenter.cut_ids(sample, tokenizer, None).ok()?;
+        let cut = segmenter.cut_ids(sample, tokenizer, false).ok()?;
         (whole == cut.ids).then_some(segmenter)
     }
 
@@ -170,7 +170,6 @@ impl Segmenter {
     /// `tokenizer.encode(text, false)` would give them, what the cache did, and where the
     /// segments end.
     pub fn encode(&self, text: &str, tokenizer: &Tokenizer) -> Result<Cut, TokenizerError> {
-        let mut used = SegmentUse::default();
         let check = {
             let mut state = self.lock();
             if state.off {
@@ -184,22 +183,24 @@ impl Segmenter {
             state.requests += 1;
             state.requests % CHECK_EVERY == 1
         };
-        let cut = self.cut_ids(text, tokenizer, Some(&mut used))?;
+        let cut = self.cut_ids(text, tokenizer, true)?;
         if !check {
-            return Ok(Cut { used, ..cut });
+            return Ok(cut);
         }
         let whole = tokenizer.encode(text, false)?;
         if whole == cut.ids {
-            return Ok(Cut { used, ..cut });
+            return Ok(cut);
         }
-        used.mismatch = true;
         let mut state = self.lock();
         state.off = true;
         state.ids.clear();
         state.hashes.clear();
         Ok(Cut {
             ids: whole,
-            used,
+            used: SegmentUse {
+                mismatch: true,
+                ..cut.used
+            },
             ends: Vec::new(),
         })
     }
@@ -234,10 +235,11 @@ impl Segmenter {
         }
         let from = hashes.len() * block_size;
         extend_prefix_hashes(&mut hashes, &cut.ids[from..], block_size, seed);
+        let mut state = self.lock();
         for (key, range) in missing.into_iter().chain(ranges) {
             if !range.is_empty() {
                 let bytes = range.len() * 8 + ENTRY_OVERHEAD;
-                self.lock().hashes.put(key, hashes[range].into(), bytes);
+                state.hashes.put(key, hashes[range].into(), bytes);
             }
         }
         hashes
@@ -278,16 +280,18 @@ impl Segmenter {
         }
     }
 
-    /// The ids of `text` segment by segment, looked up (and kept) when `used` counts what the
-    /// cache did.
+    /// The ids of `text` segment by segment; with `cached`, each segment looked up (and kept),
+    /// what the cache did counted, and the segment ends named.
     fn cut_ids(
         &self,
         text: &str,
         tokenizer: &Tokenizer,
-        mut used: Option<&mut SegmentUse>,
+        cached: bool,
     ) -> Result<Cut, TokenizerError> {
-        let mut ids = Vec::with_capacity(text.len() / 3);
-        let mut ends = Vec::new();
+        let mut cut = Cut {
+            ids: Vec::with_capacity(text.len() / 3),
+            ..Cut::default()
+        };
         let mut chain = 0u128;
         let mut from = 0;
         let points = self.cut_points(text);
@@ -297,38 +301,34 @@ impl Segmenter {
             if segment.is_empty() {
                 continue;
             }
-            let Some(used) = used.as_deref_mut() else {
-                ids.extend(tokenizer.encode(segment, false)?);
+            if !cached {
+                cut.ids.extend(tokenizer.encode(segment, false)?);
                 continue;
-            };
+            }
             let key = xxh3_128(segment.as_bytes());
             chain = chained(chain, key);
             let found = match self.lock().ids.get(key) {
                 Some(known) => {
-                    ids.extend_from_slice(known);
+                    cut.ids.extend_from_slice(known);
                     true
                 }
                 None => false,
             };
             if found {
-                used.found += 1;
+                cut.used.found += 1;
             } else {
                 let new = tokenizer.encode(segment, false)?;
-                used.tokenized += 1;
-                ids.extend_from_slice(&new);
+                cut.used.tokenized += 1;
+                cut.ids.extend_from_slice(&new);
                 let bytes = new.len() * 4 + ENTRY_OVERHEAD;
                 self.lock().ids.put(key, new.into_boxed_slice(), bytes);
             }
-            ends.push(SegmentEnd {
-                tokens: ids.len(),
+            cut.ends.push(SegmentEnd {
+                tokens: cut.ids.len(),
                 key: chain,
             });
         }
-        Ok(Cut {
-            ids,
-            used: SegmentUse::default(),
-            ends,
-        })
+        Ok(cut)
     }
 
     /// The lock is only ever held for a lookup or an insert, never across tokenizing: the
@@ -479,7 +479,7 @@ mod tests {
         };
         let text = "<s>thinking about singing and ringing";
         let whole = tokenizer.encode(text, false).unwrap();
-        assert_ne!(s.cut_ids(text, &tokenizer, None).unwrap().ids, whole);
+        assert_ne!(s.cut_ids(text, &tokenizer, false).unwrap().ids, whole);
         let cut = s.encode(text, &tokenizer).unwrap();
         assert_eq!(cut.ids, whole);
         assert!(cut.used.mismatch && cut.ends.is_empty(), "{cut:?}");

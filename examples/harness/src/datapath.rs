@@ -384,9 +384,9 @@ pub async fn run(scale: Scale, out: &Path, selection: &Selection) -> Result<Valu
             opts.hint_timeout_ms = 1000;
             opts.envoy_stats_flush_ms = Some(STATS_FLUSH_MS);
             let stack = Stack::start(opts).await?;
+            // The filter's own time preparing each request (its warm-ups among them).
+            let filtered = mode != Mode::RoundRobin;
             for (name, body) in &bodies {
-                // The filter's own time preparing each request (its warm-ups among them).
-                let filtered = mode != Mode::RoundRobin;
                 let before = match filtered {
                     true => filter_prepare(&stack).await,
                     false => Vec::new(),
