@@ -2,7 +2,8 @@
 //!
 //! Sessions arrive as a Poisson process at a ladder of request rates up to past saturation;
 //! each session sends its turns in order, waiting for each answer and a think time before the
-//! next (a single-turn session is one request). Every mode gets a fresh fleet and exactly the
+//! next (a single-turn session is one request). The Mooncake traces arrive at their own
+//! timestamps instead, sped up to each rate. Every mode gets a fresh fleet and exactly the
 //! same sessions at the same offsets. The fleet can be full: engines share their GPU a step at
 //! a time (`kvroute-sim --batching`: a prefill slows its neighbours), the working set outgrows
 //! one engine's cache but fits the fleet's, their events arrive as late as real vLLM's. With
@@ -28,7 +29,8 @@ use crate::client::{oracle_cached_all, send_streaming, Outcome};
 use crate::process::Process;
 use crate::report::quantile;
 use crate::stack::{Mode, SimOptions, Stack, StackOptions, MODEL};
-use crate::workload::{words, ChatSpec, ChatWorkload, Rng, CHAT};
+use crate::traces::{self, Line, TraceSpec};
+use crate::workload::{words, ChatSpec, ChatWorkload, Rng, CHAT, COMPLETIONS};
 
 /// The TTFT target, in cold prefills of an idle fleet.
 pub const TARGET_MULTIPLE: f64 = 2.0;
@@ -44,11 +46,53 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 pub struct LoadWorkload {
     /// Name in reports.
     pub name: &'static str,
-    /// Its conversations (one turn each for single-turn workloads).
-    pub spec: ChatSpec,
-    /// Mean think time between a session's turns.
-    pub think: Duration,
+    /// Where its requests and their arrivals come from.
+    pub source: Source,
+    /// KV cache per engine, in blocks: the working set outgrows one engine, fits the fleet.
+    pub capacity_blocks: usize,
 }
+
+/// Where a workload's requests come from.
+#[derive(Debug, Clone)]
+pub enum Source {
+    /// Conversations of a [`ChatSpec`] (one turn each for single-turn workloads), arriving as a
+    /// Poisson process at each rate.
+    Chat {
+        /// The conversations.
+        spec: ChatSpec,
+        /// Mean think time between a session's turns.
+        think: Duration,
+    },
+    /// A Mooncake trace (`testdata/traces/<file>`) replayed at its own timestamps, sped up to
+    /// each rate of the ladder: its bursts and its requests' prefix structure are kept (one
+    /// trace block is one engine block of [`TRACE_BLOCK_TOKENS`] tokens), each step continues
+    /// where the last one ended.
+    Trace {
+        /// The file.
+        file: &'static str,
+    },
+}
+
+/// Tokens per 512-token trace block on the ladder: one engine block, so the trace's prefix
+/// structure is exact at 1/32 of its length (median prompts of ~250 tokens, like the other
+/// workloads').
+pub const TRACE_BLOCK_TOKENS: usize = 16;
+
+/// Prompt tokens a simulated engine's step computes at most (`kvroute-sim --chunk-tokens`'s
+/// default); the mockers get the same budget.
+const SIM_CHUNK_TOKENS: usize = 2048;
+
+/// KV cache per engine for the chat-shaped workloads, in blocks.
+const CHAT_CAPACITY: usize = 512;
+
+/// KV cache per engine for the traces, in blocks: their reuse comes back after one to five
+/// minutes of the trace's time (most of the conversation trace's hits), ~25k blocks of its
+/// traffic; 8 engines of this hold about that, one engine an eighth.
+const TRACE_CAPACITY: usize = 4096;
+
+/// Requests of a trace replayed before its ladder, not measured: with every block ever seen
+/// kept, the conversation trace's first 250 would reuse 3-9% of their blocks, the next 250 26%.
+const TRACE_WARM_UP: usize = 300;
 
 impl LoadWorkload {
     /// llm-d's shared-prefix shape scaled to this machine: 32 groups each behind its own long
@@ -56,17 +100,24 @@ impl LoadWorkload {
     pub fn shared_prefix() -> Self {
         LoadWorkload {
             name: "shared_prefix",
-            spec: ChatSpec {
-                seed: 21,
-                system_prompt_words: vec![360; 32],
-                conversations: 0,
-                turns: 1,
-                user_words: (40, 80),
-                reply_words: (0, 0),
-                max_tokens: 8,
-                hot_share: None,
+            source: Source::Chat {
+                spec: Self::shared_prefix_spec(),
+                think: Duration::ZERO,
             },
-            think: Duration::ZERO,
+            capacity_blocks: CHAT_CAPACITY,
+        }
+    }
+
+    fn shared_prefix_spec() -> ChatSpec {
+        ChatSpec {
+            seed: 21,
+            system_prompt_words: vec![360; 32],
+            conversations: 0,
+            turns: 1,
+            user_words: (40, 80),
+            reply_words: (0, 0),
+            max_tokens: 8,
+            hot_share: None,
         }
     }
 
@@ -75,20 +126,29 @@ impl LoadWorkload {
     pub fn hot_prefix() -> Self {
         LoadWorkload {
             name: "hot_prefix",
-            spec: ChatSpec {
-                seed: 25,
-                hot_share: Some(0.5),
-                ..Self::shared_prefix().spec
+            source: Source::Chat {
+                spec: ChatSpec {
+                    seed: 25,
+                    hot_share: Some(0.5),
+                    ..Self::shared_prefix_spec()
+                },
+                think: Duration::ZERO,
             },
-            ..Self::shared_prefix()
+            capacity_blocks: CHAT_CAPACITY,
         }
     }
 
     /// Every workload the ladder knows, by name.
     pub fn named(name: &str) -> Option<Self> {
-        [Self::shared_prefix(), Self::hot_prefix(), Self::chat()]
-            .into_iter()
-            .find(|w| w.name == name)
+        [
+            Self::shared_prefix(),
+            Self::hot_prefix(),
+            Self::chat(),
+            Self::trace("conversation_trace"),
+            Self::trace("synthetic_trace"),
+        ]
+        .into_iter()
+        .find(|w| w.name == name)
     }
 
     /// Multi-turn chat behind 16 apps' system prompts, users thinking between turns: the
@@ -96,17 +156,78 @@ impl LoadWorkload {
     pub fn chat() -> Self {
         LoadWorkload {
             name: "chat",
-            spec: ChatSpec {
-                seed: 23,
-                system_prompt_words: (0..16).map(|i| 160 + 20 * i).collect(),
-                conversations: 0,
-                turns: 4,
-                user_words: (30, 60),
-                reply_words: (20, 40),
-                max_tokens: 8,
-                hot_share: None,
+            source: Source::Chat {
+                spec: ChatSpec {
+                    seed: 23,
+                    system_prompt_words: (0..16).map(|i| 160 + 20 * i).collect(),
+                    conversations: 0,
+                    turns: 4,
+                    user_words: (30, 60),
+                    reply_words: (20, 40),
+                    max_tokens: 8,
+                    hot_share: None,
+                },
+                think: Duration::from_millis(1000),
             },
-            think: Duration::from_millis(1000),
+            capacity_blocks: CHAT_CAPACITY,
+        }
+    }
+
+    /// A Mooncake trace, `conversation_trace` or `synthetic_trace`, at its own timestamps.
+    pub fn trace(name: &'static str) -> Self {
+        let file = match name {
+            "synthetic_trace" => "synthetic_trace.jsonl",
+            _ => "conversation_trace.jsonl",
+        };
+        LoadWorkload {
+            name,
+            source: Source::Trace { file },
+            capacity_blocks: TRACE_CAPACITY,
+        }
+    }
+
+    /// Turns per session (1 for a trace's requests) and the mean think time between them.
+    fn turns(&self) -> (usize, Duration) {
+        match &self.source {
+            Source::Chat { spec, think } => (spec.turns.max(1), *think),
+            Source::Trace { .. } => (1, Duration::ZERO),
+        }
+    }
+
+    /// Four prompts no engine has seen, at the size that sets the target: the longest system
+    /// prompt with a question for a chat workload, the trace's 90th-percentile prompt for a
+    /// trace (its TTFT p90 is what the target bounds).
+    fn cold_prompts(&self) -> Result<Vec<(&'static str, Value)>> {
+        let mut rng = Rng::new(0xc01d);
+        match &self.source {
+            Source::Chat { spec, .. } => Ok((0..4)
+                .map(|_| {
+                    let words_in =
+                        |(lo, hi): (usize, usize), rng: &mut Rng| rng.range(lo, hi.max(lo));
+                    let longest = spec.system_prompt_words.iter().max().copied();
+                    let system = words(&mut rng, longest.unwrap_or(0));
+                    let n = words_in(spec.user_words, &mut rng);
+                    let user = words(&mut rng, n);
+                    let body = json!({"model": MODEL, "max_tokens": spec.max_tokens,
+                        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]});
+                    (CHAT, body)
+                })
+                .collect()),
+            Source::Trace { file } => {
+                let lines = traces::lines(&trace_path(file), &trace_spec())?;
+                let lengths: Vec<f64> = lines.iter().map(|l| l.input_length as f64).collect();
+                let p90 = quantile(&lengths, 0.9) as usize;
+                let tokens = (p90 * TRACE_BLOCK_TOKENS).div_ceil(512);
+                Ok((0..4)
+                    .map(|_| {
+                        // Block ids far beyond any trace's, so no engine holds them.
+                        let id = u64::MAX - rng.next_u64() % (1 << 32);
+                        let prompt = traces::block_tokens(id, tokens, trace_spec().vocab);
+                        let body = json!({"model": MODEL, "max_tokens": trace_spec().max_output, "prompt": prompt});
+                        (COMPLETIONS, body)
+                    })
+                    .collect())
+            }
         }
     }
 }
@@ -159,8 +280,8 @@ impl LoadMode {
 pub struct LoadBench {
     /// Simulated engines.
     pub engines: usize,
-    /// KV cache per engine, in blocks.
-    pub capacity_blocks: usize,
+    /// KV cache per engine, in blocks, for every workload instead of its own.
+    pub capacity_blocks: Option<usize>,
     /// The ladder: request rates, req/s, ascending.
     pub rates: Vec<f64>,
     /// How long sessions keep arriving at each rate.
@@ -196,19 +317,24 @@ impl LoadBench {
             ..SimOptions::default()
         };
         let per_engine = |r: &[f64]| r.iter().map(|x| x * engines as f64).collect::<Vec<_>>();
+        // The mockers get the simulated engines' GPU (their default one prices a decode step by
+        // the cache in use, which on these small caches outweighs a prefill, so a hit saved
+        // almost nothing): the two fleets saturate alike and a hit saves the same.
         let dynamo = crate::dynamo::DynamoOptions {
             aggregated: engines,
-            capacity_blocks: 512,
-            // The mocker models a datacenter GPU; slowed down about as far as the simulated
-            // engines are, so its fleet saturates at rates this machine can send.
-            speedup_ratio: 0.1,
+            speedup_ratio: 1.0,
+            cost: Some(crate::dynamo::MockerCost {
+                prefill_ms_per_token: sim.prefill_us_per_token as f64 / 1e3,
+                step_ms: sim.decode_us_per_token as f64 / 1e3,
+            }),
+            batch_limits: Some((sim.max_running, SIM_CHUNK_TOKENS)),
             ..Default::default()
         };
         let sim_modes = |modes: &[Mode]| modes.iter().map(|&m| LoadMode::Sim(m)).collect();
         match scale {
             Scale::Smoke => LoadBench {
                 engines,
-                capacity_blocks: 512,
+                capacity_blocks: None,
                 rates: per_engine(&[0.5, 2.0]),
                 step: Duration::from_secs(4),
                 workloads: vec![LoadWorkload::shared_prefix()],
@@ -219,7 +345,7 @@ impl LoadBench {
             },
             Scale::Quick => LoadBench {
                 engines,
-                capacity_blocks: 512,
+                capacity_blocks: None,
                 rates: per_engine(&[0.5, 1.0, 2.0, 3.0, 4.0, 6.0]),
                 step: Duration::from_secs(10),
                 workloads: vec![LoadWorkload::shared_prefix()],
@@ -230,7 +356,7 @@ impl LoadBench {
             },
             Scale::Full => LoadBench {
                 engines,
-                capacity_blocks: 512,
+                capacity_blocks: None,
                 rates: per_engine(&[0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0]),
                 step: Duration::from_secs(12),
                 workloads: vec![LoadWorkload::shared_prefix(), LoadWorkload::chat()],
@@ -240,6 +366,11 @@ impl LoadBench {
                 sidecar_toml: String::new(),
             },
         }
+    }
+
+    /// The cache per engine `workload` runs with.
+    pub fn capacity(&self, workload: &LoadWorkload) -> usize {
+        self.capacity_blocks.unwrap_or(workload.capacity_blocks)
     }
 
     /// Run the oracle too ([`LoadMode::Oracle`]).
@@ -258,7 +389,6 @@ impl LoadBench {
     /// [`LoadMode::KvrouteOnDynamo`]), the same rates and request stream.
     pub fn with_dynamo(&mut self, workers: usize) {
         self.dynamo.aggregated = workers;
-        self.dynamo.capacity_blocks = self.capacity_blocks;
         self.modes.extend([
             LoadMode::Dynamo("kv"),
             LoadMode::Dynamo("round-robin"),
@@ -273,24 +403,80 @@ impl LoadBench {
 pub struct Planned {
     /// Offset from the step's start.
     pub at: Duration,
+    /// The API path of its requests.
+    pub path: &'static str,
     /// (think time before the turn, body).
     pub turns: Vec<(Duration, Value)>,
 }
 
-/// The request stream of every step, the same for every mode: step `k` holds the sessions
-/// arriving at `rates[k]` over `step` (Poisson), drawn from one workload so the steps share
-/// its system prompts and a fleet carries its caches up the ladder.
-pub fn plan(workload: &LoadWorkload, rates: &[f64], step: Duration) -> Vec<Vec<Planned>> {
-    let turns = workload.spec.turns.max(1);
+/// The request stream, the same for every mode: a first step not measured (a fleet in service
+/// has warm caches), then step `k` holds the sessions arriving at `rates[k]` over `step`, all
+/// drawn from one workload so the steps share its prefixes and a fleet carries its caches up
+/// the ladder. The warm-up is at the lowest rate: one step of a chat workload, a trace's first
+/// [`TRACE_WARM_UP`] requests (its reuse comes back minutes later).
+pub fn plan(workload: &LoadWorkload, rates: &[f64], step: Duration) -> Result<Vec<Vec<Planned>>> {
+    let lowest = *rates.first().context("an empty ladder")?;
+    match &workload.source {
+        Source::Chat { spec, think } => {
+            let ladder: Vec<f64> = std::iter::once(lowest)
+                .chain(rates.iter().copied())
+                .collect();
+            Ok(plan_chat(spec, *think, &ladder, step))
+        }
+        Source::Trace { file } => {
+            let lines = traces::lines(&trace_path(file), &trace_spec())?;
+            let warm_up = (
+                TRACE_WARM_UP,
+                Duration::from_secs_f64(TRACE_WARM_UP as f64 / lowest),
+            );
+            let windows: Vec<(usize, Duration)> = std::iter::once(warm_up)
+                .chain(rates.iter().map(|r| {
+                    let n = (r * step.as_secs_f64()).round().max(1.0) as usize;
+                    (n, step)
+                }))
+                .collect();
+            plan_trace(&lines, &windows)
+        }
+    }
+}
+
+/// Where the ladder's traces are.
+fn trace_path(file: &str) -> std::path::PathBuf {
+    crate::paths::workspace().join("testdata/traces").join(file)
+}
+
+/// How the ladder turns a trace's lines into requests: the whole file, blocks of
+/// [`TRACE_BLOCK_TOKENS`], as many output tokens as the engines decode.
+fn trace_spec() -> TraceSpec {
+    TraceSpec {
+        requests: usize::MAX,
+        block_tokens: TRACE_BLOCK_TOKENS,
+        max_output: 8,
+        vocab: 2000,
+    }
+}
+
+/// A trace's requests per second at its own timestamps.
+pub fn trace_rate(lines: &[Line]) -> f64 {
+    let span = match (lines.first(), lines.last()) {
+        (Some(a), Some(b)) => b.at().saturating_sub(a.at()).as_secs_f64(),
+        _ => 0.0,
+    };
+    lines.len().saturating_sub(1) as f64 / span.max(1e-3)
+}
+
+/// Sessions of `spec`, arriving as a Poisson process.
+fn plan_chat(spec: &ChatSpec, think: Duration, rates: &[f64], step: Duration) -> Vec<Vec<Planned>> {
+    let turns = spec.turns.max(1);
     let counts: Vec<usize> = rates
         .iter()
         .map(|r| ((r * step.as_secs_f64()) / turns as f64).round().max(1.0) as usize)
         .collect();
     let all = ChatWorkload::generate(&ChatSpec {
         conversations: counts.iter().sum(),
-        ..workload.spec.clone()
+        ..spec.clone()
     });
-    let mut rng = Rng::new(workload.spec.seed ^ 0x10ad);
+    let mut rng = Rng::new(spec.seed ^ 0x10ad);
     // Sessions in a random order: an app's users do not arrive in turn.
     let mut order: Vec<usize> = (0..all.conversations.len()).collect();
     for i in (1..order.len()).rev() {
@@ -312,12 +498,13 @@ pub fn plan(workload: &LoadWorkload, rates: &[f64], step: Duration) -> Vec<Vec<P
                     let conv = next.next()?;
                     let planned = Planned {
                         at: Duration::from_secs_f64(at),
+                        path: CHAT,
                         turns: (0..turns)
                             .map(|t| {
                                 let think = if t == 0 {
                                     0.0
                                 } else {
-                                    exp(&mut rng, workload.think.as_secs_f64())
+                                    exp(&mut rng, think.as_secs_f64())
                                 };
                                 (Duration::from_secs_f64(think), all.body(MODEL, conv, t))
                             })
@@ -331,9 +518,44 @@ pub fn plan(workload: &LoadWorkload, rates: &[f64], step: Duration) -> Vec<Vec<P
         .collect()
 }
 
+/// A trace's requests at their own timestamps, sped up: each window `(n, duration)` replays
+/// the `n` lines after the previous window's, the time from its first line to the line after
+/// its last compressed into `duration` (the speed-up is that stretch's own, so `n / duration`
+/// is the rate offered and the trace's bursts within it are kept).
+fn plan_trace(lines: &[Line], windows: &[(usize, Duration)]) -> Result<Vec<Vec<Planned>>> {
+    let mut next = 0;
+    windows
+        .iter()
+        .map(|&(n, duration)| {
+            let (Some(window), Some(after)) = (lines.get(next..next + n), lines.get(next + n))
+            else {
+                anyhow::bail!(
+                    "the trace ends before the ladder does: its {} requests are too few",
+                    lines.len()
+                );
+            };
+            next += n;
+            let start = window[0].at();
+            let span = after
+                .at()
+                .saturating_sub(start)
+                .max(Duration::from_millis(1));
+            let speedup = span.as_secs_f64() / duration.as_secs_f64().max(1e-3);
+            Ok(window
+                .iter()
+                .map(|l| Planned {
+                    at: l.at().saturating_sub(start).div_f64(speedup),
+                    path: COMPLETIONS,
+                    turns: vec![(Duration::ZERO, l.body(MODEL, &trace_spec()))],
+                })
+                .collect())
+        })
+        .collect()
+}
+
 /// Where a step's requests go.
 enum Route<'a> {
-    /// All to this URL.
+    /// All to this base URL.
     Url(&'a str),
     /// Each to the probed engine [`LoadMode::Oracle`] picks from what the probe saw; the
     /// requests in flight per probed engine counted here.
@@ -355,11 +577,12 @@ impl Route<'_> {
         &self,
         http: &reqwest::Client,
         probe: &[String],
+        path: &str,
         body: &Value,
     ) -> (String, Option<usize>, Vec<u64>) {
         let held = oracle_cached_all(http, probe, body).await;
         match self {
-            Route::Url(url) => ((*url).to_owned(), None, held),
+            Route::Url(base) => (format!("{base}{path}"), None, held),
             Route::Oracle(in_flight) => {
                 let best = (0..probe.len())
                     .max_by_key(|&i| {
@@ -368,7 +591,7 @@ impl Route<'_> {
                     })
                     .unwrap_or(0);
                 in_flight[best].fetch_add(1, Ordering::Relaxed);
-                (format!("http://{}{CHAT}", probe[best]), Some(best), held)
+                (format!("http://{}{path}", probe[best]), Some(best), held)
             }
         }
     }
@@ -395,7 +618,7 @@ async fn run_step(
         let mut sent = Vec::new();
         for (think, body) in &s.turns {
             tokio::time::sleep(*think).await;
-            let (url, engine, held) = route.pick(http, probe, body).await;
+            let (url, engine, held) = route.pick(http, probe, s.path, body).await;
             let answer =
                 tokio::time::timeout(REQUEST_TIMEOUT, send_streaming(http, &url, body)).await;
             route.done(engine);
@@ -421,29 +644,13 @@ async fn run_step(
         .collect()
 }
 
-/// A cold prompt's TTFT on the idle fleet behind `url`, ms: the median of three prompts no
-/// engine has seen, one at a time, after one more not counted (a first request pays for
-/// connections and a frontend's first-use work).
-async fn cold_ttft_ms(http: &reqwest::Client, url: &str, workload: &LoadWorkload) -> Result<f64> {
-    let mut rng = Rng::new(0xc01d);
+/// A cold prompt's TTFT on the idle fleet behind `base`, ms: the median of three prompts no
+/// engine has seen ([`LoadWorkload::cold_prompts`]), one at a time, after one more not counted
+/// (a first request pays for connections and a frontend's first-use work).
+async fn cold_ttft_ms(http: &reqwest::Client, base: &str, workload: &LoadWorkload) -> Result<f64> {
     let mut ttfts = Vec::new();
-    for _ in 0..4 {
-        let words_in = |(lo, hi): (usize, usize), rng: &mut Rng| rng.range(lo, hi.max(lo));
-        let system = words(
-            &mut rng,
-            workload
-                .spec
-                .system_prompt_words
-                .iter()
-                .max()
-                .copied()
-                .unwrap_or(0),
-        );
-        let n = words_in(workload.spec.user_words, &mut rng);
-        let user = words(&mut rng, n);
-        let body = json!({"model": MODEL, "max_tokens": workload.spec.max_tokens,
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]});
-        let o = send_streaming(http, url, &body).await;
+    for (path, body) in workload.cold_prompts()? {
+        let o = send_streaming(http, &format!("{base}{path}"), &body).await;
         anyhow::ensure!(o.ok(), "a cold prompt on the idle fleet failed: {o:?}");
         ttfts.push(o.ttft.as_secs_f64() * 1e3);
     }
@@ -602,13 +809,15 @@ fn saturated_by(points: &[Value], max_rate: f64) -> String {
     }
 }
 
-/// A fleet for `mode`, the URL its requests go to, and the peer router's process if one routes.
+/// A fleet for `mode`, the base URL its requests go to, and the peer router's process if one
+/// routes.
 async fn start(
     bench: &LoadBench,
-    workload: &str,
+    workload: &LoadWorkload,
     mode: LoadMode,
 ) -> Result<(Stack, String, Option<Process>)> {
-    let name = format!("load-{workload}-{}", mode.name().replace(':', "-"));
+    let name = format!("load-{}-{}", workload.name, mode.name().replace(':', "-"));
+    let capacity_blocks = bench.capacity(workload);
     // Before a fleet starts for nothing.
     let peer = match mode {
         LoadMode::Peer(name) => {
@@ -625,12 +834,13 @@ async fn start(
     let mut opts = StackOptions::new(&name, stack_mode);
     opts.sidecar_toml = bench.sidecar_toml.clone();
     opts.sim = SimOptions {
-        capacity_blocks: bench.capacity_blocks,
+        capacity_blocks,
         ..bench.sim.clone()
     };
     if let Some(router) = dynamo_router {
         opts.dynamo = Some(crate::dynamo::DynamoOptions {
             router_mode: router.into(),
+            capacity_blocks,
             ..bench.dynamo.clone()
         });
     }
@@ -651,7 +861,7 @@ async fn start(
         }
         _ => stack.envoy_url.clone(),
     };
-    Ok((stack, format!("{base}{CHAT}"), process))
+    Ok((stack, base, process))
 }
 
 /// The stream as a Dynamo frontend is asked it: each body asks which worker served it.
@@ -672,7 +882,7 @@ async fn run_mode(
     steps: &[Vec<Planned>],
     target: &mut Option<(f64, f64)>,
 ) -> Result<Value> {
-    let (mut stack, url, _peer) = start(bench, workload.name, mode).await?;
+    let (mut stack, url, _peer) = start(bench, workload, mode).await?;
     let cold_ms = cold_ttft_ms(&stack.http, &url, workload).await?;
     let (_, target_ms) = *target.get_or_insert((cold_ms, TARGET_MULTIPLE * cold_ms));
     // Dynamo names the worker by instance id; reports number them in the fleet's order.
@@ -784,15 +994,7 @@ async fn run_mode(
 /// simulated one, Dynamo's), and per mode its points. A Dynamo mode whose fleet does not start
 /// (Dynamo not installed) is reported unavailable.
 async fn run_workload(bench: &LoadBench, workload: &LoadWorkload) -> Result<Value> {
-    // A first step at the lowest rate, not measured: a fleet in service has warm caches.
-    let ladder: Vec<f64> = bench
-        .rates
-        .first()
-        .into_iter()
-        .chain(&bench.rates)
-        .copied()
-        .collect();
-    let steps = plan(workload, &ladder, bench.step);
+    let steps = plan(workload, &bench.rates, bench.step)?;
     let dynamo_steps = naming_workers(&steps);
     let (mut sim_target, mut dynamo_target) = (None, None);
     let mut modes = serde_json::Map::new();
@@ -819,15 +1021,24 @@ async fn run_workload(bench: &LoadBench, workload: &LoadWorkload) -> Result<Valu
         };
         modes.insert(mode.name(), result);
     }
-    Ok(json!({
+    let (turns, think) = workload.turns();
+    let mut doc = json!({
         "cold_ttft_ms": sim_target.map(|t| t.0),
         "target_ttft_ms": sim_target.map(|t| t.1),
         "dynamo_cold_ttft_ms": dynamo_target.map(|t| t.0),
         "dynamo_target_ttft_ms": dynamo_target.map(|t| t.1),
-        "turns": workload.spec.turns,
-        "think_ms": workload.think.as_secs_f64() * 1e3,
+        "capacity_blocks": bench.capacity(workload),
+        "turns": turns,
+        "think_ms": think.as_secs_f64() * 1e3,
         "modes": modes,
-    }))
+    });
+    if let Source::Trace { file } = &workload.source {
+        let lines = traces::lines(&trace_path(file), &trace_spec())?;
+        doc["trace"] = json!(file);
+        // A rate's speed-up over the trace's own time is the rate over this.
+        doc["trace_rate"] = json!(trace_rate(&lines));
+    }
+    Ok(doc)
 }
 
 /// Run the ladder; writes `load.json`, `load.md` and `load.png` into `out`.
@@ -841,7 +1052,6 @@ pub async fn run(bench: &LoadBench, out: &Path) -> Result<Value> {
     }
     let doc = json!({
         "engines": bench.engines,
-        "capacity_blocks": bench.capacity_blocks,
         "step_s": bench.step.as_secs_f64(),
         "target_multiple_of_cold_ttft": TARGET_MULTIPLE,
         "engine": {
@@ -866,8 +1076,9 @@ pub fn markdown(doc: &Value) -> String {
     let mut s = String::new();
     for (name, w) in doc["workloads"].as_object().into_iter().flatten() {
         s.push_str(&format!(
-            "## {name}: {} simulated engines, target TTFT p90 {:.0} ms ({}× a cold prompt's {:.0} ms)\n\n| mode | target TTFT p90 (ms) | highest rate within target (req/s) | best goodput (req/s) | past it, saturated by |\n|---|---|---|---|---|\n",
+            "## {name}: {} simulated engines with {}-block caches, target TTFT p90 {:.0} ms ({}× a cold prompt's {:.0} ms)\n\n| mode | target TTFT p90 (ms) | highest rate within target (req/s) | best goodput (req/s) | past it, saturated by |\n|---|---|---|---|---|\n",
             doc["engines"],
+            w["capacity_blocks"],
             w["target_ttft_ms"].as_f64().unwrap_or(0.0),
             doc["target_multiple_of_cold_ttft"],
             w["cold_ttft_ms"].as_f64().unwrap_or(0.0),
@@ -938,9 +1149,11 @@ mod tests {
     fn the_plan_is_one_stream_at_each_rate() {
         let w = LoadWorkload::chat();
         let rates = [2.0, 8.0];
-        let a = plan(&w, &rates, Duration::from_secs(20));
-        let b = plan(&w, &rates, Duration::from_secs(20));
-        assert_eq!(a.len(), 2);
+        let a = plan(&w, &rates, Duration::from_secs(20)).unwrap();
+        let b = plan(&w, &rates, Duration::from_secs(20)).unwrap();
+        assert_eq!(a.len(), 3, "a warm-up step, then the ladder");
+        assert_eq!(a[0].len(), 10, "the warm-up at the lowest rate");
+        let (a, b) = (&a[1..], &b[1..]);
         assert_eq!(a[1].len(), 40, "8 req/s × 20 s over 4 turns");
         assert_eq!(a[1][7].turns[2].1, b[1][7].turns[2].1);
         assert_eq!(a[1][7].at, b[1][7].at);
@@ -957,6 +1170,59 @@ mod tests {
             a[1].iter().all(|s| s.turns[0].0.is_zero()),
             "no think before a first turn"
         );
+    }
+
+    /// A trace keeps its own arrivals, sped up to each rate, and each step continues the trace
+    /// where the last one stopped; a ladder longer than the trace is an error, not a short step.
+    #[test]
+    fn a_trace_is_replayed_at_its_own_timestamps_sped_up() {
+        // One request a second, in bursts of two at every fourth second.
+        let lines: Vec<Line> = (0..40u64)
+            .map(|i| {
+                let ts = if i % 4 == 1 { (i - 1) * 1000 } else { i * 1000 };
+                serde_json::from_value(json!({"timestamp": ts, "input_length": 600,
+                    "output_length": 4, "hash_ids": [i % 3, 100 + i]}))
+                .unwrap()
+            })
+            .collect();
+        assert!((trace_rate(&lines) - 1.0).abs() < 0.03);
+        let five = Duration::from_secs(5);
+        let steps = plan_trace(&lines, &[(5, five), (20, five)]).unwrap();
+        assert_eq!(steps[0].len(), 5, "1 req/s for 5 s");
+        assert_eq!(steps[1].len(), 20, "4 req/s for 5 s");
+        assert_eq!(steps[0][1].at, Duration::ZERO, "a burst stays a burst");
+        // Step 0: lines 0-4 span 0-4 s, line 5 comes at 4 s: 4 s of the trace in 5 s.
+        assert_eq!(steps[0][2].at, Duration::from_millis(2500));
+        // Step 1: lines 5-24 at 4-24 s, line 25 at 24 s: 20 s of the trace in 5 s.
+        assert_eq!(
+            steps[1][0].at,
+            Duration::ZERO,
+            "a step starts at its first request"
+        );
+        assert_eq!(
+            steps[1][1].at,
+            Duration::from_millis(500),
+            "2 s of the trace in 0.5 s"
+        );
+        let prompt = |p: &Planned| p.turns[0].1["prompt"].as_array().unwrap().clone();
+        assert_eq!(
+            prompt(&steps[0][4]),
+            prompt(&lines_body(&lines[4])),
+            "the steps continue the trace in order"
+        );
+        assert_eq!(prompt(&steps[1][0]), prompt(&lines_body(&lines[5])));
+        // 600 tokens: a whole 512-token block and 88 tokens' share of one, scaled.
+        assert_eq!(prompt(&steps[1][0]).len(), TRACE_BLOCK_TOKENS + 3);
+        let err = plan_trace(&lines, &[(5, five), (35, five)]);
+        assert!(err.is_err(), "40 requests cannot fill 5 + 35");
+    }
+
+    fn lines_body(line: &Line) -> Planned {
+        Planned {
+            at: Duration::ZERO,
+            path: COMPLETIONS,
+            turns: vec![(Duration::ZERO, line.body(MODEL, &trace_spec()))],
+        }
     }
 
     /// The highest rate counts from the bottom: a rate within the target above one that missed

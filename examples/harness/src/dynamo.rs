@@ -30,6 +30,11 @@ pub struct DynamoOptions {
     pub capacity_blocks: usize,
     /// How much faster than the modelled GPU the mocker runs (`--speedup-ratio`).
     pub speedup_ratio: f64,
+    /// The mocker's GPU, when not Dynamo's default model.
+    pub cost: Option<MockerCost>,
+    /// Requests a worker runs at once and prompt tokens a pass computes (`--max-num-seqs`,
+    /// `--max-num-batched-tokens`), when not the mocker's defaults (256, 8,192).
+    pub batch_limits: Option<(usize, usize)>,
     /// The frontend's `--router-mode` (`kv`, `round-robin`, `direct`).
     pub router_mode: String,
     /// Workers publish vLLM's ZMQ format with a replay socket too (`--zmq-kv-events-ports`,
@@ -42,6 +47,54 @@ pub struct DynamoOptions {
     /// Discovery in etcd (Dynamo's default backend; a real etcd 3.5 is started for the fleet)
     /// instead of the file store.
     pub etcd: bool,
+}
+
+/// A linear GPU for the mocker in place of Dynamo's default model, given as the profile
+/// `--planner-profile-data` reads: a prefill pass costs its new (uncached) tokens times
+/// `prefill_ms_per_token`, a decode step `step_ms` whatever the batch; the mocker adds the two
+/// within a pass, so a prefill slows the requests decoding beside it. Dynamo's default model
+/// prices a decode step by the share of the cache in use, which on small caches outweighs a
+/// prefill: a prefix hit then saves almost nothing.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MockerCost {
+    /// Milliseconds per prompt token computed.
+    pub prefill_ms_per_token: f64,
+    /// Milliseconds per decode step.
+    pub step_ms: f64,
+}
+
+impl MockerCost {
+    /// Write the mocker-format NPZ (with the Dynamo venv's numpy) to `dir`, once; its path.
+    fn profile(&self, dir: &Path) -> Result<PathBuf> {
+        let path = dir.join(format!(
+            "mocker-cost-{}-{}.npz",
+            self.prefill_ms_per_token, self.step_ms
+        ));
+        if path.exists() {
+            return Ok(path);
+        }
+        // Two points each way: the mocker interpolates linearly and extrapolates.
+        let script = "import sys, numpy as np\n\
+            per_token, step = float(sys.argv[2]), float(sys.argv[3])\n\
+            np.savez(sys.argv[1], prefill_isl=np.array([0.0, 1e5]), \
+            prefill_ttft_ms=np.array([0.0, 1e5 * per_token]), \
+            decode_active_kv_tokens=np.array([0.0, 1e7]), \
+            decode_context_length=np.array([0.0, 1e6]), decode_itl=np.full((2, 2), step))\n";
+        std::fs::create_dir_all(dir)?;
+        let out = std::process::Command::new(paths::dynamo_python()?)
+            .args(["-c", script])
+            .arg(&path)
+            .arg(self.prefill_ms_per_token.to_string())
+            .arg(self.step_ms.to_string())
+            .output()
+            .context("running the Dynamo venv's python")?;
+        anyhow::ensure!(
+            out.status.success(),
+            "writing the mocker's cost profile: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(path)
+    }
 }
 
 /// Where a fleet's discovery records live.
@@ -80,6 +133,8 @@ impl Default for DynamoOptions {
             block_size: 16,
             capacity_blocks: 1024,
             speedup_ratio: 10.0,
+            cost: None,
+            batch_limits: None,
             router_mode: "kv".into(),
             zmq_events: false,
             // Dynamo's own defaults: ZMQ events, etcd discovery.
@@ -142,7 +197,8 @@ fn dynamo_env(cmd: &mut Command, opts: &DynamoOptions, nats_url: &str, discovery
 }
 
 /// A mocker worker in `role` (`agg`, `prefill`, `decode`) whose request plane listens on
-/// `127.0.0.1:port`, publishing vLLM's ZMQ format on `zmq` (events, replay) ports if given.
+/// `127.0.0.1:port`, publishing vLLM's ZMQ format on `zmq` (events, replay) ports if given;
+/// its cost profile, if any, is written to `dir`.
 pub fn worker_command(
     opts: &DynamoOptions,
     role: &str,
@@ -150,6 +206,7 @@ pub fn worker_command(
     zmq: Option<(u16, u16)>,
     nats_url: &str,
     discovery: &Discovery,
+    dir: &Path,
 ) -> Result<Command> {
     let mut cmd = Command::new(paths::dynamo_python()?);
     cmd.args(["-m", "dynamo.mocker", "--model-path"])
@@ -169,6 +226,13 @@ pub fn worker_command(
         ])
         .args(["--speedup-ratio", &opts.speedup_ratio.to_string()])
         .args(["--disaggregation-mode", role]);
+    if let Some(cost) = &opts.cost {
+        cmd.arg("--planner-profile-data").arg(cost.profile(dir)?);
+    }
+    if let Some((seqs, tokens)) = opts.batch_limits {
+        cmd.args(["--max-num-seqs", &seqs.to_string()])
+            .args(["--max-num-batched-tokens", &tokens.to_string()]);
+    }
     if let Some((events, replay)) = zmq {
         cmd.args(["--zmq-kv-events-ports", &events.to_string()])
             .args(["--zmq-replay-ports", &replay.to_string()]);
@@ -247,7 +311,7 @@ pub async fn start(
             true => Some((free_port()?, free_port()?)),
             false => None,
         };
-        let cmd = worker_command(opts, role, port, zmq, nats_url, discovery)?;
+        let cmd = worker_command(opts, role, port, zmq, nats_url, discovery, dir)?;
         processes.push(Process::spawn(&format!("dynamo-worker-{i}"), cmd, dir)?);
         ports.push(format!("127.0.0.1:{port}"));
         zmq_ports.push(zmq);

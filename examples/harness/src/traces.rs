@@ -4,19 +4,25 @@
 //! blocks. Each id becomes a deterministic run of `block_tokens` token ids (scaled down from 512
 //! so a 2-core machine can replay it), and the last, partial block keeps its share of the scaled
 //! length: the prefix structure is exact, only lengths shrink. Requests carry no session, so
-//! each is its own [`Session`], dispatched in timestamp order (closed loop).
+//! each is its own [`Session`], dispatched in timestamp order (closed loop); the load ladder
+//! (`crate::bench_load`) replays them at their own timestamps instead, sped up.
 
 use std::path::Path;
+use std::time::Duration;
 
 use anyhow::{Context as _, Result};
 use serde::Deserialize;
-use serde_json::json;
+use serde_json::{json, Value};
 
 use crate::workload::{Rng, Session, COMPLETIONS};
 
-#[derive(Deserialize)]
-struct Line {
-    input_length: usize,
+/// One request of a trace.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Line {
+    /// Arrival, ms from the trace's start.
+    pub timestamp: u64,
+    /// Prompt tokens.
+    pub input_length: usize,
     output_length: u32,
     hash_ids: Vec<u64>,
 }
@@ -43,35 +49,55 @@ pub fn block_tokens(hash_id: u64, n: usize, vocab: u32) -> Vec<u32> {
         .collect()
 }
 
-/// Read a trace file into sessions for `model`.
-pub fn load(path: &Path, model: &str, spec: &TraceSpec) -> Result<Vec<Session>> {
+/// The first `spec.requests` lines of a trace file, in its (timestamp) order.
+pub fn lines(path: &Path, spec: &TraceSpec) -> Result<Vec<Line>> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let mut sessions = Vec::new();
-    for (n, line) in text.lines().take(spec.requests).enumerate() {
-        let line: Line =
-            serde_json::from_str(line).with_context(|| format!("{}:{}", path.display(), n + 1))?;
+    text.lines()
+        .take(spec.requests)
+        .enumerate()
+        .map(|(n, line)| {
+            serde_json::from_str(line).with_context(|| format!("{}:{}", path.display(), n + 1))
+        })
+        .collect()
+}
+
+impl Line {
+    /// Its arrival from the trace's start.
+    pub fn at(&self) -> Duration {
+        Duration::from_millis(self.timestamp)
+    }
+
+    /// The request as a completion of token ids for `model`.
+    pub fn body(&self, model: &str, spec: &TraceSpec) -> Value {
         let mut prompt = Vec::new();
-        let last = line.hash_ids.len().saturating_sub(1);
-        for (i, &id) in line.hash_ids.iter().enumerate() {
+        let last = self.hash_ids.len().saturating_sub(1);
+        for (i, &id) in self.hash_ids.iter().enumerate() {
             let full = spec.block_tokens;
-            let len = if i == last && !line.input_length.is_multiple_of(512) {
-                ((line.input_length % 512) * full).div_ceil(512)
+            let len = if i == last && !self.input_length.is_multiple_of(512) {
+                ((self.input_length % 512) * full).div_ceil(512)
             } else {
                 full
             };
             prompt.extend(block_tokens(id, full, spec.vocab).into_iter().take(len));
         }
-        sessions.push(Session {
-            path: COMPLETIONS,
-            bodies: vec![json!({
-                "model": model,
-                "prompt": prompt,
-                "max_tokens": line.output_length.clamp(1, spec.max_output),
-            })],
-        });
+        json!({
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": self.output_length.clamp(1, spec.max_output),
+        })
     }
-    Ok(sessions)
+}
+
+/// Read a trace file into sessions for `model`, one request each.
+pub fn load(path: &Path, model: &str, spec: &TraceSpec) -> Result<Vec<Session>> {
+    Ok(lines(path, spec)?
+        .iter()
+        .map(|line| Session {
+            path: COMPLETIONS,
+            bodies: vec![line.body(model, spec)],
+        })
+        .collect())
 }
 
 #[cfg(test)]

@@ -78,11 +78,11 @@ enum Command {
         /// The short run `make test` holds.
         #[arg(long)]
         smoke: bool,
-        /// These workloads (comma-separated: `shared_prefix`, `hot_prefix`, `chat`; default: the
-        /// scale's).
+        /// These workloads (comma-separated: `shared_prefix`, `hot_prefix`, `chat`,
+        /// `conversation_trace`, `synthetic_trace`; default: the scale's).
         #[arg(long, value_delimiter = ',')]
         workloads: Option<Vec<String>>,
-        /// Cache capacity per engine in blocks.
+        /// Cache capacity per engine in blocks (default: each workload's).
         #[arg(long)]
         capacity_blocks: Option<usize>,
         /// The ladder, req/s, comma-separated (default: per engine 0.5 … 8).
@@ -513,9 +513,7 @@ async fn main() -> Result<()> {
                     })
                     .collect::<Result<_>>()?;
             }
-            if let Some(c) = capacity_blocks {
-                bench.capacity_blocks = c;
-            }
+            bench.capacity_blocks = capacity_blocks;
             if let Some(r) = rates {
                 bench.rates = r;
             }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::Result;
 use clap::Parser;
 use kvroute_harness::bench::Scale;
-use kvroute_harness::bench_load::{self, LoadBench, LoadMode, LoadWorkload};
+use kvroute_harness::bench_load::{self, LoadBench, LoadMode, LoadWorkload, Source};
 use kvroute_harness::{paths, Mode};
 use serde_json::Value;
 
@@ -41,13 +41,17 @@ async fn main() -> Result<()> {
     bench.modes = [Mode::Kvroute, Mode::RingHash, Mode::RoundRobin]
         .map(LoadMode::Sim)
         .to_vec();
+    let Source::Chat { spec, .. } = &workload.source else {
+        anyhow::bail!("the demo runs a chat workload");
+    };
+    let groups = spec.system_prompt_words.len();
     println!(
         "kvroute demo: {} simulated engines with {}-block caches (the prompts outgrow one, fit the fleet), \
          {} groups of users behind their own ~870-token prefix, {} req/s arriving for {} s after a warm-up, \
          TTFT target 2x a cold prompt's. Progress:\n",
         args.engines,
-        bench.capacity_blocks,
-        workload.spec.system_prompt_words.len(),
+        bench.capacity(&workload),
+        groups,
         args.rate,
         args.seconds
     );

@@ -523,6 +523,7 @@ impl Stack {
             None,
             &self.nats_url,
             &self.discovery,
+            &self.dir,
         )?;
         self.processes.push(Process::spawn(&name, cmd, &self.dir)?);
         let address = format!("127.0.0.1:{port}");
