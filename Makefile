@@ -10,7 +10,7 @@ STATIC_SIDECAR := target/static/x86_64-unknown-linux-gnu/release/kvroute-sidecar
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 
 .PHONY: images all build venv venv-peers venv-dynamo venv-vllm toolchain check test test-live lint demo clean \
-	bench-routing bench-routing-quick bench-load bench-load-quick bench-replicas bench-replicas-quick bench-storm soak bench-datapath bench-dynamo bench-vllm bench-index bench-hint bench-prepare bench-usage fuzz \
+	bench-routing bench-routing-quick bench-load bench-load-quick bench-load-trace bench-replicas bench-replicas-quick bench-storm soak bench-datapath bench-dynamo bench-vllm bench-index bench-hint bench-prepare bench-usage fuzz \
 	precision-fixtures
 
 all: build
@@ -128,17 +128,24 @@ bench-routing: venv venv-peers build
 
 # Open-loop load (about 30 minutes; --quick about 5): Poisson arrivals at a ladder of rates to
 # past saturation on 8 engines that share their GPU and evict, the shared-prefix ladder on 16,
-# then on 4 Dynamo mocker workers (Dynamo's KV router, its round robin, kvroute in pin mode); per
+# then on 8 Dynamo mocker workers (Dynamo's KV router, its round robin, kvroute in pin mode); per
 # mode the highest rate whose TTFT p90 stays within the target. target/bench/load.*,
 # target/bench/load-16/, target/bench/load-dynamo/.
 bench-load: venv venv-dynamo build
 	target/release/kvroute-bench load
 	target/release/kvroute-bench load --engines 16 --workloads shared_prefix --suffix 16
-	target/release/kvroute-bench load --engines 4 --workloads shared_prefix --suffix dynamo \
-		--dynamo 4 --modes dynamo_kv,dynamo_round_robin,kvroute_pin_dynamo
+	target/release/kvroute-bench load --engines 8 --workloads shared_prefix --suffix dynamo \
+		--dynamo 8 --modes dynamo_kv,dynamo_round_robin,kvroute_pin_dynamo \
+		--rates 4,8,12,16,20,24,32 --step-s 10
 
 bench-load-quick: venv build
 	target/release/kvroute-bench --quick load
+
+# The Mooncake conversation trace on the ladder at its own timestamps, sped up to each rate
+# (about 15 minutes): target/bench/load-trace/.
+bench-load-trace: venv build
+	target/release/kvroute-bench load --workloads conversation_trace --rates 3,4,6,8,10,12,14,16 \
+		--step-s 20 --modes kvroute,ring_hash,round_robin --suffix trace
 
 bench-routing-quick: venv build
 	target/release/kvroute-bench routing --quick

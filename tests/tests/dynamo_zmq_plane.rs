@@ -320,6 +320,7 @@ async fn a_restarted_mocker_is_followed_through_its_new_publisher() {
         None,
         &stack.nats_url,
         &stack.discovery,
+        &stack.dir,
     )
     .unwrap();
     let _restarted = Process::spawn("dynamo-worker-restarted", cmd, &stack.dir).unwrap();

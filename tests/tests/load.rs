@@ -6,11 +6,12 @@
 //! oracle; a peer router that cannot start is reported unavailable and the ladder goes on. What
 //! the engines held just before each request is probed for every mode: the oracle, which sends
 //! each request where the most is held, sent where the probe saw the most. `make bench-load`
-//! runs the whole ladder.
+//! runs the whole ladder. The conversation trace replays through kvroute at its own timestamps.
 
 use kvroute_harness::bench::Scale;
-use kvroute_harness::bench_load::{run, LoadBench, LoadMode};
+use kvroute_harness::bench_load::{run, LoadBench, LoadMode, LoadWorkload, Source};
 use kvroute_harness::paths;
+use kvroute_harness::stack::Mode;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_ladder_runs_and_kvroute_keeps_prefixes_round_robin_evicts() {
@@ -65,4 +66,32 @@ async fn the_ladder_runs_and_kvroute_keeps_prefixes_round_robin_evicts() {
     let missing = &w["modes"]["no-such-router"];
     assert_eq!(missing["available"], false, "{missing}");
     assert!(out.join("load.png").exists() && out.join("load.md").exists());
+}
+
+/// The Mooncake conversation trace on the ladder through kvroute: its requests (completions of
+/// token ids) arrive at the trace's own timestamps, sped up to each rate, and every one is
+/// answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_conversation_trace_replays_at_each_rate() {
+    let out = paths::run_dir("load-trace-smoke").unwrap();
+    let mut bench = LoadBench::new(Scale::Smoke, 4);
+    let mut trace = LoadWorkload::trace("conversation_trace");
+    if let Source::Trace { warm_up, .. } = &mut trace.source {
+        *warm_up = 20;
+    }
+    bench.workloads = vec![trace];
+    bench.modes = vec![LoadMode::Sim(Mode::Kvroute)];
+    let doc = run(&bench, &out).await.unwrap();
+    let w = &doc["workloads"]["conversation_trace"];
+    assert_eq!(w["trace"], "conversation_trace.jsonl", "{w}");
+    assert!(w["trace_rate"].as_f64().unwrap() > 1.0, "{w}");
+    let m = &w["modes"]["kvroute"];
+    let points = m["points"].as_array().unwrap();
+    assert_eq!(points.len(), bench.rates.len(), "{m}");
+    for (p, rate) in points.iter().zip(&bench.rates) {
+        let expected = (rate * bench.step.as_secs_f64()).round() as u64;
+        assert_eq!(p["requests"], expected, "{p}");
+        assert_eq!(p["errors"], 0, "{p}");
+        assert!(p["ttft_p90_ms"].as_f64().unwrap() > 0.0, "{p}");
+    }
 }

@@ -70,6 +70,9 @@ pub enum Source {
     Trace {
         /// The file.
         file: &'static str,
+        /// Its first requests, replayed at the lowest rate before the ladder and not measured:
+        /// a fleet in service has seen the trace's last minutes.
+        warm_up: usize,
     },
 }
 
@@ -90,8 +93,8 @@ const CHAT_CAPACITY: usize = 512;
 /// traffic; 8 engines of this hold about that, one engine an eighth.
 const TRACE_CAPACITY: usize = 4096;
 
-/// Requests of a trace replayed before its ladder, not measured: with every block ever seen
-/// kept, the conversation trace's first 250 would reuse 3-9% of their blocks, the next 250 26%.
+/// A trace's warm-up, in requests: with every block ever seen kept, the conversation trace's
+/// first 250 would reuse 3-9% of their blocks, the next 250 26%.
 const TRACE_WARM_UP: usize = 300;
 
 impl LoadWorkload {
@@ -181,7 +184,10 @@ impl LoadWorkload {
         };
         LoadWorkload {
             name,
-            source: Source::Trace { file },
+            source: Source::Trace {
+                file,
+                warm_up: TRACE_WARM_UP,
+            },
             capacity_blocks: TRACE_CAPACITY,
         }
     }
@@ -213,7 +219,7 @@ impl LoadWorkload {
                     (CHAT, body)
                 })
                 .collect()),
-            Source::Trace { file } => {
+            Source::Trace { file, .. } => {
                 let lines = traces::lines(&trace_path(file), &trace_spec())?;
                 let lengths: Vec<f64> = lines.iter().map(|l| l.input_length as f64).collect();
                 let p90 = quantile(&lengths, 0.9) as usize;
@@ -413,7 +419,7 @@ pub struct Planned {
 /// has warm caches), then step `k` holds the sessions arriving at `rates[k]` over `step`, all
 /// drawn from one workload so the steps share its prefixes and a fleet carries its caches up
 /// the ladder. The warm-up is at the lowest rate: one step of a chat workload, a trace's first
-/// [`TRACE_WARM_UP`] requests (its reuse comes back minutes later).
+/// `warm_up` requests (its reuse comes back minutes later).
 pub fn plan(workload: &LoadWorkload, rates: &[f64], step: Duration) -> Result<Vec<Vec<Planned>>> {
     let lowest = *rates.first().context("an empty ladder")?;
     match &workload.source {
@@ -423,12 +429,9 @@ pub fn plan(workload: &LoadWorkload, rates: &[f64], step: Duration) -> Result<Ve
                 .collect();
             Ok(plan_chat(spec, *think, &ladder, step))
         }
-        Source::Trace { file } => {
+        Source::Trace { file, warm_up } => {
             let lines = traces::lines(&trace_path(file), &trace_spec())?;
-            let warm_up = (
-                TRACE_WARM_UP,
-                Duration::from_secs_f64(TRACE_WARM_UP as f64 / lowest),
-            );
+            let warm_up = (*warm_up, Duration::from_secs_f64(*warm_up as f64 / lowest));
             let windows: Vec<(usize, Duration)> = std::iter::once(warm_up)
                 .chain(rates.iter().map(|r| {
                     let n = (r * step.as_secs_f64()).round().max(1.0) as usize;
@@ -535,7 +538,7 @@ fn plan_trace(lines: &[Line], windows: &[(usize, Duration)]) -> Result<Vec<Vec<P
                 );
             };
             next += n;
-            let start = window[0].at();
+            let start = window.first().map_or(Duration::ZERO, Line::at);
             let span = after
                 .at()
                 .saturating_sub(start)
@@ -1032,7 +1035,7 @@ async fn run_workload(bench: &LoadBench, workload: &LoadWorkload) -> Result<Valu
         "think_ms": think.as_secs_f64() * 1e3,
         "modes": modes,
     });
-    if let Source::Trace { file } = &workload.source {
+    if let Source::Trace { file, .. } = &workload.source {
         let lines = traces::lines(&trace_path(file), &trace_spec())?;
         doc["trace"] = json!(file);
         // A rate's speed-up over the trace's own time is the rate over this.
@@ -1052,6 +1055,7 @@ pub async fn run(bench: &LoadBench, out: &Path) -> Result<Value> {
     }
     let doc = json!({
         "engines": bench.engines,
+        "dynamo_workers": bench.dynamo.aggregated,
         "step_s": bench.step.as_secs_f64(),
         "target_multiple_of_cold_ttft": TARGET_MULTIPLE,
         "engine": {
@@ -1075,13 +1079,28 @@ pub async fn run(bench: &LoadBench, out: &Path) -> Result<Value> {
 pub fn markdown(doc: &Value) -> String {
     let mut s = String::new();
     for (name, w) in doc["workloads"].as_object().into_iter().flatten() {
+        // Each fleet that ran has its own target.
+        let fleets: Vec<String> = [
+            ("", format!("{} simulated engines", doc["engines"])),
+            (
+                "dynamo_",
+                format!("{} Dynamo mocker workers", doc["dynamo_workers"]),
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(prefix, fleet)| {
+            let target = w[format!("{prefix}target_ttft_ms")].as_f64()?;
+            let cold = w[format!("{prefix}cold_ttft_ms")].as_f64()?;
+            let multiple = &doc["target_multiple_of_cold_ttft"];
+            Some(format!(
+                "{fleet}, target TTFT p90 {target:.0} ms ({multiple}× a cold prompt's {cold:.0} ms)"
+            ))
+        })
+        .collect();
         s.push_str(&format!(
-            "## {name}: {} simulated engines with {}-block caches, target TTFT p90 {:.0} ms ({}× a cold prompt's {:.0} ms)\n\n| mode | target TTFT p90 (ms) | highest rate within target (req/s) | best goodput (req/s) | past it, saturated by |\n|---|---|---|---|---|\n",
-            doc["engines"],
+            "## {name}: {}-block caches; {}\n\n| mode | target TTFT p90 (ms) | highest rate within target (req/s) | best goodput (req/s) | past it, saturated by |\n|---|---|---|---|---|\n",
             w["capacity_blocks"],
-            w["target_ttft_ms"].as_f64().unwrap_or(0.0),
-            doc["target_multiple_of_cold_ttft"],
-            w["cold_ttft_ms"].as_f64().unwrap_or(0.0),
+            fleets.join("; "),
         ));
         let modes = w["modes"].as_object().cloned().unwrap_or_default();
         for (mode, m) in &modes {
