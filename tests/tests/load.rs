@@ -75,7 +75,7 @@ async fn the_ladder_runs_and_kvroute_keeps_prefixes_round_robin_evicts() {
 async fn the_conversation_trace_replays_at_each_rate() {
     let out = paths::run_dir("load-trace-smoke").unwrap();
     let mut bench = LoadBench::new(Scale::Smoke, 4);
-    let mut trace = LoadWorkload::trace("conversation_trace");
+    let mut trace = LoadWorkload::conversation_trace();
     if let Source::Trace { warm_up, .. } = &mut trace.source {
         *warm_up = 20;
     }

@@ -6,7 +6,7 @@
 //! settings and the same sessions.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use anyhow::Result;
@@ -19,7 +19,7 @@ use crate::report::ModeReport;
 use crate::stack::MODEL;
 use crate::traces::{self, TraceSpec};
 use crate::workload::{warm_up_sessions, ChatSpec, ChatWorkload, Session};
-use crate::{paths, Mode, SimOptions, Stack, StackOptions};
+use crate::{Mode, SimOptions, Stack, StackOptions};
 
 /// A named workload and how many sessions run at once.
 pub struct Workload {
@@ -52,7 +52,6 @@ pub fn workloads(scale: Scale) -> Result<Vec<Workload>> {
         Scale::Quick => quick,
         Scale::Full => full,
     };
-    let traces_dir = kvroute_traces_dir();
     let trace = |file: &str, requests: usize| {
         let spec = TraceSpec {
             requests,
@@ -60,7 +59,7 @@ pub fn workloads(scale: Scale) -> Result<Vec<Workload>> {
             max_output: 8,
             vocab: 2000,
         };
-        traces::load(&traces_dir.join(file), MODEL, &spec)
+        traces::load(&traces::path(file), MODEL, &spec)
     };
     let chat = |spec: ChatSpec| ChatWorkload::generate(&spec).sessions(MODEL);
     let mut out = vec![
@@ -110,10 +109,6 @@ pub fn workloads(scale: Scale) -> Result<Vec<Workload>> {
         });
     }
     Ok(out)
-}
-
-fn kvroute_traces_dir() -> PathBuf {
-    paths::workspace().join("testdata/traces")
 }
 
 /// Cache capacity per engine for the chat workloads: small enough that they evict.

@@ -147,8 +147,8 @@ impl LoadWorkload {
             Self::shared_prefix(),
             Self::hot_prefix(),
             Self::chat(),
-            Self::trace("conversation_trace"),
-            Self::trace("synthetic_trace"),
+            Self::conversation_trace(),
+            Self::synthetic_trace(),
         ]
         .into_iter()
         .find(|w| w.name == name)
@@ -176,12 +176,19 @@ impl LoadWorkload {
         }
     }
 
-    /// A Mooncake trace, `conversation_trace` or `synthetic_trace`, at its own timestamps.
-    pub fn trace(name: &'static str) -> Self {
-        let file = match name {
-            "synthetic_trace" => "synthetic_trace.jsonl",
-            _ => "conversation_trace.jsonl",
-        };
+    /// The Mooncake conversation trace (real arrivals of one hour of chat traffic) at its own
+    /// timestamps.
+    pub fn conversation_trace() -> Self {
+        Self::trace("conversation_trace", "conversation_trace.jsonl")
+    }
+
+    /// The Mooncake synthetic trace (Poisson arrivals, conversations' turns in order) at its
+    /// own timestamps.
+    pub fn synthetic_trace() -> Self {
+        Self::trace("synthetic_trace", "synthetic_trace.jsonl")
+    }
+
+    fn trace(name: &'static str, file: &'static str) -> Self {
         LoadWorkload {
             name,
             source: Source::Trace {
@@ -220,7 +227,7 @@ impl LoadWorkload {
                 })
                 .collect()),
             Source::Trace { file, .. } => {
-                let lines = traces::lines(&trace_path(file), &trace_spec())?;
+                let lines = traces::lines(&traces::path(file), &trace_spec())?;
                 let lengths: Vec<f64> = lines.iter().map(|l| l.input_length as f64).collect();
                 let p90 = quantile(&lengths, 0.9) as usize;
                 let tokens = (p90 * TRACE_BLOCK_TOKENS).div_ceil(512);
@@ -430,7 +437,7 @@ pub fn plan(workload: &LoadWorkload, rates: &[f64], step: Duration) -> Result<Ve
             Ok(plan_chat(spec, *think, &ladder, step))
         }
         Source::Trace { file, warm_up } => {
-            let lines = traces::lines(&trace_path(file), &trace_spec())?;
+            let lines = traces::lines(&traces::path(file), &trace_spec())?;
             let warm_up = (*warm_up, Duration::from_secs_f64(*warm_up as f64 / lowest));
             let windows: Vec<(usize, Duration)> = std::iter::once(warm_up)
                 .chain(rates.iter().map(|r| {
@@ -441,11 +448,6 @@ pub fn plan(workload: &LoadWorkload, rates: &[f64], step: Duration) -> Result<Ve
             plan_trace(&lines, &windows)
         }
     }
-}
-
-/// Where the ladder's traces are.
-fn trace_path(file: &str) -> std::path::PathBuf {
-    crate::paths::workspace().join("testdata/traces").join(file)
 }
 
 /// How the ladder turns a trace's lines into requests: the whole file, blocks of
@@ -1036,7 +1038,7 @@ async fn run_workload(bench: &LoadBench, workload: &LoadWorkload) -> Result<Valu
         "modes": modes,
     });
     if let Source::Trace { file, .. } = &workload.source {
-        let lines = traces::lines(&trace_path(file), &trace_spec())?;
+        let lines = traces::lines(&traces::path(file), &trace_spec())?;
         doc["trace"] = json!(file);
         // A rate's speed-up over the trace's own time is the rate over this.
         doc["trace_rate"] = json!(trace_rate(&lines));

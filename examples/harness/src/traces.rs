@@ -7,7 +7,7 @@
 //! each is its own [`Session`], dispatched in timestamp order (closed loop); the load ladder
 //! (`crate::bench_load`) replays them at their own timestamps instead, sped up.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context as _, Result};
@@ -47,6 +47,11 @@ pub fn block_tokens(hash_id: u64, n: usize, vocab: u32) -> Vec<u32> {
     (0..n)
         .map(|_| 100 + (rng.next_u64() % span) as u32)
         .collect()
+}
+
+/// Where the trace `file` is (`testdata/traces/`).
+pub fn path(file: &str) -> PathBuf {
+    crate::paths::workspace().join("testdata/traces").join(file)
 }
 
 /// The first `spec.requests` lines of a trace file, in its (timestamp) order.
