@@ -649,13 +649,17 @@ async fn run_step(
         .collect()
 }
 
-/// A cold prompt's TTFT on the idle fleet behind `base`, ms: the median of three prompts no
-/// engine has seen ([`LoadWorkload::cold_prompts`]), one at a time, after one more not counted
-/// (a first request pays for connections and a frontend's first-use work).
-async fn cold_ttft_ms(http: &reqwest::Client, base: &str, workload: &LoadWorkload) -> Result<f64> {
+/// A cold prompt's TTFT on the idle fleet behind `base`, ms: the median of the prompts no
+/// engine has seen (`cold`, [`LoadWorkload::cold_prompts`]) sent one at a time, but for the
+/// first (a first request pays for connections and a frontend's first-use work).
+async fn cold_ttft_ms(
+    http: &reqwest::Client,
+    base: &str,
+    cold: &[(&'static str, Value)],
+) -> Result<f64> {
     let mut ttfts = Vec::new();
-    for (path, body) in workload.cold_prompts()? {
-        let o = send_streaming(http, &format!("{base}{path}"), &body).await;
+    for (path, body) in cold {
+        let o = send_streaming(http, &format!("{base}{path}"), body).await;
         anyhow::ensure!(o.ok(), "a cold prompt on the idle fleet failed: {o:?}");
         ttfts.push(o.ttft.as_secs_f64() * 1e3);
     }
@@ -879,16 +883,17 @@ fn naming_workers(steps: &[Vec<Planned>]) -> Vec<Vec<Planned>> {
 }
 
 /// One mode's ladder: its points, the highest rate within the target, where it saturated.
-/// `target` is the fleet's (measured on the first mode to run on it).
+/// `target` is the fleet's (measured with the `cold` prompts on the first mode to run on it).
 async fn run_mode(
     bench: &LoadBench,
     workload: &LoadWorkload,
     mode: LoadMode,
     steps: &[Vec<Planned>],
+    cold: &[(&'static str, Value)],
     target: &mut Option<(f64, f64)>,
 ) -> Result<Value> {
     let (mut stack, url, _peer) = start(bench, workload, mode).await?;
-    let cold_ms = cold_ttft_ms(&stack.http, &url, workload).await?;
+    let cold_ms = cold_ttft_ms(&stack.http, &url, cold).await?;
     let (_, target_ms) = *target.get_or_insert((cold_ms, TARGET_MULTIPLE * cold_ms));
     // Dynamo names the worker by instance id; reports number them in the fleet's order.
     let ids: Vec<u64> = stack.engines.iter().map(|e| e.dynamo_worker_id).collect();
@@ -1001,6 +1006,7 @@ async fn run_mode(
 async fn run_workload(bench: &LoadBench, workload: &LoadWorkload) -> Result<Value> {
     let steps = plan(workload, &bench.rates, bench.step)?;
     let dynamo_steps = naming_workers(&steps);
+    let cold = workload.cold_prompts()?;
     let (mut sim_target, mut dynamo_target) = (None, None);
     let mut modes = serde_json::Map::new();
     for &mode in &bench.modes {
@@ -1010,7 +1016,7 @@ async fn run_workload(bench: &LoadBench, workload: &LoadWorkload) -> Result<Valu
             (&steps, &mut sim_target)
         };
         let result = if mode.optional() {
-            match run_mode(bench, workload, mode, steps, target).await {
+            match run_mode(bench, workload, mode, steps, &cold, target).await {
                 Ok(r) => r,
                 Err(e) => {
                     println!(
@@ -1022,7 +1028,7 @@ async fn run_workload(bench: &LoadBench, workload: &LoadWorkload) -> Result<Valu
                 }
             }
         } else {
-            run_mode(bench, workload, mode, steps, target).await?
+            run_mode(bench, workload, mode, steps, &cold, target).await?
         };
         modes.insert(mode.name(), result);
     }
