@@ -2,7 +2,6 @@
 
 use kvroute_prompt::{LlmRequest, PromptError, PromptInput, SegmentUse};
 use kvroute_protocol::hint::{HintRequest, HintResponse};
-use serde_json::Value;
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::config::FilterConfig;
@@ -175,7 +174,7 @@ fn text_key(req: &LlmRequest) -> String {
         PromptInput::Chat(chat) => {
             for m in &chat.messages {
                 h.update(m.to_string().as_bytes());
-                if m.get("role").and_then(Value::as_str) == Some("user") {
+                if m.get_attr("role").is_ok_and(|r| r.as_str() == Some("user")) {
                     break;
                 }
             }

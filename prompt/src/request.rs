@@ -1,5 +1,12 @@
 //! Parsing OpenAI-style request bodies into what determines the prompt.
+//!
+//! A chat's messages and tools are parsed straight into the template's values: each string is
+//! copied once, and a chat's text prefix shares its messages instead of copying them. Going
+//! through JSON values first and converting them for the template was a quarter of preparing
+//! the next turn of an 8k-token chat (docs/benchmarks.md, "Request preparation").
 
+use minijinja::value::{Value as TemplateValue, ValueKind};
+use serde::de::{Deserializer, MapAccess, Visitor};
 use serde_json::{Map, Value};
 
 /// Why a body is not a routable LLM request.
@@ -19,10 +26,10 @@ pub enum RequestError {
 /// The fields of a chat request that the chat template sees.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChatInput {
-    /// `messages`, as sent.
-    pub messages: Vec<Value>,
+    /// `messages`, as sent (each a map).
+    pub messages: Vec<TemplateValue>,
     /// `tools`, as sent.
-    pub tools: Option<Value>,
+    pub tools: Option<TemplateValue>,
     /// `add_generation_prompt` (default true, as in vLLM).
     pub add_generation_prompt: bool,
     /// `continue_final_message` (default false).
@@ -38,18 +45,18 @@ impl ChatInput {
     /// message's text parts before it (continued, without a generation prompt).
     pub fn text_prefix(&self) -> Option<ChatInput> {
         for (i, message) in self.messages.iter().enumerate() {
-            let Some(Value::Array(parts)) = message.get("content") else {
+            let Some(parts) = attr(message, "content").filter(|c| c.kind() == ValueKind::Seq)
+            else {
                 continue;
             };
-            let is_text = |p: &Value| p.get("type").and_then(Value::as_str) == Some("text");
+            let parts: Vec<TemplateValue> = parts.try_iter().ok()?.collect();
+            let is_text = |p: &TemplateValue| attr_str(p, "type").as_deref() == Some("text");
             let Some(j) = parts.iter().position(|p| !is_text(p)) else {
                 continue;
             };
             let mut messages = self.messages[..i].to_vec();
             if j > 0 {
-                let mut cut = message.clone();
-                cut["content"] = Value::Array(parts[..j].to_vec());
-                messages.push(cut);
+                messages.push(with_content(message, parts[..j].to_vec()));
             }
             return Some(ChatInput {
                 messages,
@@ -60,6 +67,35 @@ impl ChatInput {
         }
         None
     }
+}
+
+/// `value[key]` when `value` is a map that has it.
+pub(crate) fn attr(value: &TemplateValue, key: &str) -> Option<TemplateValue> {
+    value
+        .get_attr(key)
+        .ok()
+        .filter(|v| !v.is_undefined() && value.kind() == ValueKind::Map)
+}
+
+/// `value[key]` when it is a string.
+pub(crate) fn attr_str(value: &TemplateValue, key: &str) -> Option<String> {
+    attr(value, key).and_then(|v| v.as_str().map(str::to_owned))
+}
+
+/// `message` with its `content` replaced by `parts`, its keys in their order.
+fn with_content(message: &TemplateValue, parts: Vec<TemplateValue>) -> TemplateValue {
+    let content = TemplateValue::from(parts);
+    let keys: Vec<TemplateValue> = message
+        .try_iter()
+        .map(Iterator::collect)
+        .unwrap_or_default();
+    TemplateValue::from_pairs(keys.into_iter().map(|key| {
+        let value = match key.as_str() {
+            Some("content") => content.clone(),
+            _ => message.get_item(&key).unwrap_or_default(),
+        };
+        (key, value)
+    }))
 }
 
 /// What the prompt is made from.
@@ -96,17 +132,17 @@ pub struct LlmRequest {
 impl LlmRequest {
     /// Parse a chat or completions body. Batches of prompts are routed on their first prompt.
     pub fn parse(body: &[u8]) -> Result<Self, RequestError> {
-        let value: Value =
-            serde_json::from_slice(body).map_err(|e| RequestError::NotJson(e.to_string()))?;
-        let Value::Object(mut obj) = value else {
-            return Err(RequestError::NotJson("not an object".into()));
-        };
+        let Body {
+            messages,
+            tools,
+            rest: mut obj,
+        } = serde_json::from_slice(body).map_err(|e| RequestError::NotJson(e.to_string()))?;
         let model = match obj.get("model") {
             Some(Value::String(m)) if !m.is_empty() => m.clone(),
             _ => return Err(RequestError::NoModel),
         };
-        let input = if let Some(messages) = obj.remove("messages") {
-            chat_input(messages, &mut obj)?
+        let input = if let Some(messages) = messages {
+            chat_input(messages, tools, &mut obj)?
         } else if let Some(prompt) = obj.remove("prompt") {
             completion_input(prompt)?
         } else {
@@ -125,14 +161,60 @@ impl LlmRequest {
     }
 }
 
-fn chat_input(messages: Value, obj: &mut Map<String, Value>) -> Result<PromptInput, RequestError> {
-    let Value::Array(messages) = messages else {
+/// A body's fields: the chat's as the template's values, the rest as JSON. A key given twice
+/// keeps its last value, as a JSON map would.
+struct Body {
+    messages: Option<TemplateValue>,
+    tools: Option<TemplateValue>,
+    rest: Map<String, Value>,
+}
+
+impl<'de> serde::Deserialize<'de> for Body {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Fields;
+        impl<'de> Visitor<'de> for Fields {
+            type Value = Body;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Body, A::Error> {
+                let mut body = Body {
+                    messages: None,
+                    tools: None,
+                    rest: Map::new(),
+                };
+                while let Some(key) = map.next_key::<String>()? {
+                    match key.as_str() {
+                        "messages" => body.messages = Some(map.next_value()?),
+                        "tools" => body.tools = Some(map.next_value()?),
+                        _ => {
+                            let value = map.next_value()?;
+                            body.rest.insert(key, value);
+                        }
+                    }
+                }
+                Ok(body)
+            }
+        }
+        deserializer.deserialize_map(Fields)
+    }
+}
+
+fn chat_input(
+    messages: TemplateValue,
+    tools: Option<TemplateValue>,
+    obj: &mut Map<String, Value>,
+) -> Result<PromptInput, RequestError> {
+    if messages.kind() != ValueKind::Seq {
         return Err(RequestError::NoPrompt("messages is not an array"));
-    };
+    }
+    let messages: Vec<TemplateValue> = messages.try_iter().into_iter().flatten().collect();
     if messages.is_empty() {
         return Err(RequestError::NoPrompt("messages is empty"));
     }
-    if !messages.iter().all(Value::is_object) {
+    if !messages.iter().all(|m| m.kind() == ValueKind::Map) {
         return Err(RequestError::NoPrompt("a message is not an object"));
     }
     let flag = |obj: &Map<String, Value>, key: &str, default: bool| {
@@ -140,7 +222,7 @@ fn chat_input(messages: Value, obj: &mut Map<String, Value>) -> Result<PromptInp
     };
     Ok(PromptInput::Chat(ChatInput {
         messages,
-        tools: obj.remove("tools").filter(|t| !t.is_null()),
+        tools: tools.filter(|t| !t.is_none()),
         add_generation_prompt: flag(obj, "add_generation_prompt", true),
         continue_final_message: flag(obj, "continue_final_message", false),
         template_kwargs: match obj.remove("chat_template_kwargs") {
@@ -205,6 +287,45 @@ mod tests {
         assert!(!chat.add_generation_prompt);
         assert_eq!(chat.tools, None);
         assert_eq!(chat.template_kwargs["enable_thinking"], Value::Bool(false));
+    }
+
+    #[test]
+    fn a_key_given_twice_keeps_its_last_value() {
+        let r = parse(
+            r#"{"model":"a","messages":[{"role":"user","content":"first"}],"tools":[1],
+               "model":"b","messages":[{"role":"user","content":"second"}],"tools":null}"#,
+        )
+        .unwrap();
+        assert_eq!(r.model, "b");
+        let PromptInput::Chat(chat) = r.input else {
+            panic!("chat expected")
+        };
+        assert_eq!(chat.messages.len(), 1);
+        assert_eq!(
+            attr_str(&chat.messages[0], "content").as_deref(),
+            Some("second")
+        );
+        assert_eq!(chat.tools, None, "null tools are no tools");
+    }
+
+    #[test]
+    fn a_text_prefix_keeps_the_cut_message_as_sent() {
+        let r = parse(
+            r#"{"model":"m","messages":[{"role":"system","content":"s"},
+               {"name":"n","content":[{"type":"text","text":"look"},{"type":"image_url"}],"role":"user"}]}"#,
+        )
+        .unwrap();
+        let PromptInput::Chat(chat) = r.input else {
+            panic!("chat expected")
+        };
+        let prefix = chat.text_prefix().unwrap();
+        assert!(prefix.continue_final_message && !prefix.add_generation_prompt);
+        assert_eq!(prefix.messages[0], chat.messages[0]);
+        assert_eq!(
+            prefix.messages[1].to_string(),
+            "{'name': 'n', 'content': [{'type': 'text', 'text': 'look'}], 'role': 'user'}",
+            "its keys in their order, its content up to the image"
+        );
     }
 
     #[test]

@@ -6,11 +6,11 @@
 //! `strftime_now`. Anything else changes whitespace, and whitespace changes tokens.
 
 use minijinja::syntax::SyntaxConfig;
-use minijinja::value::{Kwargs, Serde, Value as JValue};
+use minijinja::value::{Kwargs, Serde, Value as JValue, ValueKind};
 use minijinja::{Environment, Error, ErrorKind};
 use serde_json::Value;
 
-use crate::request::ChatInput;
+use crate::request::{attr, attr_str, ChatInput};
 
 const TEMPLATE_NAME: &str = "chat";
 
@@ -62,8 +62,8 @@ impl ChatTemplate {
     pub fn render(&self, chat: &ChatInput) -> Result<String, TemplateError> {
         // As transformers layers it: special tokens, then chat_template_kwargs (which may
         // override them), then the request's own fields, which nothing overrides. A key given
-        // again keeps its first place with the later value, as a JSON map would. Values are
-        // converted straight from the request: each message string is copied once.
+        // again keeps its first place with the later value, as a JSON map would. The messages
+        // and tools are the template's values already (shared, not copied).
         let mut ctx: Vec<(&str, JValue)> = vec![
             ("bos_token", JValue::from(self.bos_token.as_str())),
             ("eos_token", JValue::from(self.eos_token.as_str())),
@@ -71,9 +71,9 @@ impl ChatTemplate {
         for (k, v) in &chat.template_kwargs {
             ctx.push((k, JValue::from(Serde(v))));
         }
-        ctx.push(("messages", JValue::from(Serde(&chat.messages))));
+        ctx.push(("messages", JValue::from(chat.messages.clone())));
         if let Some(tools) = &chat.tools {
-            ctx.push(("tools", JValue::from(Serde(tools))));
+            ctx.push(("tools", tools.clone()));
         }
         ctx.push((
             "add_generation_prompt",
@@ -96,11 +96,11 @@ impl ChatTemplate {
 
 /// `continue_final_message`: cut the prompt right after the final message's content, as
 /// transformers does, so the model continues that message instead of starting a new one.
-fn continue_final_message(rendered: String, messages: &[Value]) -> Result<String, TemplateError> {
+fn continue_final_message(rendered: String, messages: &[JValue]) -> Result<String, TemplateError> {
     let last = messages
         .last()
-        .and_then(|m| m.get("content"))
-        .and_then(content_text)
+        .and_then(|m| attr(m, "content"))
+        .and_then(|c| content_text(&c))
         .ok_or_else(|| TemplateError::Render("continue_final_message needs text content".into()))?;
     let trimmed = last.trim();
     let end = rendered
@@ -111,16 +111,20 @@ fn continue_final_message(rendered: String, messages: &[Value]) -> Result<String
     Ok(out)
 }
 
-fn content_text(content: &Value) -> Option<String> {
-    match content {
-        Value::String(s) => Some(s.clone()),
-        Value::Array(parts) => parts.iter().rev().find_map(|p| {
-            (p.get("type").and_then(Value::as_str) == Some("text"))
-                .then(|| p.get("text").and_then(Value::as_str).map(str::to_owned))
-                .flatten()
-        }),
-        _ => None,
+/// A message content's text: the string, or the last text part's.
+fn content_text(content: &JValue) -> Option<String> {
+    if let Some(text) = content.as_str() {
+        return Some(text.to_owned());
     }
+    if content.kind() != ValueKind::Seq {
+        return None;
+    }
+    let parts: Vec<JValue> = content.try_iter().ok()?.collect();
+    parts.iter().rev().find_map(|p| {
+        (attr_str(p, "type").as_deref() == Some("text"))
+            .then(|| attr_str(p, "text"))
+            .flatten()
+    })
 }
 
 fn raise_exception(message: String) -> Result<JValue, Error> {
@@ -311,9 +315,19 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    /// `v` as a request's body gives it to the template.
+    fn value(v: Value) -> JValue {
+        serde_json::from_value(v).unwrap()
+    }
+
     fn chat(messages: Value) -> ChatInput {
         ChatInput {
-            messages: messages.as_array().unwrap().clone(),
+            messages: messages
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| value(m.clone()))
+                .collect(),
             tools: None,
             add_generation_prompt: true,
             continue_final_message: false,
@@ -344,8 +358,9 @@ mod tests {
         )
         .unwrap();
         let mut c = chat(json!([{"role": "user", "content": "x"}]));
-        c.tools =
-            Some(json!([{"name": "get_weather", "desc": "天気 <b>", "n": 1.0, "a": [], "o": {}}]));
+        c.tools = Some(value(
+            json!([{"name": "get_weather", "desc": "天気 <b>", "n": 1.0, "a": [], "o": {}}]),
+        ));
         let out = t.render(&c).unwrap();
         assert_eq!(
             out,
@@ -362,7 +377,7 @@ mod tests {
         )
         .unwrap();
         let mut c = chat(json!([{"role": "user", "content": "x"}]));
-        c.tools = Some(json!({"b": [1, 2], "a": {"d": 1, "c": 2}}));
+        c.tools = Some(value(json!({"b": [1, 2], "a": {"d": 1, "c": 2}})));
         assert_eq!(
             t.render(&c).unwrap(),
             "{\"a\":{\"c\":2,\"d\":1},\"b\":[1,2]}|{\n \"b\"=[\n  1;\n  2\n ];\n \"a\"={\n  \"d\"=1;\n  \"c\"=2\n }\n}"
