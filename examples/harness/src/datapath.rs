@@ -262,6 +262,8 @@ pub struct Selection {
     pub sizes: Vec<String>,
     /// Rounds.
     pub rounds: usize,
+    /// Requests of each 16-in-flight step, when not the scale's.
+    pub c16_requests: Option<usize>,
 }
 
 impl Default for Selection {
@@ -270,6 +272,7 @@ impl Default for Selection {
             setups: Vec::new(),
             sizes: Vec::new(),
             rounds: 1,
+            c16_requests: None,
         }
     }
 }
@@ -361,6 +364,7 @@ pub async fn run(scale: Scale, out: &Path, selection: &Selection) -> Result<Valu
         Scale::Quick => (40, 120),
         Scale::Full => (300, 1200),
     };
+    let n16 = selection.c16_requests.unwrap_or(n16);
     let bodies: Vec<(&str, Value)> = sizes
         .iter()
         .map(|(name, tokens, body)| Ok((*name, body(*tokens)?)))

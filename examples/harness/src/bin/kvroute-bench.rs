@@ -67,6 +67,10 @@ enum Command {
         /// c=1 p50.
         #[arg(long, default_value_t = 1)]
         rounds: usize,
+        /// Requests of each 16-in-flight step (default 1,200; `--quick` 120): a longer step
+        /// to attach a profiler to Envoy while it runs.
+        #[arg(long)]
+        c16_requests: Option<usize>,
     },
     /// Open-loop load: Poisson arrivals at a ladder of rates to past saturation, every mode on
     /// the same request stream; per mode the highest rate whose TTFT p90 stays within the
@@ -546,11 +550,13 @@ async fn main() -> Result<()> {
             setups,
             sizes,
             rounds,
+            c16_requests,
         } => {
             let selection = datapath::Selection {
                 setups,
                 sizes,
                 rounds,
+                c16_requests,
             };
             datapath::run(scale, &out, &selection).await?;
             println!("written to {}", out.join("datapath.json").display());
