@@ -2,7 +2,7 @@
 //!
 //! A chat's messages and tools are parsed straight into the template's values: each string is
 //! copied once, and a chat's text prefix shares its messages instead of copying them. Going
-//! through JSON values first and converting them for the template was a quarter of preparing
+//! through JSON values first and converting them for the template was a fifth of preparing
 //! the next turn of an 8k-token chat (docs/benchmarks.md, "Request preparation").
 
 use minijinja::value::{Value as TemplateValue, ValueKind};
