@@ -227,7 +227,7 @@ impl LoadWorkload {
                 })
                 .collect()),
             Source::Trace { file, .. } => {
-                let lines = traces::lines(&traces::path(file), &trace_spec())?;
+                let lines = trace_lines(file)?;
                 let lengths: Vec<f64> = lines.iter().map(|l| l.input_length as f64).collect();
                 let p90 = quantile(&lengths, 0.9) as usize;
                 let tokens = (p90 * TRACE_BLOCK_TOKENS).div_ceil(512);
@@ -437,7 +437,7 @@ pub fn plan(workload: &LoadWorkload, rates: &[f64], step: Duration) -> Result<Ve
             Ok(plan_chat(spec, *think, &ladder, step))
         }
         Source::Trace { file, warm_up } => {
-            let lines = traces::lines(&traces::path(file), &trace_spec())?;
+            let lines = trace_lines(file)?;
             let warm_up = (*warm_up, Duration::from_secs_f64(*warm_up as f64 / lowest));
             let windows: Vec<(usize, Duration)> = std::iter::once(warm_up)
                 .chain(rates.iter().map(|r| {
@@ -448,6 +448,11 @@ pub fn plan(workload: &LoadWorkload, rates: &[f64], step: Duration) -> Result<Ve
             plan_trace(&lines, &windows)
         }
     }
+}
+
+/// The lines of the trace `file`, as the ladder reads them ([`trace_spec`]).
+fn trace_lines(file: &str) -> Result<Vec<traces::Line>> {
+    traces::lines(&traces::path(file), &trace_spec())
 }
 
 /// How the ladder turns a trace's lines into requests: the whole file, blocks of
@@ -1044,7 +1049,7 @@ async fn run_workload(bench: &LoadBench, workload: &LoadWorkload) -> Result<Valu
         "modes": modes,
     });
     if let Source::Trace { file, .. } = &workload.source {
-        let lines = traces::lines(&traces::path(file), &trace_spec())?;
+        let lines = trace_lines(file)?;
         doc["trace"] = json!(file);
         // A rate's speed-up over the trace's own time is the rate over this.
         doc["trace_rate"] = json!(trace_rate(&lines));
