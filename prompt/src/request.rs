@@ -71,10 +71,10 @@ impl ChatInput {
 
 /// `value[key]` when `value` is a map that has it.
 pub(crate) fn attr(value: &TemplateValue, key: &str) -> Option<TemplateValue> {
-    value
-        .get_attr(key)
-        .ok()
-        .filter(|v| !v.is_undefined() && value.kind() == ValueKind::Map)
+    if value.kind() != ValueKind::Map {
+        return None;
+    }
+    value.get_attr(key).ok().filter(|v| !v.is_undefined())
 }
 
 /// `value[key]` when it is a string.
