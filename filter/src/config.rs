@@ -16,6 +16,11 @@ pub struct FilterConfig {
     pub hint_timeout_ms: u64,
     /// Ask the sidecar for hints; `false` leaves only the fallback key (ring-hash-only mode).
     pub hints: bool,
+    /// Ask on one long-lived gRPC stream per Envoy worker thread (`/kvroute.Hints/Stream`;
+    /// the sidecar cluster is HTTP/2 as shipped) rather than with an HTTP call per request: Envoy
+    /// spends a fraction of a call's CPU on a message. While the stream is down (opening, the
+    /// sidecar restarting or older than the stream), hints go as HTTP calls.
+    pub hint_stream: bool,
     /// Header read by Envoy's override_host policy.
     pub worker_header: String,
     /// Header the route's ring-hash/maglev hash policy reads.
@@ -69,6 +74,7 @@ impl Default for FilterConfig {
             sidecar_authority: "kvroute-sidecar".into(),
             hint_timeout_ms: 50,
             hints: true,
+            hint_stream: true,
             worker_header: headers::WORKER.into(),
             key_header: headers::KEY.into(),
             instance_header: headers::INSTANCE.into(),

@@ -8,8 +8,8 @@ use std::time::Duration;
 use kvroute_protocol::bundle::{bundle_path, CATALOG_PATH};
 use kvroute_protocol::headers::REQUEST_ID;
 use kvroute_protocol::hint::{
-    encode_finished, Finished, HintRequest, HintResponse, HintTarget, Ticket, FINISHED_PATH,
-    HINT_CONTENT_TYPE, HINT_PATH,
+    encode_finished, Finished, HintResponse, HintTarget, Ticket, FINISHED_PATH, HINT_CONTENT_TYPE,
+    HINT_PATH,
 };
 
 use crate::config::FilterConfig;
@@ -18,6 +18,8 @@ use crate::plan::wants_body;
 
 /// The root context's tick period until the first catalog arrives, and its first fetch.
 pub const FIRST_FETCH: Duration = Duration::from_millis(200);
+/// How often waiting finished reports go to the sidecar when no hint request carries them.
+pub const REPORT_EVERY: Duration = FIRST_FETCH;
 /// How soon a failed catalog fetch is retried.
 pub const RETRY_FETCH: Duration = Duration::from_secs(1);
 /// Catalog and bundle fetches: large bodies, off the request path.
@@ -119,8 +121,8 @@ pub enum OnHint {
     },
 }
 
-/// Read the sidecar's answer: its `:status` (`None`: no headers) and body.
-pub fn on_hint(status: Option<&str>, body: &[u8], cfg: &FilterConfig) -> OnHint {
+/// Read the sidecar's answer: its status (`None`: no headers) and body.
+pub fn on_hint(status: Option<u16>, body: &[u8], cfg: &FilterConfig) -> OnHint {
     let failed = |problem| OnHint::Fallback {
         reason: FallbackReason::Sidecar,
         problem: Some(problem),
@@ -128,8 +130,8 @@ pub fn on_hint(status: Option<&str>, body: &[u8], cfg: &FilterConfig) -> OnHint 
     let hint = match status {
         // Envoy 1.40 answers a call that ran out of time with a local 504, not with zero
         // headers as older hosts did; both count as timeouts.
-        None | Some("504") => return failed(Counter::SidecarTimeouts),
-        Some("200") => match serde_json::from_slice::<HintResponse>(body) {
+        None | Some(504) => return failed(Counter::SidecarTimeouts),
+        Some(200) => match serde_json::from_slice::<HintResponse>(body) {
             Ok(hint) => hint,
             Err(_) => return failed(Counter::SidecarErrors),
         },
@@ -208,13 +210,13 @@ impl Call {
         }
     }
 
-    /// A hint request for the request Envoy calls `request_id`, within the configured hint
-    /// timeout: the request waits for it.
-    pub fn hint(req: &HintRequest, request_id: Option<String>, cfg: &FilterConfig) -> Self {
+    /// A hint request (`HintRequest::encode`d) for the request Envoy calls `request_id`,
+    /// within the configured hint timeout: the request waits for it.
+    pub fn hint(encoded: Vec<u8>, request_id: Option<String>, cfg: &FilterConfig) -> Self {
         Call {
             method: "POST",
             path: HINT_PATH.to_owned(),
-            body: Some(req.encode()),
+            body: Some(encoded),
             timeout: Duration::from_millis(cfg.hint_timeout_ms),
             request_id,
         }
@@ -262,6 +264,18 @@ impl Unreported {
     }
 }
 
+/// The root context's tick period: the catalog's first fetch and the finished reports need no
+/// more than [`FIRST_FETCH`], but hints asked on the stream time out on the tick, so it comes
+/// every quarter of `hint_timeout_ms` (an ask waits at most 1.25× it).
+pub fn tick_period(cfg: &FilterConfig) -> Duration {
+    if cfg.hints && cfg.hint_stream {
+        (Duration::from_millis(cfg.hint_timeout_ms) / 4)
+            .clamp(Duration::from_millis(1), FIRST_FETCH)
+    } else {
+        FIRST_FETCH
+    }
+}
+
 /// Whether the catalog is due `since_last` after the last fetch (`None`: never fetched, or the
 /// clock went back since — fetch rather than stall): every `bundle_refresh_ms` once one
 /// arrived, every [`RETRY_FETCH`] until then.
@@ -277,7 +291,7 @@ pub fn catalog_due(since_last: Option<Duration>, loaded: bool, cfg: &FilterConfi
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvroute_protocol::hint::Usage;
+    use kvroute_protocol::hint::{HintRequest, Usage};
 
     fn cfg() -> FilterConfig {
         FilterConfig::default()
@@ -342,15 +356,15 @@ mod tests {
             problem: Some(Counter::SidecarTimeouts),
         };
         assert_eq!(on_hint(None, b"", &c), timeout);
-        assert_eq!(on_hint(Some("504"), b"upstream timeout", &c), timeout);
+        assert_eq!(on_hint(Some(504), b"upstream timeout", &c), timeout);
         let error = OnHint::Fallback {
             reason: FallbackReason::Sidecar,
             problem: Some(Counter::SidecarErrors),
         };
-        assert_eq!(on_hint(Some("500"), b"", &c), error);
-        assert_eq!(on_hint(Some("200"), b"{not json", &c), error);
+        assert_eq!(on_hint(Some(500), b"", &c), error);
+        assert_eq!(on_hint(Some(200), b"{not json", &c), error);
         assert_eq!(
-            on_hint(Some("200"), br#"{"workers": []}"#, &c),
+            on_hint(Some(200), br#"{"workers": []}"#, &c),
             OnHint::Fallback {
                 reason: FallbackReason::NoWorker,
                 problem: None
@@ -359,7 +373,7 @@ mod tests {
         let hosts =
             br#"{"workers": ["10.0.0.1:8000", "10.0.0.2:8000"], "matched_blocks": 3, "ticket": 9}"#;
         assert_eq!(
-            on_hint(Some("200"), hosts, &c),
+            on_hint(Some(200), hosts, &c),
             OnHint::Route {
                 header: "x-kvroute-worker".into(),
                 value: "10.0.0.1:8000,10.0.0.2:8000".into(),
@@ -369,7 +383,7 @@ mod tests {
         );
         let pinned = br#"{"workers": [], "prefill_instance_id": 77}"#;
         assert!(matches!(
-            on_hint(Some("200"), pinned, &c),
+            on_hint(Some(200), pinned, &c),
             OnHint::Route { header, value, .. } if header == "x-prefill-instance-id" && value == "77"
         ));
     }
@@ -385,7 +399,7 @@ mod tests {
             hashes: vec![],
             finished: vec![],
         };
-        let hint = Call::hint(&req, Some("7f3c".into()), &c);
+        let hint = Call::hint(req.encode(), Some("7f3c".into()), &c);
         assert_eq!(hint.timeout, Duration::from_millis(25));
         assert!(hint
             .headers(&c)
@@ -402,6 +416,31 @@ mod tests {
             usage: Usage::Missing,
         };
         assert_eq!(Call::finished(&[one]).unwrap().timeout, FINISHED_TIMEOUT);
+    }
+
+    #[test]
+    fn the_tick_comes_often_enough_to_time_out_streamed_asks() {
+        let c = cfg();
+        assert_eq!(tick_period(&c), Duration::from_micros(12_500));
+        let calls = FilterConfig {
+            hint_stream: false,
+            ..cfg()
+        };
+        assert_eq!(tick_period(&calls), FIRST_FETCH);
+        let quick = FilterConfig {
+            hint_timeout_ms: 2,
+            ..cfg()
+        };
+        assert_eq!(
+            tick_period(&quick),
+            Duration::from_millis(1),
+            "1 ms at least"
+        );
+        let slow = FilterConfig {
+            hint_timeout_ms: 5000,
+            ..cfg()
+        };
+        assert_eq!(tick_period(&slow), FIRST_FETCH);
     }
 
     #[test]

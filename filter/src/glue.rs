@@ -6,14 +6,15 @@
 //! panic when a call fails, and a panic kills the VM (every later request on that worker thread
 //! would fail).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
 use std::time::SystemTime;
 
 use kvroute_protocol::bundle::Catalog;
 use kvroute_protocol::headers::REQUEST_ID;
-use kvroute_protocol::hint::{Finished, Ticket, Usage};
+use kvroute_protocol::hint::{encode_finished, Finished, Ticket, Usage};
+use kvroute_protocol::hint_stream::{self, Answer, Ask, REPORT_ID};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
@@ -23,11 +24,17 @@ use crate::flow::{self, Call, OnBody, OnHeaders, OnHint, Unreported};
 use crate::metrics::{Counter, FallbackReason, Timing};
 use crate::models::ModelRegistry;
 use crate::plan::{plan, warm_up, Next};
+use crate::stream::{HintStream, OnTick};
 use crate::usage::{reading, Reading, StreamRule, StreamSample, UsageScanner};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
-    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
+    proxy_wasm::set_root_context(|id| -> Box<dyn RootContext> {
+        Box::new(Root {
+            id,
+            ..Root::default()
+        })
+    });
 }}
 
 /// State shared by the root context and the HTTP contexts of one VM (one Envoy worker thread).
@@ -43,6 +50,15 @@ struct Shared {
     finished: Unreported,
     /// Hinted responses that streamed so far, and when one was last read.
     streams: StreamSample,
+    /// The hint stream and the asks waiting on it.
+    hint_stream: HintStream<Waiter>,
+}
+
+/// What it takes to resume a request whose hint was asked on the stream.
+struct Waiter {
+    context_id: u32,
+    asked_at: Option<SystemTime>,
+    ticket: Rc<Cell<Option<Ticket>>>,
 }
 
 impl Shared {
@@ -59,6 +75,42 @@ impl Shared {
         };
         if let Some(&id) = self.timings.get(&timing) {
             let _ = hostcalls::record_metric(id, elapsed.as_micros() as u64);
+        }
+    }
+
+    /// Set a header of the request in effect (a failure is counted: the request goes on).
+    fn set_header(&self, name: &str, value: Option<&str>) {
+        if hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value).is_err() {
+            self.bump(Counter::HostErrors, 1);
+        }
+    }
+
+    /// Execute the sidecar's answer to the paused request in effect, whichever transport
+    /// brought it (or its absence): set its header, count, resume it.
+    fn deliver(&self, answer: OnHint, ticket: &Cell<Option<Ticket>>, asked_at: Option<SystemTime>) {
+        self.time(Timing::HintPauseUs, asked_at);
+        match answer {
+            OnHint::Route {
+                header,
+                value,
+                ticket: t,
+                matched_blocks,
+            } => {
+                ticket.set(t);
+                self.set_header(&header, Some(&value));
+                self.bump(Counter::Hinted, 1);
+                self.bump(Counter::MatchedBlocks, u64::from(matched_blocks));
+            }
+            OnHint::Fallback { reason, problem } => {
+                if let Some(problem) = problem {
+                    self.bump(problem, 1);
+                }
+                self.bump(Counter::Fallback(reason), 1);
+            }
+        }
+        // Envoy resumes it once this callback returns, so no borrow is held across it.
+        if hostcalls::resume_http_request().is_err() {
+            self.bump(Counter::HostErrors, 1);
         }
     }
 
@@ -84,10 +136,15 @@ enum Fetch {
 
 #[derive(Default)]
 struct Root {
+    /// Its context id: host calls go back to it after acting for a request.
+    id: u32,
     shared: Rc<RefCell<Shared>>,
     pending: HashMap<u32, Fetch>,
     last_catalog: Option<SystemTime>,
     catalog_loaded: bool,
+    last_report: Option<SystemTime>,
+    /// Whether the stream's trouble was logged since it was last up (said once per outage).
+    stream_trouble_said: bool,
 }
 
 impl Root {
@@ -108,14 +165,105 @@ impl Root {
         }
     }
 
-    /// Report finished requests that no hint request carried (traffic paused, or unhinted).
+    /// Report finished requests that no hint request carried (traffic paused, or unhinted):
+    /// on the stream when it is up, else as a call.
     fn report_finished(&mut self) {
         let finished = self.shared.borrow_mut().finished.take();
+        if finished.is_empty() {
+            return;
+        }
+        let stream = self.shared.borrow().hint_stream.up();
+        if let Some(token) = stream {
+            let body = encode_finished(&finished);
+            let ask = Ask {
+                id: REPORT_ID,
+                request_id: "",
+                body: &body,
+            };
+            if hostcalls::send_grpc_stream_message(token, Some(&ask.encode()), false).is_ok() {
+                return;
+            }
+        }
         if let Some(call) = Call::finished(&finished) {
             if let Some(token) = self.shared.borrow().dispatch(&call) {
                 self.pending.insert(token, Fetch::Finished);
             }
         }
+    }
+
+    /// Resume the requests of `waiters` as `answer` says, each in its own context, then act
+    /// as the root again.
+    fn resume(&self, waiters: Vec<Waiter>, answer: impl Fn() -> OnHint) {
+        if waiters.is_empty() {
+            return;
+        }
+        let shared = self.shared.borrow();
+        for w in waiters {
+            // A request that ended took its waiter out: one still here is paused.
+            if hostcalls::set_effective_context(w.context_id).is_ok() {
+                shared.deliver(answer(), &w.ticket, w.asked_at);
+            }
+        }
+        if hostcalls::set_effective_context(self.id).is_err() {
+            shared.bump(Counter::HostErrors, 1);
+        }
+    }
+
+    /// Open the hint stream when it is due, give up one that never answered, and let the asks
+    /// past their deadline go on unhinted.
+    fn tend_stream(&mut self, now: SystemTime) {
+        let (on_tick, expired) = {
+            let mut shared = self.shared.borrow_mut();
+            if !(shared.config.hints && shared.config.hint_stream) {
+                return;
+            }
+            (
+                shared.hint_stream.on_tick(now),
+                shared.hint_stream.expired(now),
+            )
+        };
+        self.resume(expired, || OnHint::Fallback {
+            reason: FallbackReason::Sidecar,
+            problem: Some(Counter::SidecarTimeouts),
+        });
+        match on_tick {
+            OnTick::Wait => {}
+            OnTick::GiveUp(token) => {
+                let _ = hostcalls::cancel_grpc_stream(token);
+                self.stream_trouble("the sidecar did not answer it within 5 s");
+            }
+            OnTick::Open => {
+                let cluster = self.shared.borrow().config.sidecar_cluster.clone();
+                let opened = hostcalls::open_grpc_stream(
+                    &cluster,
+                    hint_stream::SERVICE,
+                    hint_stream::METHOD,
+                    vec![],
+                );
+                let mut shared = self.shared.borrow_mut();
+                match opened {
+                    Ok(token) => shared.hint_stream.opened(token, now),
+                    Err(status) => {
+                        shared.hint_stream.open_failed(now);
+                        drop(shared);
+                        self.stream_trouble(&format!("Envoy refused to open it ({status:?})"));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Say, once per outage, why hints go as HTTP calls.
+    fn stream_trouble(&mut self, why: &str) {
+        if !self.stream_trouble_said {
+            self.stream_trouble_said = true;
+            log::warn!(
+                "kvroute: hint stream to cluster {} unavailable: {why}; hints go as HTTP calls \
+                 until it opens (a sidecar older than the stream never opens it)",
+                self.shared.borrow().config.sidecar_cluster
+            );
+        }
+        self.shared.borrow().bump(Counter::HintStreamDown, 1);
     }
 
     fn on_catalog(&mut self, status: Option<String>, body: Option<Vec<u8>>) {
@@ -206,6 +354,44 @@ impl Context for Root {
             Fetch::Finished => {}
         }
     }
+
+    fn on_grpc_stream_initial_metadata(&mut self, token: u32, _: u32) {
+        if self.shared.borrow_mut().hint_stream.answered_headers(token) {
+            self.stream_trouble_said = false;
+            log::info!("kvroute: hint stream open: hints go on it");
+        }
+    }
+
+    fn on_grpc_stream_message(&mut self, _: u32, size: usize) {
+        let Ok(Some(msg)) = hostcalls::get_buffer(BufferType::GrpcReceiveBuffer, 0, size) else {
+            return;
+        };
+        let Ok(answer) = Answer::decode(&msg) else {
+            self.shared.borrow().bump(Counter::SidecarErrors, 1);
+            return;
+        };
+        // An answer after its deadline finds no waiter: that request went on unhinted.
+        let waiter = self.shared.borrow_mut().hint_stream.take(answer.id);
+        if let Some(waiter) = waiter {
+            let config = Rc::clone(&self.shared.borrow().config);
+            let hint = flow::on_hint(Some(answer.status), answer.body, &config);
+            self.resume(vec![waiter], || hint.clone());
+        }
+    }
+
+    fn on_grpc_stream_close(&mut self, token: u32, status: u32) {
+        let Ok(now) = hostcalls::get_current_time() else {
+            return;
+        };
+        let carried = self.shared.borrow_mut().hint_stream.closed(token, now);
+        if let Some(waiters) = carried {
+            self.resume(waiters, || OnHint::Fallback {
+                reason: FallbackReason::Sidecar,
+                problem: Some(Counter::SidecarErrors),
+            });
+            self.stream_trouble(&format!("it closed (gRPC status {status})"));
+        }
+    }
 }
 
 impl RootContext for Root {
@@ -235,18 +421,26 @@ impl RootContext for Root {
                 }
             }
         }
-        let _ = hostcalls::set_tick_period(flow::FIRST_FETCH);
+        let _ = hostcalls::set_tick_period(flow::tick_period(&shared.config));
         true
     }
 
     fn on_tick(&mut self) {
-        self.report_finished();
-        if self.pending.values().any(|f| matches!(f, Fetch::Catalog)) {
-            return;
-        }
         let Ok(now) = hostcalls::get_current_time() else {
             return;
         };
+        self.tend_stream(now);
+        let report_due = self
+            .last_report
+            .and_then(|t| now.duration_since(t).ok())
+            .is_none_or(|t| t >= flow::REPORT_EVERY);
+        if report_due {
+            self.last_report = Some(now);
+            self.report_finished();
+        }
+        if self.pending.values().any(|f| matches!(f, Fetch::Catalog)) {
+            return;
+        }
         let since_last = self.last_catalog.and_then(|t| now.duration_since(t).ok());
         let due = flow::catalog_due(
             since_last,
@@ -259,12 +453,14 @@ impl RootContext for Root {
         }
     }
 
-    fn create_http_context(&self, _: u32) -> Option<Box<dyn HttpContext>> {
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         Some(Box::new(Request {
+            context_id,
             shared: self.shared.clone(),
             state: State::Passing,
             session: None,
-            ticket: None,
+            ticket: Rc::default(),
+            asked_on_stream: None,
             response: None,
             answered: false,
             unread: false,
@@ -307,11 +503,15 @@ enum State {
 }
 
 struct Request {
+    context_id: u32,
     shared: Rc<RefCell<Shared>>,
     state: State,
     session: Option<String>,
-    /// The sidecar counts this request against its worker until it is reported finished.
-    ticket: Option<Ticket>,
+    /// The sidecar counts this request against its worker until it is reported finished
+    /// (shared with its waiter when the hint is asked on the stream).
+    ticket: Rc<Cell<Option<Ticket>>>,
+    /// The id of its ask on the hint stream, while it may wait there.
+    asked_on_stream: Option<u64>,
     /// A hinted request's successful response, read for its usage as it passes.
     response: Option<UsageScanner>,
     /// Whether that response was seen to its end.
@@ -330,9 +530,7 @@ impl Request {
     }
 
     fn set_header(&self, name: &str, value: Option<&str>) {
-        if hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value).is_err() {
-            self.shared.borrow().bump(Counter::HostErrors, 1);
-        }
+        self.shared.borrow().set_header(name, value);
     }
 
     fn fall_back(&mut self, reason: FallbackReason) -> Action {
@@ -342,38 +540,54 @@ impl Request {
     }
 
     fn on_hint(&mut self, num_headers: usize, body_size: usize) {
-        self.shared
-            .borrow()
-            .time(Timing::HintPauseUs, self.asked_at);
-        let status = response_status(num_headers);
+        let status = response_status(num_headers).and_then(|s| s.parse().ok());
         let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
             .ok()
             .flatten()
             .unwrap_or_default();
         let config = Rc::clone(&self.shared.borrow().config);
-        match flow::on_hint(status.as_deref(), &body, &config) {
-            OnHint::Route {
-                header,
-                value,
-                ticket,
-                matched_blocks,
-            } => {
-                self.ticket = ticket;
-                self.set_header(&header, Some(&value));
-                let shared = self.shared.borrow();
-                shared.bump(Counter::Hinted, 1);
-                shared.bump(Counter::MatchedBlocks, u64::from(matched_blocks));
-            }
-            OnHint::Fallback { reason, problem } => {
-                if let Some(problem) = problem {
-                    self.shared.borrow().bump(problem, 1);
-                }
-                self.fall_back(reason);
-            }
-        }
+        let answer = flow::on_hint(status, &body, &config);
         self.state = State::Passing;
-        if hostcalls::resume_http_request().is_err() {
-            self.shared.borrow().bump(Counter::HostErrors, 1);
+        self.shared
+            .borrow()
+            .deliver(answer, &self.ticket, self.asked_at);
+    }
+
+    /// Ask for the hint on the stream if it is up: whether it was sent.
+    fn ask_on_stream(&mut self, hint: &[u8], config: &FilterConfig) -> bool {
+        let mut shared = self.shared.borrow_mut();
+        let (Some(token), Some(now)) = (shared.hint_stream.up(), self.asked_at) else {
+            return false;
+        };
+        let deadline = now + std::time::Duration::from_millis(config.hint_timeout_ms);
+        let waiter = Waiter {
+            context_id: self.context_id,
+            asked_at: self.asked_at,
+            ticket: Rc::clone(&self.ticket),
+        };
+        let id = shared.hint_stream.ask(waiter, deadline);
+        let request_id = self.header(REQUEST_ID).unwrap_or_default();
+        let ask = Ask {
+            id,
+            request_id: &request_id,
+            body: hint,
+        };
+        if hostcalls::send_grpc_stream_message(token, Some(&ask.encode()), false).is_ok() {
+            self.asked_on_stream = Some(id);
+            shared.bump(Counter::HintStreamAsks, 1);
+            return true;
+        }
+        // Envoy forgets a stream only after telling us it closed, so this is not expected; the
+        // hint goes as a call.
+        shared.hint_stream.take(id);
+        false
+    }
+}
+
+impl Drop for Request {
+    fn drop(&mut self) {
+        if let (Some(id), Ok(mut shared)) = (self.asked_on_stream, self.shared.try_borrow_mut()) {
+            shared.hint_stream.take(id);
         }
     }
 }
@@ -465,11 +679,15 @@ impl HttpContext for Request {
             Next::Ask(hint) => hint,
         };
         hint.finished = self.shared.borrow_mut().finished.take();
-        let call = Call::hint(&hint, self.header(REQUEST_ID), &config);
         self.asked_at = now();
+        self.state = State::AwaitingHint;
+        let encoded = hint.encode();
+        if config.hint_stream && self.ask_on_stream(&encoded, &config) {
+            return Action::Pause;
+        }
+        let call = Call::hint(encoded, self.header(REQUEST_ID), &config);
         let sent = self.shared.borrow().dispatch(&call);
         if sent.is_some() {
-            self.state = State::AwaitingHint;
             Action::Pause
         } else {
             self.shared.borrow().bump(Counter::SidecarErrors, 1);
@@ -478,7 +696,7 @@ impl HttpContext for Request {
     }
 
     fn on_http_response_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
-        if self.ticket.is_none() {
+        if self.ticket.get().is_none() {
             return Action::Continue;
         }
         let header = |name| {

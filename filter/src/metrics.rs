@@ -27,6 +27,10 @@ pub enum Counter {
     TokenSegmentsFound,
     /// Chat segments tokenized (not in the token cache).
     TokenSegmentsTokenized,
+    /// Hints asked on the hint stream (the others went as HTTP calls).
+    HintStreamAsks,
+    /// Times the hint stream could not be opened, was given up unanswered, or closed.
+    HintStreamDown,
     /// Checks of the token cache against the whole prompt's ids that differed (the cache is
     /// then off for that model in that VM).
     TokenCacheMismatches,
@@ -125,6 +129,8 @@ impl Counter {
             Counter::TokenSegmentsFound,
             Counter::TokenSegmentsTokenized,
             Counter::TokenCacheMismatches,
+            Counter::HintStreamAsks,
+            Counter::HintStreamDown,
         ]
         .into_iter()
         .chain(FallbackReason::ALL.into_iter().map(Counter::Fallback))
@@ -146,6 +152,8 @@ impl Counter {
             Counter::TokenSegmentsFound => "kvroute.token_cache.found".into(),
             Counter::TokenSegmentsTokenized => "kvroute.token_cache.tokenized".into(),
             Counter::TokenCacheMismatches => "kvroute.token_cache.mismatches".into(),
+            Counter::HintStreamAsks => "kvroute.hint_stream.asks".into(),
+            Counter::HintStreamDown => "kvroute.hint_stream.down".into(),
         }
     }
 }

@@ -2,6 +2,8 @@
 //!
 //! - `POST /v1/hint` — binary [`HintRequest`] in, JSON [`kvroute_protocol::hint::HintResponse`] out.
 //! - `POST /v1/finished` — tickets of hinted requests that finished (binary, see the protocol).
+//! - `POST /kvroute.Hints/Stream` — both on one gRPC stream per Envoy worker (HTTP/2;
+//!   [`crate::hint_stream`]).
 //! - `GET /v1/models` — the bundle catalog; `GET /v1/models/{name}/bundle` — one bundle.
 //! - `GET /metrics` — Prometheus text; `GET /healthz` — `ok`.
 //! - `GET /debug/explain` — the recent decisions: candidates, matched blocks, load, rule
@@ -19,7 +21,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use kvroute_protocol::headers::REQUEST_ID;
-use kvroute_protocol::hint::{decode_finished, HintRequest, FINISHED_PATH, HINT_PATH};
+use kvroute_protocol::hint::{decode_finished, FINISHED_PATH, HINT_PATH};
+use kvroute_protocol::hint_stream::{self, MAX_REQUEST_ID};
 
 use crate::core::Input;
 use crate::explain::ExplainQuery;
@@ -30,6 +33,7 @@ pub fn router(state: Arc<Sidecar>) -> Router {
     Router::new()
         .route(HINT_PATH, post(hint))
         .route(FINISHED_PATH, post(finished))
+        .route(hint_stream::PATH, post(crate::hint_stream::serve))
         .route("/v1/models", get(catalog))
         .route("/v1/models/{name}/bundle", get(bundle))
         .route("/metrics", get(metrics))
@@ -43,25 +47,18 @@ pub fn router(state: Arc<Sidecar>) -> Router {
 }
 
 async fn hint(State(state): State<Arc<Sidecar>>, headers: HeaderMap, body: Bytes) -> Response {
-    let req = match HintRequest::decode(&body) {
-        Ok(r) => r,
-        Err(e) => {
-            state.bad_hint_request();
-            return (StatusCode::BAD_REQUEST, e.to_string()).into_response();
-        }
-    };
     let request_id = headers
         .get(REQUEST_ID)
         .and_then(|v| v.to_str().ok())
-        .filter(|id| id.len() <= 128);
-    match state.hint(&req, request_id, std::time::Instant::now()) {
-        Some(resp) => Json(resp).into_response(),
-        None => (
-            StatusCode::NOT_FOUND,
-            format!("unknown model {}", req.model),
-        )
-            .into_response(),
-    }
+        .filter(|id| id.len() <= MAX_REQUEST_ID);
+    let (status, body) = state.answer_hint(&body, request_id);
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let content_type = if status == StatusCode::OK {
+        "application/json"
+    } else {
+        "text/plain; charset=utf-8"
+    };
+    (status, [(header::CONTENT_TYPE, content_type)], body).into_response()
 }
 
 async fn finished(State(state): State<Arc<Sidecar>>, body: Bytes) -> Response {

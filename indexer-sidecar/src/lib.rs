@@ -17,7 +17,8 @@
 //!   executes, and the index saved on local disk.
 //! - [`explain`]: the recent decisions `/debug/explain` shows, joined to their requests.
 //! - [`http_api`]: the HTTP API (`/v1/hint`, bundles, `/metrics`, `/debug/*`);
-//!   [`connections`]: its connections, bounded and timed out.
+//!   [`hint_stream`]: hints on one gRPC stream per Envoy worker; [`connections`]: the API's
+//!   connections, bounded and timed out.
 //! - [`metrics`]: the Prometheus metrics served on `/metrics`.
 //! - [`config`]: the TOML configuration; [`endpoint_template`]: per-host endpoints in it.
 //! - [`inspect`], [`envoy_config`]: the `tap`, `decode`, `tokenize` and `envoy-config` commands.
@@ -32,6 +33,7 @@ pub mod endpoint_template;
 pub mod envoy_config;
 pub mod event_plane;
 pub mod explain;
+pub mod hint_stream;
 pub mod http_api;
 pub mod inspect;
 pub mod metrics;

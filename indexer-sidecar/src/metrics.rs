@@ -482,6 +482,8 @@ pub struct Metrics {
     /// How long answering a hint took, from its decoded request to its answer (the core's
     /// lock waited for included).
     pub hint_seconds: Histogram,
+    /// Hint streams open: one per Envoy worker thread whose filter asks on a stream.
+    pub hint_streams: Gauge,
     /// Repairs of caches, by kind.
     pub replica_repairs: Family<RepairLabel, Counter>,
     /// KV-event messages lost here, filled in by a peer or not.
@@ -574,6 +576,7 @@ impl Default for Metrics {
                 "How long answering a hint took, from its decoded request to its answer, the wait for the index's lock included",
                 &[1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2],
             ),
+            hint_streams: gauge(&mut r, "hint_streams", "Hint streams open: one per Envoy worker thread whose filter asks for hints on a gRPC stream rather than with HTTP calls"),
             replica_repairs: family(&mut r, "replica_repairs", "Caches repaired, by kind: engine_replay (a gap filled from the engine's replay socket), peer_snapshot, refused"),
             replica_lost_messages: family(&mut r, "replica_lost_messages", "KV-event messages lost on the way to this replica, by outcome: filled (a peer handed it over), unfilled; a message is one sequence number of its stream (a Dynamo event id, a vLLM batch), so a NATS message carrying several Dynamo events counts each"),
             replica_snapshot_bytes: family(&mut r, "replica_snapshot_bytes", "Snapshot bytes exchanged with peers, by direction"),

@@ -5,6 +5,7 @@
 //! - [`hash`]: the Dynamo-compatible per-block hash ([`LocalBlockHash`]) and the prefix
 //!   (sequence) hash ([`PrefixHash`]) that identifies a block *and everything before it*.
 //! - [`hint`]: the filter ↔ sidecar hint exchange (`POST /v1/hint`).
+//! - [`hint_stream`]: the same exchange on one long-lived gRPC stream per Envoy worker.
 //! - [`bundle`]: the model bundle the filter fetches from the sidecar (tokenizer, template, block size).
 //! - [`dynamo`]: NVIDIA Dynamo's KV-event wire format on NATS (msgpack envelope and `RouterEvent`).
 //! - [`dynamo_zmq`]: Dynamo's ZMQ event plane (the default): four-frame messages around the
@@ -17,6 +18,7 @@ pub mod dynamo_zmq;
 pub mod hash;
 pub mod headers;
 pub mod hint;
+pub mod hint_stream;
 mod msgpack;
 pub mod vllm;
 

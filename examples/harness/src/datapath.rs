@@ -277,28 +277,74 @@ impl Default for Selection {
     }
 }
 
-/// A setup: its name, routing mode, sidecar over a Unix socket, usage read, token cache on.
-type Setup = (&'static str, Mode, bool, bool, bool);
+/// A setup of the stack a case runs on.
+#[derive(Debug, Clone, Copy)]
+struct Setup {
+    name: &'static str,
+    mode: Mode,
+    /// The sidecar over a Unix socket.
+    uds: bool,
+    /// The filter reads the responses' usage.
+    read_usage: bool,
+    /// The filter's token cache on.
+    token_cache: bool,
+    /// Hints asked on the hint stream (else as HTTP calls).
+    hint_stream: bool,
+}
+
+const KVROUTE: Setup = Setup {
+    name: "kvroute",
+    mode: Mode::Kvroute,
+    uds: false,
+    read_usage: true,
+    token_cache: true,
+    hint_stream: true,
+};
 
 /// `filter_only`: the filter with hints off — parse, template, tokenize and hash inside Envoy,
 /// no sidecar call: what preparing a request costs on the event loop. `kvroute_no_usage`: the
 /// same as `kvroute` without reading the responses' usage, so `kvroute − kvroute_no_usage` is
 /// what reading them costs. `…_no_token_cache`: with the filter's token cache off, so each pair
-/// shows what the cache saves.
-const SETUPS: [Setup; 7] = [
-    ("plain", Mode::RoundRobin, false, true, true),
-    ("filter_only", Mode::RingHash, false, true, true),
-    (
-        "filter_only_no_token_cache",
-        Mode::RingHash,
-        false,
-        true,
-        false,
-    ),
-    ("kvroute", Mode::Kvroute, false, true, true),
-    ("kvroute_no_token_cache", Mode::Kvroute, false, true, false),
-    ("kvroute_no_usage", Mode::Kvroute, false, false, true),
-    ("kvroute_uds", Mode::Kvroute, true, true, true),
+/// shows what the cache saves. `kvroute_calls`: each hint an HTTP call instead of a message on
+/// the hint stream.
+const SETUPS: [Setup; 8] = [
+    Setup {
+        name: "plain",
+        mode: Mode::RoundRobin,
+        ..KVROUTE
+    },
+    Setup {
+        name: "filter_only",
+        mode: Mode::RingHash,
+        ..KVROUTE
+    },
+    Setup {
+        name: "filter_only_no_token_cache",
+        mode: Mode::RingHash,
+        token_cache: false,
+        ..KVROUTE
+    },
+    KVROUTE,
+    Setup {
+        name: "kvroute_calls",
+        hint_stream: false,
+        ..KVROUTE
+    },
+    Setup {
+        name: "kvroute_no_token_cache",
+        token_cache: false,
+        ..KVROUTE
+    },
+    Setup {
+        name: "kvroute_no_usage",
+        read_usage: false,
+        ..KVROUTE
+    },
+    Setup {
+        name: "kvroute_uds",
+        uds: true,
+        ..KVROUTE
+    },
 ];
 
 /// The round whose c=1 p50 is the median of `rounds` (each a `load` result), with every
@@ -349,14 +395,14 @@ pub async fn run(scale: Scale, out: &Path, selection: &Selection) -> Result<Valu
         selection
             .setups
             .iter()
-            .filter_map(|name| SETUPS.into_iter().find(|s| s.0 == name))
+            .filter_map(|name| SETUPS.into_iter().find(|s| s.name == name))
             .collect()
     };
     anyhow::ensure!(
         !sizes.is_empty() && !setups.is_empty(),
         "nothing selected: setups {:?} of {:?}, sizes {:?}",
         selection.setups,
-        SETUPS.map(|s| s.0),
+        SETUPS.map(|s| s.name),
         selection.sizes
     );
     let (n1, n16) = match scale {
@@ -374,10 +420,20 @@ pub async fn run(scale: Scale, out: &Path, selection: &Selection) -> Result<Valu
         Default::default();
     let (mut memory, mut bundle_ms) = (serde_json::Map::new(), serde_json::Map::new());
     for round in 1..=selection.rounds.max(1) {
-        for &(setup, mode, uds, read_usage, token_cache) in &setups {
+        for &Setup {
+            name: setup,
+            mode,
+            uds,
+            read_usage,
+            token_cache,
+            hint_stream,
+        } in &setups
+        {
             let mut opts = StackOptions::new(&format!("datapath-{setup}"), mode);
             opts.filter_extra
                 .insert("read_usage".into(), read_usage.into());
+            opts.filter_extra
+                .insert("hint_stream".into(), hint_stream.into());
             if !token_cache {
                 opts.filter_extra
                     .insert("token_cache_bytes".into(), 0.into());
@@ -446,6 +502,17 @@ pub async fn run(scale: Scale, out: &Path, selection: &Selection) -> Result<Valu
             ),
             ("usage_p50_us", p50("kvroute"), p50("kvroute_no_usage")),
             ("usage_cpu_us", cpu("kvroute"), cpu("kvroute_no_usage")),
+            ("stream_saves_p50_us", p50("kvroute_calls"), p50("kvroute")),
+            (
+                "stream_saves_c16_p50_us",
+                p50("kvroute_calls_c16"),
+                p50("kvroute_c16"),
+            ),
+            (
+                "stream_saves_c16_cpu_us",
+                cpu("kvroute_calls_c16"),
+                cpu("kvroute_c16"),
+            ),
         ];
         for (name, a, b) in differences {
             if let (Some(a), Some(b)) = (a, b) {

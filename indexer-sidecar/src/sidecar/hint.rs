@@ -11,6 +11,25 @@ use crate::core::Target;
 use crate::metrics::{HintLabels, HintResult, HintRule, RuleLabel};
 
 impl Sidecar {
+    /// Answer an encoded hint request as HTTP would: its status and body (the hint's JSON, or
+    /// the reason it has none). Both transports, HTTP calls and the hint stream, answer here.
+    pub fn answer_hint(&self, body: &[u8], request_id: Option<&str>) -> (u16, Vec<u8>) {
+        let req = match HintRequest::decode(body) {
+            Ok(r) => r,
+            Err(e) => {
+                self.bad_hint_request();
+                return (400, e.to_string().into_bytes());
+            }
+        };
+        match self.hint(&req, request_id, Instant::now()) {
+            Some(resp) => match serde_json::to_vec(&resp) {
+                Ok(json) => (200, json),
+                Err(e) => (500, e.to_string().into_bytes()),
+            },
+            None => (404, format!("unknown model {}", req.model).into_bytes()),
+        }
+    }
+
     /// Answer a hint request at `now` for the request Envoy calls `request_id` (`None`:
     /// unknown model).
     pub fn hint(
@@ -108,6 +127,18 @@ impl Sidecar {
         })
         .unwrap_or_default();
         lock(&self.explained).push(resp.ticket, entry);
+    }
+
+    /// A filter opened a hint stream (`crate::hint_stream`).
+    pub fn hint_stream_opened(&self) {
+        self.metrics.hint_streams.inc();
+        tracing::debug!("hint stream opened");
+    }
+
+    /// A hint stream ended.
+    pub fn hint_stream_closed(&self) {
+        self.metrics.hint_streams.dec();
+        tracing::debug!("hint stream closed");
     }
 
     /// A hint request that did not decode: counted (the API answers 400).

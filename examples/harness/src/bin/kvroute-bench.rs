@@ -56,7 +56,7 @@ enum Command {
     /// Plain Envoy vs Envoy + kvroute on an instant upstream.
     Datapath {
         /// Only these setups (comma-separated: plain, filter_only, filter_only_no_token_cache,
-        /// kvroute, kvroute_no_token_cache, kvroute_no_usage, kvroute_uds; default all, and the
+        /// kvroute, kvroute_calls, kvroute_no_token_cache, kvroute_no_usage, kvroute_uds; default all, and the
         /// usage A/B only then).
         #[arg(long, value_delimiter = ',')]
         setups: Vec<String>,

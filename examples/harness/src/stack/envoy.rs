@@ -99,10 +99,30 @@ pub fn render_envoy(
         });
     }
     let mut text = envoy_config::render(template(opts).text(), &params)?;
+    if opts.sidecar_http1 {
+        text = sidecar_http1(&text)?;
+    }
     if let Some(ms) = opts.envoy_stats_flush_ms {
         text += &format!("\nstats_flush_interval: {}s\n", ms as f64 / 1000.0);
     }
     with_ejection(text, opts.ejection_s)
+}
+
+/// `text` with the sidecar cluster's HTTP/2 options (the only ones in the shipped templates,
+/// their keepalive on the next line) turned into HTTP/1.1's.
+fn sidecar_http1(text: &str) -> Result<String> {
+    let at = text
+        .find("http2_protocol_options:")
+        .context("no http2_protocol_options in the template")?;
+    let end = text[at..]
+        .find("}\n")
+        .map(|e| at + e + 2)
+        .context("http2_protocol_options ends in no one-line map")?;
+    Ok(format!(
+        "{}http_protocol_options: {{}}\n{}",
+        &text[..at],
+        &text[end..]
+    ))
 }
 
 /// The shipped template for `opts`'s mode and fallback.

@@ -183,6 +183,9 @@ pub struct StackOptions {
     pub envoy_bootstrap: Option<BootstrapFn>,
     /// The name of Envoy's cluster of engines (`workers` in the shipped templates).
     pub workers_cluster: String,
+    /// The sidecar cluster speaks HTTP/1.1, as an Envoy configuration from before the hint
+    /// stream did: the filter cannot open its stream and asks with HTTP calls.
+    pub sidecar_http1: bool,
 }
 
 /// A lossy transport between the nats-server and each sidecar ([`StackOptions::transport_loss`]).
@@ -235,6 +238,7 @@ impl StackOptions {
             eds_membership: false,
             envoy_bootstrap: None,
             workers_cluster: "workers".into(),
+            sidecar_http1: false,
         }
     }
 

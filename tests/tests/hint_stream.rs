@@ -1,0 +1,127 @@
+//! The hint stream through real Envoy: hints ride one gRPC stream per VM (over HTTP/2 as
+//! shipped, or an HTTP/1.1 cluster), a restarted sidecar gets it back, and switched off every
+//! hint is a call. A sidecar stopped or killed under it: `routing.rs`.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use kvroute_harness::process::wait_for;
+use kvroute_harness::{Mode, Stack, StackOptions};
+
+/// Every hint the sidecar answers while traffic flows came on the stream: the filter's count of
+/// asks on it moves exactly as the sidecar's count of hints answered. After the sidecar is
+/// restarted, the VMs open the stream again and the hints go back on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hints_ride_the_stream_and_it_comes_back_after_a_restart() {
+    let mut stack = Stack::start(StackOptions::new("hint-stream", Mode::Kvroute))
+        .await
+        .expect("stack starts");
+    // One VM per worker thread (2) and the main thread's: each opens its own.
+    let open = wait_streams(&stack).await;
+    assert!((1.0..=3.0).contains(&open), "{open} streams open");
+
+    let sent = send_turns(&stack, 1, 10).await;
+    assert_eq!(sent, 10);
+    assert_eq!(
+        (asks(&stack).await, hints_answered(&stack).await),
+        (10, 10.0),
+        "every hint on the stream: {}",
+        stack.log_tail("envoy")
+    );
+    // The finished reports rode the stream too (on later asks, or alone on the tick).
+    wait_for(
+        "every hinted request reported finished",
+        Duration::from_secs(5),
+        || async {
+            let text = stack.sidecar_metrics().await.ok()?;
+            let open = kvroute_harness::prometheus::sum(&text, "kvroute_in_flight{");
+            (open == 0.0 && metric(&text, "kvroute_tickets_total{how=\"finished\"}")? >= 10.0)
+                .then_some(())
+        },
+    )
+    .await
+    .expect("reports arrive");
+
+    stack.restart_sidecar().await.expect("sidecar restarts");
+    wait_streams(&stack).await;
+    let before = asks(&stack).await;
+    assert_eq!(send_turns(&stack, 2, 5).await, 5);
+    assert_eq!(asks(&stack).await - before, 5, "back on the stream");
+    assert_eq!(
+        hints_answered(&stack).await,
+        5.0,
+        "the new sidecar answered them"
+    );
+    let down = stack
+        .envoy_stat("wasmcustom.kvroute.hint_stream.down")
+        .await
+        .unwrap_or(0);
+    assert!(down >= 1, "the restart closed the streams: {down}");
+}
+
+/// An Envoy whose sidecar cluster speaks HTTP/1.1 (a configuration from before the stream):
+/// Envoy's gRPC client carries the stream over it all the same (chunked both ways, trailers),
+/// so every hint rides it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sidecar_cluster_on_http1_carries_the_stream_too() {
+    let mut opts = StackOptions::new("hint-stream-http1", Mode::Kvroute);
+    opts.sidecar_http1 = true;
+    let stack = Stack::start(opts).await.expect("stack starts");
+    wait_streams(&stack).await;
+    assert_eq!(send_turns(&stack, 3, 6).await, 6);
+    assert_eq!(hints_answered(&stack).await, 6.0);
+    assert_eq!(asks(&stack).await, 6, "{}", stack.log_tail("envoy"));
+}
+
+/// With `hint_stream: false` no stream is opened and every hint is a call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_stream_every_hint_is_a_call() {
+    let mut opts = StackOptions::new("hint-calls", Mode::Kvroute);
+    opts.filter_extra
+        .insert("hint_stream".into(), serde_json::Value::Bool(false));
+    let stack = Stack::start(opts).await.expect("stack starts");
+    assert_eq!(send_turns(&stack, 4, 6).await, 6);
+    assert_eq!(stack.envoy_stat("wasmcustom.kvroute.hinted").await, Some(6));
+    assert_eq!(hints_answered(&stack).await, 6.0);
+    assert_eq!(asks(&stack).await, 0);
+    assert_eq!(
+        sidecar_metric(&stack, "kvroute_hint_streams").await,
+        Some(0.0)
+    );
+}
+
+/// Send `n` requests, each a new prompt long enough to hint; how many succeeded.
+async fn send_turns(stack: &Stack, seed: u64, n: u64) -> u64 {
+    let system = text(seed * 1000, 120);
+    let mut ok = 0;
+    for i in 0..n {
+        let o = via_envoy(stack, &chat(&system, &text(seed * 1000 + 1 + i, 20))).await;
+        ok += u64::from(o.error.is_none() && o.status == 200);
+    }
+    ok
+}
+
+async fn asks(stack: &Stack) -> u64 {
+    stack
+        .envoy_stat("wasmcustom.kvroute.hint_stream.asks")
+        .await
+        .unwrap_or(0)
+}
+
+/// Hints the sidecar answered, whatever their result.
+async fn hints_answered(stack: &Stack) -> f64 {
+    let text = stack.sidecar_metrics().await.unwrap_or_default();
+    kvroute_harness::prometheus::sum(&text, "kvroute_hints_total{")
+}
+
+/// Wait for the sidecar to count at least one hint stream open; how many.
+async fn wait_streams(stack: &Stack) -> f64 {
+    wait_for("a hint stream open", Duration::from_secs(10), || async {
+        let open = sidecar_metric(stack, "kvroute_hint_streams").await?;
+        (open >= 1.0).then_some(open)
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}: {}", stack.log_tail("envoy")))
+}
