@@ -24,7 +24,7 @@ use crate::flow::{self, Call, OnBody, OnHeaders, OnHint, Unreported};
 use crate::metrics::{Counter, FallbackReason, Timing};
 use crate::models::ModelRegistry;
 use crate::plan::{plan, warm_up, Next};
-use crate::stream::{HintStream, OnTick};
+use crate::stream::HintStream;
 use crate::usage::{reading, Reading, StreamRule, StreamSample, UsageScanner};
 
 proxy_wasm::main! {{
@@ -209,46 +209,34 @@ impl Root {
         }
     }
 
-    /// Open the hint stream when it is due, give up one that never answered, and let the asks
-    /// past their deadline go on unhinted.
+    /// Let the asks past their deadline go on unhinted, and open the hint stream when due.
     fn tend_stream(&mut self, now: SystemTime) {
-        let (on_tick, expired) = {
+        let (due, expired) = {
             let mut shared = self.shared.borrow_mut();
             if !(shared.config.hints && shared.config.hint_stream) {
                 return;
             }
-            (
-                shared.hint_stream.on_tick(now),
-                shared.hint_stream.expired(now),
-            )
+            (shared.hint_stream.due(now), shared.hint_stream.expired(now))
         };
         self.resume(expired, || OnHint::Fallback {
             reason: FallbackReason::Sidecar,
             problem: Some(Counter::SidecarTimeouts),
         });
-        match on_tick {
-            OnTick::Wait => {}
-            OnTick::GiveUp(token) => {
-                let _ = hostcalls::cancel_grpc_stream(token);
-                self.stream_trouble("the sidecar did not answer it within 5 s");
-            }
-            OnTick::Open => {
-                let cluster = self.shared.borrow().config.sidecar_cluster.clone();
-                let opened = hostcalls::open_grpc_stream(
-                    &cluster,
-                    hint_stream::SERVICE,
-                    hint_stream::METHOD,
-                    vec![],
-                );
-                let mut shared = self.shared.borrow_mut();
-                match opened {
-                    Ok(token) => shared.hint_stream.opened(token, now),
-                    Err(status) => {
-                        shared.hint_stream.open_failed(now);
-                        drop(shared);
-                        self.stream_trouble(&format!("Envoy refused to open it ({status:?})"));
-                    }
-                }
+        if !due {
+            return;
+        }
+        let cluster = self.shared.borrow().config.sidecar_cluster.clone();
+        let opened = hostcalls::open_grpc_stream(
+            &cluster,
+            hint_stream::SERVICE,
+            hint_stream::METHOD,
+            vec![],
+        );
+        match opened {
+            Ok(token) => self.shared.borrow_mut().hint_stream.opened(token),
+            Err(status) => {
+                self.shared.borrow_mut().hint_stream.open_failed(now);
+                self.stream_trouble(&format!("Envoy refused to open it ({status:?})"));
             }
         }
     }

@@ -12,10 +12,11 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, SystemTime};
 
-/// How soon a stream that failed to open, or closed, is opened again.
+/// How soon a stream that failed to open, or closed, is opened again. A stream the sidecar
+/// never answers stays opening (hints go as calls meanwhile): the connection's keepalive closes
+/// it if the sidecar is gone, and a sidecar stopped answers it when it runs again. Cancelling it
+/// instead would leave its token in the SDK's table for good.
 pub const REOPEN_AFTER: Duration = Duration::from_secs(1);
-/// How long a stream may stay unanswered (no headers from the sidecar) before it is given up.
-pub const OPEN_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Where the stream stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,29 +26,16 @@ pub enum Link {
         /// When to try again.
         at: Option<SystemTime>,
     },
-    /// Opened at `since`; the sidecar has not answered its headers yet.
+    /// Opened; the sidecar has not answered its headers yet.
     Opening {
         /// The host's token for it.
         token: u32,
-        /// When it was opened.
-        since: SystemTime,
     },
     /// The sidecar answered: asks go on it.
     Up {
         /// The host's token for it.
         token: u32,
     },
-}
-
-/// What the glue should do about the stream on a tick.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OnTick {
-    /// Nothing.
-    Wait,
-    /// Open a stream.
-    Open,
-    /// Cancel the stream that never answered (then it is down).
-    GiveUp(u32),
 }
 
 /// The stream and its waiting asks; `W` is what the glue needs to resume a request.
@@ -85,25 +73,14 @@ impl<W> HintStream<W> {
         }
     }
 
-    /// What to do about the stream at `now`.
-    pub fn on_tick(&mut self, now: SystemTime) -> OnTick {
-        match self.link {
-            Link::Down { at } if at.is_none_or(|at| now >= at) => OnTick::Open,
-            Link::Opening { token, since }
-                if now.duration_since(since).unwrap_or_default() >= OPEN_TIMEOUT =>
-            {
-                self.link = Link::Down {
-                    at: Some(now + REOPEN_AFTER),
-                };
-                OnTick::GiveUp(token)
-            }
-            _ => OnTick::Wait,
-        }
+    /// Whether to open a stream at `now`.
+    pub fn due(&self, now: SystemTime) -> bool {
+        matches!(self.link, Link::Down { at } if at.is_none_or(|at| now >= at))
     }
 
     /// A stream was opened as `token`.
-    pub fn opened(&mut self, token: u32, now: SystemTime) {
-        self.link = Link::Opening { token, since: now };
+    pub fn opened(&mut self, token: u32) {
+        self.link = Link::Opening { token };
     }
 
     /// Opening one failed: try again later.
@@ -116,7 +93,7 @@ impl<W> HintStream<W> {
     /// The sidecar answered stream `token`'s headers; whether that brought it up.
     pub fn answered_headers(&mut self, token: u32) -> bool {
         match self.link {
-            Link::Opening { token: t, .. } if t == token => {
+            Link::Opening { token: t } if t == token => {
                 self.link = Link::Up { token };
                 true
             }
@@ -125,10 +102,10 @@ impl<W> HintStream<W> {
     }
 
     /// Stream `token` closed (or could not take a message): the asks it carried, whose requests
-    /// go on unhinted. `None` when `token` is not the stream in use (one given up before).
+    /// go on unhinted. `None` when `token` is not the stream in use.
     pub fn closed(&mut self, token: u32, now: SystemTime) -> Option<Vec<W>> {
         match self.link {
-            Link::Opening { token: t, .. } | Link::Up { token: t } if t == token => {
+            Link::Opening { token: t } | Link::Up { token: t } if t == token => {
                 self.link = Link::Down {
                     at: Some(now + REOPEN_AFTER),
                 };
@@ -184,41 +161,30 @@ mod tests {
     #[test]
     fn a_stream_opens_comes_up_and_reopens_after_closing() {
         let mut s = HintStream::<u32>::default();
-        assert_eq!(s.on_tick(at(0)), OnTick::Open);
-        s.opened(5, at(0));
+        assert!(s.due(at(0)));
+        s.opened(5);
         assert_eq!(s.up(), None, "not up before the sidecar answers");
-        assert_eq!(s.on_tick(at(10)), OnTick::Wait);
+        assert!(
+            !s.due(at(10_000)),
+            "opening until the sidecar answers or it closes"
+        );
         assert!(!s.answered_headers(6), "another stream's headers");
         assert!(s.answered_headers(5));
         assert_eq!(s.up(), Some(5));
         assert_eq!(s.closed(4, at(20)), None, "not the stream in use");
         assert_eq!(s.closed(5, at(20)), Some(vec![]));
         assert_eq!(s.up(), None);
-        assert_eq!(s.on_tick(at(500)), OnTick::Wait);
-        assert_eq!(s.on_tick(at(20) + REOPEN_AFTER), OnTick::Open);
+        assert!(!s.due(at(500)));
+        assert!(s.due(at(20) + REOPEN_AFTER));
         s.open_failed(at(1100));
-        assert_eq!(s.on_tick(at(1100)), OnTick::Wait);
-        assert_eq!(s.on_tick(at(1100) + REOPEN_AFTER), OnTick::Open);
-    }
-
-    #[test]
-    fn a_stream_never_answered_is_given_up() {
-        let mut s = HintStream::<u32>::default();
-        s.opened(3, at(0));
-        assert_eq!(s.on_tick(at(0) + OPEN_TIMEOUT), OnTick::GiveUp(3));
-        assert_eq!(
-            s.closed(3, at(6000)),
-            None,
-            "given up: its close is not ours"
-        );
-        assert_eq!(s.on_tick(at(0) + OPEN_TIMEOUT), OnTick::Wait);
-        assert_eq!(s.on_tick(at(0) + OPEN_TIMEOUT + REOPEN_AFTER), OnTick::Open);
+        assert!(!s.due(at(1100)));
+        assert!(s.due(at(1100) + REOPEN_AFTER));
     }
 
     #[test]
     fn each_ask_leaves_once_by_answer_deadline_or_close() {
         let mut s = HintStream::default();
-        s.opened(1, at(0));
+        s.opened(1);
         s.answered_headers(1);
         let a = s.ask('a', at(50));
         let b = s.ask('b', at(60));
