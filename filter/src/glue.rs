@@ -1,6 +1,8 @@
-//! proxy-wasm glue: a root context (config, metrics, bundle refresh) and one HTTP context per
-//! request. The decisions are in [`crate::plan`] and [`crate::flow`]; this file reads what Envoy
-//! hands over, calls them, and executes what they return.
+//! proxy-wasm glue: a root context (config, metrics, bundle refresh, the hint stream) and one
+//! HTTP context per request. The decisions are in [`crate::plan`], [`crate::flow`] and
+//! [`crate::stream`]; this file reads what Envoy hands over, calls them, and executes what they
+//! return. A request asks on the root's stream; the root, given the answer (or the ask's
+//! deadline passing on its tick), acts as that request to set its header and resume it.
 //!
 //! Host calls go through `hostcalls` with their errors handled: the SDK's convenience wrappers
 //! panic when a call fails, and a panic kills the VM (every later request on that worker thread
