@@ -1,6 +1,6 @@
 //! The HTTP API (the `axum` router [`router`] serves it): hints for the filter, bundles, metrics and health.
 //!
-//! - `POST /v1/hint` — binary [`HintRequest`] in, JSON [`kvroute_protocol::hint::HintResponse`] out.
+//! - `POST /v1/hint` — binary [`kvroute_protocol::hint::HintRequest`] in, JSON [`kvroute_protocol::hint::HintResponse`] out.
 //! - `POST /v1/finished` — tickets of hinted requests that finished (binary, see the protocol).
 //! - `POST /kvroute.Hints/Stream` — both on one gRPC stream per Envoy worker (HTTP/2;
 //!   [`crate::hint_stream`]).
