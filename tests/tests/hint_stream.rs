@@ -1,6 +1,7 @@
 //! The hint stream through real Envoy: hints ride one gRPC stream per VM (over HTTP/2 as
-//! shipped, or an HTTP/1.1 cluster), a restarted sidecar gets it back, and switched off every
-//! hint is a call. A sidecar stopped or killed under it: `routing.rs`.
+//! shipped, or an HTTP/1.1 cluster), a restarted sidecar gets it back, a sidecar dying under
+//! waiting asks sends them on at once, and switched off every hint is a call. A sidecar stopped
+//! (asks time out on the tick): `routing.rs`.
 
 mod common;
 
@@ -59,6 +60,48 @@ async fn hints_ride_the_stream_and_it_comes_back_after_a_restart() {
         .await
         .unwrap_or(0);
     assert!(down >= 1, "the restart closed the streams: {down}");
+}
+
+/// A sidecar that dies while requests wait on the stream for their hints: the stream's close
+/// sends them on at once, unhinted, not at their deadline (5 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_waiting_on_a_stream_that_closes_go_on_at_once() {
+    let mut opts = StackOptions::new("hint-stream-close", Mode::Kvroute);
+    opts.hint_timeout_ms = 5000;
+    let stack = Stack::start(opts).await.expect("stack starts");
+    wait_streams(&stack).await;
+    // Stopped, it leaves the asks unread on its connection; killed, its connection closes.
+    stack.signal("sidecar", "STOP").unwrap();
+    let system = text(5000, 120);
+    let started = std::time::Instant::now();
+    let bodies: Vec<_> = (0..4).map(|i| chat(&system, &text(5001 + i, 20))).collect();
+    let requests = futures::future::join_all(bodies.iter().map(|b| via_envoy(&stack, b)));
+    let kill = async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        stack.signal("sidecar", "KILL").unwrap();
+    };
+    let (outcomes, ()) = tokio::join!(requests, kill);
+    let took = started.elapsed();
+    assert!(
+        outcomes
+            .iter()
+            .all(|o| o.status == 200 && o.error.is_none()),
+        "{outcomes:?}"
+    );
+    assert!(took < Duration::from_millis(2500), "{took:?}");
+    let stat = |name: &'static str| {
+        let stack = &stack;
+        async move { stack.envoy_stat(name).await.unwrap_or(0) }
+    };
+    let asked = asks(&stack).await;
+    let errors = stat("wasmcustom.kvroute.sidecar.errors").await;
+    let fallbacks = stat("wasmcustom.kvroute.fallback.sidecar").await;
+    assert!(
+        asked >= 4 && errors >= 4 && fallbacks >= 4,
+        "asks {asked}, errors {errors}, fallbacks {fallbacks}"
+    );
+    assert_eq!(stat("wasmcustom.kvroute.sidecar.timeouts").await, 0);
+    assert!(stat("wasmcustom.kvroute.hint_stream.down").await >= 1);
 }
 
 /// An Envoy whose sidecar cluster speaks HTTP/1.1 (a configuration from before the stream):
