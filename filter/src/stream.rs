@@ -6,8 +6,8 @@
 //! deadline, the stream's close or its request's end takes it out; whichever comes first resumes
 //! the request (or finds it gone), and the others find nothing.
 //!
-//! While the stream is not up, hints go as HTTP calls (`flow::Call::hint`): a sidecar or a
-//! cluster without the stream (HTTP/1.1 only, an older sidecar) costs speed, never a hint.
+//! While the stream is not up, hints go as HTTP calls (`flow::Call::hint`): a sidecar without
+//! the stream (an older one) costs speed, never a hint.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, SystemTime};
@@ -44,7 +44,8 @@ pub struct HintStream<W> {
     link: Link,
     next_id: u64,
     waiting: HashMap<u64, W>,
-    /// Asks by deadline; an id no longer waiting is skipped when its deadline comes.
+    /// Asks by deadline, which is their order (one timeout for all); an id no longer waiting
+    /// is skipped when its deadline comes.
     deadlines: VecDeque<(SystemTime, u64)>,
 }
 
@@ -60,11 +61,6 @@ impl<W> Default for HintStream<W> {
 }
 
 impl<W> HintStream<W> {
-    /// Where the stream stands.
-    pub fn link(&self) -> Link {
-        self.link
-    }
-
     /// The token to ask on, while the stream is up.
     pub fn up(&self) -> Option<u32> {
         match self.link {
@@ -101,8 +97,8 @@ impl<W> HintStream<W> {
         }
     }
 
-    /// Stream `token` closed (or could not take a message): the asks it carried, whose requests
-    /// go on unhinted. `None` when `token` is not the stream in use.
+    /// Stream `token` closed: the asks it carried, whose requests go on unhinted. `None` when
+    /// `token` is not the stream in use.
     pub fn closed(&mut self, token: u32, now: SystemTime) -> Option<Vec<W>> {
         match self.link {
             Link::Opening { token: t } | Link::Up { token: t } if t == token => {
