@@ -55,7 +55,7 @@ venv-vllm: .venv-vllm/.installed
 
 build: toolchain
 	cargo build --release --workspace --bins
-	cargo build --release -p kvroute-filter --target wasm32-wasip1
+	cargo build --release -p kvroute-filter -p kvroute-wasm-floor --target wasm32-wasip1
 
 # The two images as OCI layouts in target/images (Debian's umoci and skopeo: apt-get install
 # umoci skopeo), checked as a registry and a runtime read them (docs/deploy.md, "Images").
@@ -68,7 +68,7 @@ images: venv build
 lint: toolchain
 	cargo fmt --all -- --check
 	cargo clippy --release --workspace --all-targets -- -D warnings
-	cargo clippy --release -p kvroute-filter --target wasm32-wasip1 -- -D warnings
+	cargo clippy --release -p kvroute-filter -p kvroute-wasm-floor --target wasm32-wasip1 -- -D warnings
 	RUSTDOCFLAGS="-D warnings" cargo doc --release --no-deps --workspace
 
 # The fast loop: formatting, clippy, every crate's unit tests and the module-graph check; no

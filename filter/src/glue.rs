@@ -65,6 +65,9 @@ struct Waiter {
 
 impl Shared {
     fn bump(&self, counter: Counter, by: u64) {
+        if by == 0 {
+            return;
+        }
         if let Some(&id) = self.metrics.get(&counter) {
             let _ = hostcalls::increment_metric(id, by as i64);
         }
@@ -72,7 +75,12 @@ impl Shared {
 
     /// Record the microseconds since `since` (a clock that went back records nothing).
     fn time(&self, timing: Timing, since: Option<SystemTime>) {
-        let Some(elapsed) = elapsed_since(since) else {
+        self.record(timing, since, now());
+    }
+
+    /// Record the microseconds from `since` to `until`.
+    fn record(&self, timing: Timing, since: Option<SystemTime>, until: Option<SystemTime>) {
+        let Some(elapsed) = until.and_then(|u| u.duration_since(since?).ok()) else {
             return;
         };
         if let Some(&id) = self.timings.get(&timing) {
@@ -449,6 +457,7 @@ impl RootContext for Root {
             shared: self.shared.clone(),
             state: State::Passing,
             session: None,
+            request_id: None,
             ticket: Rc::default(),
             asked_on_stream: None,
             response: None,
@@ -497,6 +506,8 @@ struct Request {
     shared: Rc<RefCell<Shared>>,
     state: State,
     session: Option<String>,
+    /// Its `x-request-id`, sent with its hint (the sidecar's `/debug/explain` shows it).
+    request_id: Option<String>,
     /// The sidecar counts this request against its worker until it is reported finished
     /// (shared with its waiter when the hint is asked on the stream).
     ticket: Rc<Cell<Option<Ticket>>>,
@@ -508,8 +519,22 @@ struct Request {
     answered: bool,
     /// A hinted request's response the filter chose not to read.
     unread: bool,
-    /// When its hint request was sent.
+    /// When its hint request was ready to send (its preparation's end: the hint pause starts
+    /// there).
     asked_at: Option<SystemTime>,
+}
+
+/// A request's headers as one host call hands them over.
+struct Headers(Vec<(String, String)>);
+
+impl Headers {
+    /// The first value of `name` (Envoy's names are lower case; a configured name may not be).
+    fn get(&self, name: &str) -> Option<&str> {
+        self.0
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
 }
 
 impl Request {
@@ -556,10 +581,9 @@ impl Request {
             ticket: Rc::clone(&self.ticket),
         };
         let id = shared.hint_stream.ask(waiter, deadline);
-        let request_id = self.header(REQUEST_ID).unwrap_or_default();
         let ask = Ask {
             id,
-            request_id: &request_id,
+            request_id: self.request_id.as_deref().unwrap_or_default(),
             body: hint,
         };
         if hostcalls::send_grpc_stream_message(token, Some(&ask.encode()), false).is_ok() {
@@ -593,10 +617,19 @@ impl Context for Request {
 impl HttpContext for Request {
     fn on_http_request_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
         let config = Rc::clone(&self.shared.borrow().config);
+        // All of them in one host call: each is a trip across the VM's boundary, ~0.75 µs of
+        // Envoy's CPU (docs/benchmarks.md, "Data path cost"), and a request needs five or more.
+        let headers = match hostcalls::get_map(MapType::HttpRequestHeaders) {
+            Ok(headers) => Headers(headers),
+            Err(_) => {
+                self.shared.borrow().bump(Counter::HostErrors, 1);
+                Headers(Vec::new())
+            }
+        };
         let step = flow::on_headers(
-            self.header(":method").as_deref(),
-            self.header(":path").as_deref(),
-            self.header("content-length").as_deref(),
+            headers.get(":method"),
+            headers.get(":path"),
+            headers.get("content-length"),
             end_of_stream,
             &config,
         );
@@ -605,11 +638,14 @@ impl HttpContext for Request {
         }
         self.shared.borrow().bump(Counter::Requests, 1);
         for name in flow::routing_headers(&config) {
-            self.set_header(name, None);
+            if headers.get(name).is_some() {
+                self.set_header(name, None);
+            }
         }
         if !config.session_header.is_empty() {
-            self.session = self.header(&config.session_header);
+            self.session = headers.get(&config.session_header).map(str::to_owned);
         }
+        self.request_id = headers.get(REQUEST_ID).map(str::to_owned);
         match step {
             OnHeaders::Fallback(reason) => self.fall_back(reason),
             OnHeaders::NotOurs | OnHeaders::Buffer => {
@@ -643,8 +679,11 @@ impl HttpContext for Request {
             let s = self.shared.borrow();
             plan(&body, &s.models, &config, self.session.as_deref())
         };
+        let prepared = now();
         if planned.blocks > 0 {
-            self.shared.borrow().time(Timing::PrepareUs, started);
+            self.shared
+                .borrow()
+                .record(Timing::PrepareUs, started, prepared);
         }
         if let Some(key) = &planned.key {
             self.set_header(&config.key_header, Some(key));
@@ -669,13 +708,13 @@ impl HttpContext for Request {
             Next::Ask(hint) => hint,
         };
         hint.finished = self.shared.borrow_mut().finished.take();
-        self.asked_at = now();
+        self.asked_at = prepared;
         self.state = State::AwaitingHint;
         let encoded = hint.encode();
         if config.hint_stream && self.ask_on_stream(&encoded, &config) {
             return Action::Pause;
         }
-        let call = Call::hint(encoded, self.header(REQUEST_ID), &config);
+        let call = Call::hint(encoded, self.request_id.take(), &config);
         let sent = self.shared.borrow().dispatch(&call);
         if sent.is_some() {
             Action::Pause

@@ -42,8 +42,8 @@ pub enum Counter {
 pub enum Timing {
     /// From the whole body read to the hint request planned: parse, template, tokens, hashes.
     PrepareUs,
-    /// From the hint request sent to the sidecar's answer, as Envoy delivered it to the VM:
-    /// the request waits paused meanwhile.
+    /// From the preparation's end (the hint request then encoded and sent) to the sidecar's
+    /// answer, as Envoy delivered it to the VM: the request waits paused meanwhile.
     HintPauseUs,
 }
 

@@ -182,7 +182,13 @@ async fn datapath_benchmark_smoke() {
     let doc = datapath::run(Scale::Smoke, &out, &datapath::Selection::default())
         .await
         .unwrap();
-    for setup in ["plain", "kvroute", "kvroute_uds"] {
+    for setup in [
+        "plain",
+        "wasm_floor",
+        "wasm_floor_calls",
+        "kvroute",
+        "kvroute_uds",
+    ] {
         let c = &doc["cases"]["1k"][setup];
         assert_eq!(c["errors"], 0, "{setup}: {c}");
         assert!(c["p50_us"].as_f64().unwrap() > 0.0, "{setup}");

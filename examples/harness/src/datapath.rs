@@ -290,6 +290,9 @@ struct Setup {
     token_cache: bool,
     /// Hints asked on the hint stream (else as HTTP calls).
     hint_stream: bool,
+    /// The reference module ([`crate::paths::wasm_floor`]) in place of the filter, making this
+    /// many extra host calls a request.
+    floor: Option<u32>,
 }
 
 const KVROUTE: Setup = Setup {
@@ -299,18 +302,39 @@ const KVROUTE: Setup = Setup {
     read_usage: true,
     token_cache: true,
     hint_stream: true,
+    floor: None,
 };
 
+/// `wasm_floor`: a wasm module that only waits for the body and copies it into its VM
+/// (`examples/wasm-floor`), the least any filter reading the prompt costs Envoy, so `wasm_floor −
+/// plain` is the platform's share and `filter_only − wasm_floor` the filter's own;
+/// `wasm_floor_calls` the same with 20 host calls more (a request header read 20 times), so a
+/// twentieth of `wasm_floor_calls − wasm_floor` is what one host call costs.
 /// `filter_only`: the filter with hints off — parse, template, tokenize and hash inside Envoy,
 /// no sidecar call: what preparing a request costs on the event loop. `kvroute_no_usage`: the
 /// same as `kvroute` without reading the responses' usage, so `kvroute − kvroute_no_usage` is
 /// what reading them costs. `…_no_token_cache`: with the filter's token cache off, so each pair
 /// shows what the cache saves. `kvroute_calls`: each hint an HTTP call instead of a message on
 /// the hint stream.
-const SETUPS: [Setup; 8] = [
+/// The extra host calls of `wasm_floor_calls`.
+const FLOOR_HOST_CALLS: u32 = 20;
+
+const SETUPS: [Setup; 10] = [
     Setup {
         name: "plain",
         mode: Mode::RoundRobin,
+        ..KVROUTE
+    },
+    Setup {
+        name: "wasm_floor",
+        mode: Mode::RingHash,
+        floor: Some(0),
+        ..KVROUTE
+    },
+    Setup {
+        name: "wasm_floor_calls",
+        mode: Mode::RingHash,
+        floor: Some(FLOOR_HOST_CALLS),
         ..KVROUTE
     },
     Setup {
@@ -427,6 +451,7 @@ pub async fn run(scale: Scale, out: &Path, selection: &Selection) -> Result<Valu
             read_usage,
             token_cache,
             hint_stream,
+            floor,
         } in &setups
         {
             let mut opts = StackOptions::new(&format!("datapath-{setup}"), mode);
@@ -443,9 +468,14 @@ pub async fn run(scale: Scale, out: &Path, selection: &Selection) -> Result<Valu
             opts.sidecar_uds = uds;
             opts.hint_timeout_ms = 1000;
             opts.envoy_stats_flush_ms = Some(STATS_FLUSH_MS);
+            if let Some(calls) = floor {
+                opts.filter_wasm = Some(crate::paths::wasm_floor()?);
+                opts.filter_extra
+                    .insert("floor_host_calls".into(), calls.into());
+            }
             let stack = Stack::start(opts).await?;
             // The filter's own time preparing each request (its warm-ups among them).
-            let filtered = mode != Mode::RoundRobin;
+            let filtered = mode != Mode::RoundRobin && floor.is_none();
             for (name, body) in &bodies {
                 let before = match filtered {
                     true => filter_prepare(&stack).await,
@@ -467,7 +497,7 @@ pub async fn run(scale: Scale, out: &Path, selection: &Selection) -> Result<Valu
                 }
             }
             memory.insert(setup.to_owned(), envoy_memory(&stack).await?);
-            if mode != Mode::RoundRobin {
+            if filtered {
                 bundle_ms.insert(setup.to_owned(), json!(bundle_load_ms(&stack.dir)));
             }
             // Let Envoy settle between setups: the next one starts its own.

@@ -61,6 +61,14 @@ pub fn filter_wasm() -> Result<PathBuf> {
     existing(path, "run `make build` first")
 }
 
+/// `make bench-datapath`'s reference module: the least a body-reading wasm filter costs.
+pub fn wasm_floor() -> Result<PathBuf> {
+    existing(
+        workspace().join("target/wasm32-wasip1/release/kvroute_wasm_floor.wasm"),
+        "run `make build` first",
+    )
+}
+
 /// The demo model directory.
 pub fn model_dir() -> PathBuf {
     workspace().join("examples/models/tiny-llama")

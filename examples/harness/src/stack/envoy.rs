@@ -81,7 +81,10 @@ pub fn render_envoy(
     admin: u16,
     sidecar: &SidecarAddress,
 ) -> Result<String> {
-    let wasm = paths::filter_wasm()?;
+    let wasm = match &opts.filter_wasm {
+        Some(path) => path.clone(),
+        None => paths::filter_wasm()?,
+    };
     let params = envoy_params(opts, dir, upstreams, (listen, admin), sidecar, wasm)?;
     if let Some(bootstrap) = opts.envoy_bootstrap {
         let (Workers::Listed(upstreams), SidecarAddress::Tcp(sidecar_port)) =

@@ -221,7 +221,8 @@ impl Stack {
         })
         .await;
         stack.with_envoy_log(live)?;
-        if opts.mode != Mode::RoundRobin {
+        // A module in place of the filter's loads no bundle.
+        if opts.mode != Mode::RoundRobin && opts.filter_wasm.is_none() {
             let loaded = stack.wait_bundles(&opts, &stack.admin_url.clone()).await;
             stack.with_envoy_log(loaded)?;
         }

@@ -186,6 +186,8 @@ pub struct StackOptions {
     /// The sidecar cluster speaks HTTP/1.1, as an Envoy configuration from before the hint
     /// stream did: the filter cannot open its stream and asks with HTTP calls.
     pub sidecar_http1: bool,
+    /// This wasm module in Envoy in place of the filter's (a benchmark's reference module).
+    pub filter_wasm: Option<std::path::PathBuf>,
 }
 
 /// A lossy transport between the nats-server and each sidecar ([`StackOptions::transport_loss`]).
@@ -239,6 +241,7 @@ impl StackOptions {
             envoy_bootstrap: None,
             workers_cluster: "workers".into(),
             sidecar_http1: false,
+            filter_wasm: None,
         }
     }
 
