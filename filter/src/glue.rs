@@ -5,8 +5,9 @@
 //! deadline passing on its tick), acts as that request to set its header and resume it.
 //!
 //! Host calls go through `hostcalls` with their errors handled: the SDK's convenience wrappers
-//! panic when a call fails, and a panic kills the VM (every later request on that worker thread
-//! would fail).
+//! panic when a call fails, and its string forms of headers panic on a value that is not UTF-8
+//! (headers are read as bytes here); a panic kills the VM (every later request on that worker
+//! thread would fail).
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -476,9 +477,15 @@ fn response_status(num_headers: usize) -> Option<String> {
     if num_headers == 0 {
         return None;
     }
-    hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
-        .ok()
-        .flatten()
+    header_text(MapType::HttpCallResponseHeaders, ":status")
+}
+
+/// A header's first value if it is there and is text. Through the SDK's bytes form: its string
+/// forms panic on a value that is not UTF-8, which Envoy passes on (obs-text) from clients and
+/// engines alike.
+fn header_text(map: MapType, name: &str) -> Option<String> {
+    let value = hostcalls::get_map_value_bytes(map, name).ok()??;
+    String::from_utf8(value).ok()
 }
 
 /// Envoy's clock (`None` when the host does not answer).
@@ -524,26 +531,24 @@ struct Request {
     asked_at: Option<SystemTime>,
 }
 
-/// A request's headers as one host call hands them over.
-struct Headers(Vec<(String, String)>);
+/// A request's headers as one host call hands them over. Values as bytes: Envoy passes on
+/// values that are not UTF-8 (obs-text), and the SDK's string forms panic on them.
+struct Headers(Vec<(String, Vec<u8>)>);
 
 impl Headers {
-    /// The first value of `name` (Envoy's names are lower case; a configured name may not be).
+    /// Whether `name` is there (Envoy's names are lower case; a configured name may not be).
+    fn has(&self, name: &str) -> bool {
+        self.0.iter().any(|(n, _)| n.eq_ignore_ascii_case(name))
+    }
+
+    /// The first value of `name`, if it is text.
     fn get(&self, name: &str) -> Option<&str> {
-        self.0
-            .iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
+        let (_, value) = self.0.iter().find(|(n, _)| n.eq_ignore_ascii_case(name))?;
+        std::str::from_utf8(value).ok()
     }
 }
 
 impl Request {
-    fn header(&self, name: &str) -> Option<String> {
-        hostcalls::get_map_value(MapType::HttpRequestHeaders, name)
-            .ok()
-            .flatten()
-    }
-
     fn set_header(&self, name: &str, value: Option<&str>) {
         self.shared.borrow().set_header(name, value);
     }
@@ -619,7 +624,7 @@ impl HttpContext for Request {
         let config = Rc::clone(&self.shared.borrow().config);
         // All of them in one host call: each is a trip across the VM's boundary, ~0.75 µs of
         // Envoy's CPU (docs/benchmarks.md, "Data path cost"), and a request needs five or more.
-        let headers = match hostcalls::get_map(MapType::HttpRequestHeaders) {
+        let headers = match hostcalls::get_map_bytes(MapType::HttpRequestHeaders) {
             Ok(headers) => Headers(headers),
             Err(_) => {
                 self.shared.borrow().bump(Counter::HostErrors, 1);
@@ -638,7 +643,7 @@ impl HttpContext for Request {
         }
         self.shared.borrow().bump(Counter::Requests, 1);
         for name in flow::routing_headers(&config) {
-            if headers.get(name).is_some() {
+            if headers.has(name) {
                 self.set_header(name, None);
             }
         }
@@ -670,7 +675,9 @@ impl HttpContext for Request {
             self.shared.borrow().bump(Counter::HostErrors, 1);
             return self.fall_back(FallbackReason::BadRequest);
         };
-        if !config.test_trap_header.is_empty() && self.header(&config.test_trap_header).is_some() {
+        if !config.test_trap_header.is_empty()
+            && header_text(MapType::HttpRequestHeaders, &config.test_trap_header).is_some()
+        {
             // Tests only (see `FilterConfig::test_trap_header`): the VM dies here.
             panic!("kvroute: test trap requested");
         }
@@ -728,11 +735,7 @@ impl HttpContext for Request {
         if self.ticket.get().is_none() {
             return Action::Continue;
         }
-        let header = |name| {
-            hostcalls::get_map_value(MapType::HttpResponseHeaders, name)
-                .ok()
-                .flatten()
-        };
+        let header = |name| header_text(MapType::HttpResponseHeaders, name);
         let decided = {
             let mut shared = self.shared.borrow_mut();
             let shared = &mut *shared;

@@ -70,6 +70,33 @@ async fn bad_input_is_served_or_rejected_by_the_engine_never_by_the_filter() {
             400,
         ),
     ];
+    // Header values Envoy passes on that are not UTF-8 (obs-text), on a routed request: one
+    // in the session header the filter reads, one in a header it does not. Several times, so
+    // every worker's VM sees them.
+    let odd = |value: &'static [u8]| reqwest::header::HeaderValue::from_bytes(value).unwrap();
+    let mut cases = cases;
+    for _ in 0..4 {
+        cases.push((
+            "header values that are not UTF-8",
+            stack
+                .http
+                .post(&chat_url)
+                .header("x-session-id", odd(b"caf\xe9"))
+                .header("x-note", odd(b"\xff\xfe"))
+                .body(chat("be brief", "hi").to_string()),
+            200,
+        ));
+    }
+    // And an engine's answer whose content type is not UTF-8.
+    let mut odd_answer = chat("be brief", "an odd answer");
+    odd_answer["sim_content_type"] = "not_utf8".into();
+    for _ in 0..4 {
+        cases.push((
+            "a response header that is not UTF-8",
+            stack.http.post(&chat_url).body(odd_answer.to_string()),
+            200,
+        ));
+    }
     for (name, req, want) in cases {
         let resp = req.send().await.unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(resp.status().as_u16(), want, "{name}");

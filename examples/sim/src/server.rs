@@ -3,8 +3,9 @@
 //! Test hooks in the request body, beside the OpenAI fields (no engine sends these shapes on
 //! purpose; tests need them to show that kvroute passes any response through unchanged):
 //! `"sim_usage": "omit"` answers without any usage, `"sim_usage": "malformed"` with
-//! `"prompt_tokens": "many"`, and `"sim_pad_bytes": n` adds an n-byte `sim_pad` string to every
-//! streamed chunk (a huge stream).
+//! `"prompt_tokens": "many"`, `"sim_pad_bytes": n` adds an n-byte `sim_pad` string to every
+//! streamed chunk (a huge stream), and `"sim_content_type": "not_utf8"` labels a JSON answer
+//! with a content type that is not UTF-8 (obs-text, which HTTP allows).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -243,7 +244,13 @@ async fn generate(engine: Arc<Engine>, body: Bytes, api: Api) -> Response {
         body["usage"] = u;
     }
     drop(running);
-    Json(body).into_response()
+    let mut response = Json(body).into_response();
+    if extras.get("sim_content_type").and_then(Value::as_str) == Some("not_utf8") {
+        if let Ok(odd) = header::HeaderValue::from_bytes(b"application/json; note=\xff") {
+            response.headers_mut().insert(header::CONTENT_TYPE, odd);
+        }
+    }
+    response
 }
 
 /// The test hooks' answer shape.
