@@ -531,8 +531,8 @@ struct Request {
     asked_at: Option<SystemTime>,
 }
 
-/// A request's headers as one host call hands them over. Values as bytes: Envoy passes on
-/// values that are not UTF-8 (obs-text), and the SDK's string forms panic on them.
+/// A request's headers as one host call hands them over, values as bytes (see
+/// [`header_text`]).
 struct Headers(Vec<(String, Vec<u8>)>);
 
 impl Headers {

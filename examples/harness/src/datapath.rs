@@ -305,6 +305,9 @@ const KVROUTE: Setup = Setup {
     floor: None,
 };
 
+/// The extra host calls of `wasm_floor_calls`.
+const FLOOR_HOST_CALLS: u32 = 20;
+
 /// `wasm_floor`: a wasm module that only waits for the body and copies it into its VM
 /// (`examples/wasm-floor`), the least any filter reading the prompt costs Envoy, so `wasm_floor −
 /// plain` is the platform's share and `filter_only − wasm_floor` the filter's own;
@@ -316,9 +319,6 @@ const KVROUTE: Setup = Setup {
 /// what reading them costs. `…_no_token_cache`: with the filter's token cache off, so each pair
 /// shows what the cache saves. `kvroute_calls`: each hint an HTTP call instead of a message on
 /// the hint stream.
-/// The extra host calls of `wasm_floor_calls`.
-const FLOOR_HOST_CALLS: u32 = 20;
-
 const SETUPS: [Setup; 10] = [
     Setup {
         name: "plain",
