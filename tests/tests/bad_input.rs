@@ -17,7 +17,7 @@ async fn bad_input_is_served_or_rejected_by_the_engine_never_by_the_filter() {
         serde_json::json!({"model": "tiny-llama", "messages": [{"role": "user", "content": big}]})
             .to_string()
     };
-    let cases: Vec<(&str, reqwest::RequestBuilder, u16)> = vec![
+    let mut cases: Vec<(&str, reqwest::RequestBuilder, u16)> = vec![
         (
             "invalid JSON",
             stack.http.post(&chat_url).body("{not json"),
@@ -74,7 +74,6 @@ async fn bad_input_is_served_or_rejected_by_the_engine_never_by_the_filter() {
     // in the session header the filter reads, one in a header it does not. Several times, so
     // every worker's VM sees them.
     let odd = |value: &'static [u8]| reqwest::header::HeaderValue::from_bytes(value).unwrap();
-    let mut cases = cases;
     for _ in 0..4 {
         cases.push((
             "header values that are not UTF-8",
