@@ -81,7 +81,7 @@ impl Shared {
 
     /// Record the microseconds from `since` to `until`.
     fn record(&self, timing: Timing, since: Option<SystemTime>, until: Option<SystemTime>) {
-        let Some(elapsed) = until.and_then(|u| u.duration_since(since?).ok()) else {
+        let Some(elapsed) = between(since, until) else {
             return;
         };
         if let Some(&id) = self.timings.get(&timing) {
@@ -307,7 +307,7 @@ impl Root {
         match shared.models.install(&body, token_cache_bytes) {
             Ok((model, version)) => {
                 let blocks = warm_up(&shared.models, &shared.config, &model);
-                let took = elapsed_since(started).unwrap_or_default();
+                let took = between(started, now()).unwrap_or_default();
                 let cache = match shared
                     .models
                     .get(&model)
@@ -493,9 +493,10 @@ fn now() -> Option<SystemTime> {
     hostcalls::get_current_time().ok()
 }
 
-/// The time since `since` on Envoy's clock (`None` without either, or if the clock went back).
-fn elapsed_since(since: Option<SystemTime>) -> Option<std::time::Duration> {
-    now()?.duration_since(since?).ok()
+/// The time from `since` to `until` on Envoy's clock (`None` without either, or if the clock
+/// went back).
+fn between(since: Option<SystemTime>, until: Option<SystemTime>) -> Option<std::time::Duration> {
+    until?.duration_since(since?).ok()
 }
 
 #[derive(PartialEq, Eq)]
@@ -536,15 +537,20 @@ struct Request {
 struct Headers(Vec<(String, Vec<u8>)>);
 
 impl Headers {
-    /// Whether `name` is there (Envoy's names are lower case; a configured name may not be).
+    /// The first value of `name` (Envoy's names are lower case; a configured name may not be).
+    fn value(&self, name: &str) -> Option<&[u8]> {
+        let (_, value) = self.0.iter().find(|(n, _)| n.eq_ignore_ascii_case(name))?;
+        Some(value)
+    }
+
+    /// Whether `name` is there.
     fn has(&self, name: &str) -> bool {
-        self.0.iter().any(|(n, _)| n.eq_ignore_ascii_case(name))
+        self.value(name).is_some()
     }
 
     /// The first value of `name`, if it is text.
     fn get(&self, name: &str) -> Option<&str> {
-        let (_, value) = self.0.iter().find(|(n, _)| n.eq_ignore_ascii_case(name))?;
-        std::str::from_utf8(value).ok()
+        std::str::from_utf8(self.value(name)?).ok()
     }
 }
 
