@@ -8,7 +8,9 @@
 //! a time (`kvroute-sim --batching`: a prefill slows its neighbours), the working set outgrows
 //! one engine's cache but fits the fleet's, their events arrive as late as real vLLM's. With
 //! `--dynamo N` the same stream and rates also run on N Dynamo mocker workers behind Dynamo's
-//! KV router, its round robin, and kvroute in pin mode.
+//! KV router, its round robin, and kvroute in pin mode. With `--vllm` the fleet is real vLLM
+//! 0.32 engines on CPU instead (`make venv-vllm`): what the simulator's cost model predicts,
+//! checked against an engine's own.
 //!
 //! Per rate: TTFT p50/p90/p99, end-to-end latency, throughput, hit rate, imbalance, errors, and
 //! the CPU each process used (on a small machine the proxy side can saturate before the
@@ -30,6 +32,7 @@ use crate::process::Process;
 use crate::report::quantile;
 use crate::stack::{Mode, SimOptions, Stack, StackOptions, MODEL};
 use crate::traces::{self, Line, TraceSpec};
+use crate::vllm::VllmOptions;
 use crate::workload::{words, ChatSpec, ChatWorkload, Rng, CHAT, COMPLETIONS};
 
 /// The TTFT target, in cold prefills of an idle fleet.
@@ -309,6 +312,8 @@ pub struct LoadBench {
     pub dynamo: crate::dynamo::DynamoOptions,
     /// Appended to the sidecar's configuration (the kvroute modes), for A/B runs.
     pub sidecar_toml: String,
+    /// Real vLLM engines instead of simulated ones ([`LoadBench::on_vllm`]).
+    pub vllm: Option<VllmOptions>,
 }
 
 impl LoadBench {
@@ -355,6 +360,7 @@ impl LoadBench {
                 sim,
                 dynamo,
                 sidecar_toml: String::new(),
+                vllm: None,
             },
             Scale::Quick => LoadBench {
                 engines,
@@ -366,6 +372,7 @@ impl LoadBench {
                 sim,
                 dynamo,
                 sidecar_toml: String::new(),
+                vllm: None,
             },
             Scale::Full => LoadBench {
                 engines,
@@ -377,13 +384,32 @@ impl LoadBench {
                 sim,
                 dynamo,
                 sidecar_toml: String::new(),
+                vllm: None,
             },
         }
     }
 
-    /// The cache per engine `workload` runs with.
+    /// The cache per engine `workload` runs with; on vLLM a workload's own holds as many
+    /// tokens as on the simulator, in vLLM's larger blocks.
     pub fn capacity(&self, workload: &LoadWorkload) -> usize {
-        self.capacity_blocks.unwrap_or(workload.capacity_blocks)
+        let own = match self.vllm {
+            Some(_) => {
+                workload.capacity_blocks * self.sim.block_size as usize
+                    / crate::vllm::BLOCK_SIZE as usize
+            }
+            None => workload.capacity_blocks,
+        };
+        self.capacity_blocks.unwrap_or(own)
+    }
+
+    /// Run the fleet's modes on real vLLM engines (as many as [`LoadBench::engines`]) instead
+    /// of simulated ones. Only Envoy's modes run there (the oracle asks the simulator's
+    /// `/oracle`; the peers and Dynamo are not set up for them).
+    pub fn on_vllm(&mut self) {
+        self.vllm = Some(VllmOptions {
+            engines: self.engines,
+            ..VllmOptions::default()
+        });
     }
 
     /// Run the oracle too ([`LoadMode::Oracle`]).
@@ -675,7 +701,7 @@ async fn cold_ttft_ms(
 /// engines, Envoy, the sidecar, and this harness (the clients).
 fn cores(before: &[(String, f64)], after: &[(String, f64)], seconds: f64) -> BTreeMap<String, f64> {
     let kind = |name: &str| {
-        ["sim", "envoy", "sidecar", "nats", "dynamo", "etcd"]
+        ["sim", "vllm", "envoy", "sidecar", "nats", "dynamo", "etcd"]
             .into_iter()
             .find(|k| name.starts_with(k))
             .unwrap_or("other")
@@ -734,8 +760,6 @@ fn point(
             *n += 1;
         }
     }
-    let mean = ok.len() as f64 / engines.max(1) as f64;
-    let max = per_engine.iter().copied().max().unwrap_or(0) as f64;
     let within = ttft.iter().filter(|&&t| t <= target_ms).count();
     let probed: Vec<&Sent> = sent
         .iter()
@@ -766,7 +790,7 @@ fn point(
         "throughput": ok.len() as f64 / seconds.max(1e-9),
         "goodput": within as f64 / seconds.max(1e-9),
         "hit_rate": if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 },
-        "imbalance": if mean > 0.0 { max / mean } else { 0.0 },
+        "imbalance": imbalance(&per_engine),
         "requests_per_engine": per_engine,
         "first_error": outcomes.iter().find(|o| !o.ok()).map(|o| format!("status {}: {}", o.status, o.error.clone().unwrap_or_default())),
     });
@@ -775,6 +799,31 @@ fn point(
         p["held_sent"] = json!(held_sent);
     }
     p
+}
+
+/// The busiest engine's requests over the fleet's mean (0 when none were served).
+fn imbalance(per_engine: &[usize]) -> f64 {
+    let total: usize = per_engine.iter().sum();
+    let max = per_engine.iter().copied().max().unwrap_or(0);
+    match total {
+        0 => 0.0,
+        _ => max as f64 * per_engine.len() as f64 / total as f64,
+    }
+}
+
+/// Requests each vLLM engine has finished so far, in fleet order; `None` off vLLM or when an
+/// engine does not answer (the step then reports no split).
+async fn vllm_served(bench: &LoadBench, stack: &Stack) -> Option<Vec<usize>> {
+    bench.vllm.as_ref()?;
+    let mut served = Vec::new();
+    for engine in &stack.engines {
+        served.push(
+            crate::vllm::served(&stack.http, &engine.address)
+                .await
+                .ok()?,
+        );
+    }
+    Some(served)
 }
 
 /// Whether a rate's TTFT p90 stays within the target with at most 1% errors.
@@ -851,6 +900,20 @@ async fn start(
         capacity_blocks,
         ..bench.sim.clone()
     };
+    if let Some(vllm) = &bench.vllm {
+        anyhow::ensure!(
+            matches!(mode, LoadMode::Sim(_)),
+            "{} does not run on real vLLM engines",
+            mode.name()
+        );
+        opts.vllm = Some(VllmOptions {
+            capacity_blocks,
+            ..vllm.clone()
+        });
+        // Engines, Envoy and the sidecar share two cores: a hint waits for a busy sidecar
+        // rather than fall back (as `kvroute-bench vllm`).
+        opts.hint_timeout_ms = 1000;
+    }
     if let Some(router) = dynamo_router {
         opts.dynamo = Some(crate::dynamo::DynamoOptions {
             router_mode: router.into(),
@@ -876,6 +939,20 @@ async fn start(
         _ => stack.envoy_url.clone(),
     };
     Ok((stack, base, process))
+}
+
+/// Cut a completion's token prompt so that it and its output fit `max_len` tokens, keeping its
+/// prefix (a trace's longest prompts exceed a small model's length); whether it was cut.
+fn fit_prompt(body: &mut Value, max_len: usize) -> bool {
+    let output = body["max_tokens"].as_u64().unwrap_or(0) as usize;
+    let keep = max_len.saturating_sub(output);
+    match body["prompt"].as_array_mut() {
+        Some(prompt) if prompt.len() > keep => {
+            prompt.truncate(keep);
+            true
+        }
+        _ => false,
+    }
 }
 
 /// The stream as a Dynamo frontend is asked it: each body asks which worker served it.
@@ -915,13 +992,18 @@ async fn run_mode(
         LoadMode::Oracle => Route::Oracle(&in_flight),
         _ => Route::Url(&url),
     };
-    // Dynamo's mockers cannot say what they hold.
-    let probe: &[String] = if mode.on_dynamo() { &[] } else { &addresses };
+    // Dynamo's mockers and vLLM cannot say what they hold.
+    let probe: &[String] = if mode.on_dynamo() || bench.vllm.is_some() {
+        &[]
+    } else {
+        &addresses
+    };
     run_step(&stack.http, &route, probe, warm_up).await;
     for (rate, sessions) in bench.rates.iter().zip(steps) {
         let (cpu0, t0) = (stack.cpu_seconds(), Instant::now());
         let harness0 = crate::process::cpu_seconds(std::process::id()).unwrap_or(0.0);
         let rules0 = hint_rules(&stack).await;
+        let served0 = vllm_served(bench, &stack).await;
         let mut sent = run_step(&stack.http, &route, probe, sessions).await;
         let seconds = t0.elapsed().as_secs_f64();
         for o in sent.iter_mut().map(|s| &mut s.outcome) {
@@ -937,6 +1019,16 @@ async fn run_mode(
             engines,
             target_ms,
         );
+        if let (Some(before), Some(after)) = (served0, vllm_served(bench, &stack).await) {
+            // vLLM does not say in a response who served it: its engines' counts do.
+            let per_engine: Vec<usize> = after
+                .iter()
+                .zip(&before)
+                .map(|(a, b)| a.saturating_sub(*b))
+                .collect();
+            p["imbalance"] = json!(imbalance(&per_engine));
+            p["requests_per_engine"] = json!(per_engine);
+        }
         let mut used = cores(&cpu0, &stack.cpu_seconds(), seconds);
         let harness = crate::process::cpu_seconds(std::process::id()).unwrap_or(0.0);
         used.insert("harness".into(), (harness - harness0) / seconds);
@@ -1009,9 +1101,25 @@ async fn run_mode(
 /// simulated one, Dynamo's), and per mode its points. A Dynamo mode whose fleet does not start
 /// (Dynamo not installed) is reported unavailable.
 async fn run_workload(bench: &LoadBench, workload: &LoadWorkload) -> Result<Value> {
-    let steps = plan(workload, &bench.rates, bench.step)?;
+    let mut steps = plan(workload, &bench.rates, bench.step)?;
     let dynamo_steps = naming_workers(&steps);
-    let cold = workload.cold_prompts()?;
+    let mut cold = workload.cold_prompts()?;
+    if bench.vllm.is_some() {
+        let bodies = steps.iter_mut().flatten().flat_map(|s| s.turns.iter_mut());
+        let clipped = bodies
+            .map(|(_, body)| body)
+            .chain(cold.iter_mut().map(|(_, body)| body))
+            .map(|body| fit_prompt(body, crate::vllm::MAX_MODEL_LEN))
+            .filter(|&cut| cut)
+            .count();
+        if clipped > 0 {
+            println!(
+                "load: {}: {clipped} prompts cut to fit vLLM's {} tokens (their prefixes kept)",
+                workload.name,
+                crate::vllm::MAX_MODEL_LEN
+            );
+        }
+    }
     let (mut sim_target, mut dynamo_target) = (None, None);
     let mut modes = serde_json::Map::new();
     for &mode in &bench.modes {
@@ -1068,15 +1176,24 @@ pub async fn run(bench: &LoadBench, out: &Path) -> Result<Value> {
     }
     let doc = json!({
         "engines": bench.engines,
+        "vllm": bench.vllm.is_some(),
         "dynamo_workers": bench.dynamo.aggregated,
         "step_s": bench.step.as_secs_f64(),
         "target_multiple_of_cold_ttft": TARGET_MULTIPLE,
-        "engine": {
-            "prefill_us_per_token": bench.sim.prefill_us_per_token,
-            "step_us": bench.sim.decode_us_per_token,
-            "decode_us_per_seq": bench.sim.batching,
-            "max_running": bench.sim.max_running,
-            "event_delay_ms": bench.sim.event_delay_ms,
+        "engine": match &bench.vllm {
+            Some(v) => json!({
+                "vllm": "0.32 (CPU)",
+                "block_size": crate::vllm::BLOCK_SIZE,
+                "max_num_seqs": v.max_num_seqs,
+                "max_model_len": crate::vllm::MAX_MODEL_LEN,
+            }),
+            None => json!({
+                "prefill_us_per_token": bench.sim.prefill_us_per_token,
+                "step_us": bench.sim.decode_us_per_token,
+                "decode_us_per_seq": bench.sim.batching,
+                "max_running": bench.sim.max_running,
+                "event_delay_ms": bench.sim.event_delay_ms,
+            }),
         },
         "workloads": workloads,
     });
@@ -1094,7 +1211,13 @@ pub fn markdown(doc: &Value) -> String {
     for (name, w) in doc["workloads"].as_object().into_iter().flatten() {
         // Each fleet that ran has its own target.
         let fleets: Vec<String> = [
-            ("", format!("{} simulated engines", doc["engines"])),
+            (
+                "",
+                match doc["vllm"] == true {
+                    true => format!("{} real vLLM engines", doc["engines"]),
+                    false => format!("{} simulated engines", doc["engines"]),
+                },
+            ),
             (
                 "dynamo_",
                 format!("{} Dynamo mocker workers", doc["dynamo_workers"]),
@@ -1259,6 +1382,31 @@ mod tests {
 
     /// The highest rate counts from the bottom: a rate within the target above one that missed
     /// does not count.
+    #[test]
+    fn a_prompt_is_cut_to_fit_with_its_output_and_its_prefix_kept() {
+        let mut long = json!({"prompt": (0..100).collect::<Vec<u32>>(), "max_tokens": 8});
+        assert!(fit_prompt(&mut long, 50));
+        let kept: Vec<u64> = long["prompt"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(Value::as_u64)
+            .collect();
+        assert_eq!(kept, (0..42).collect::<Vec<u64>>());
+        let mut short = json!({"prompt": [1, 2, 3], "max_tokens": 8});
+        assert!(!fit_prompt(&mut short, 50));
+        let mut chat = json!({"messages": [], "max_tokens": 8});
+        assert!(!fit_prompt(&mut chat, 1));
+    }
+
+    #[test]
+    fn imbalance_is_the_busiest_over_the_mean() {
+        assert_eq!(imbalance(&[3, 1]), 1.5);
+        assert_eq!(imbalance(&[2, 2, 2, 2]), 1.0);
+        assert_eq!(imbalance(&[0, 0]), 0.0);
+        assert_eq!(imbalance(&[]), 0.0);
+    }
+
     #[test]
     fn the_highest_rate_within_target_counts_from_the_bottom() {
         let p = |rate: f64, p90: f64, errors: u64| json!({"rate": rate, "ttft_p90_ms": p90, "errors": errors, "requests": 100, "goodput": rate});

@@ -175,18 +175,7 @@ async fn run_mode(
     }
     let mut per_engine = Vec::new();
     for engine in &stack.engines {
-        per_engine.push(served(&stack.http, &engine.address).await?);
+        per_engine.push(crate::vllm::served(&stack.http, &engine.address).await?);
     }
     Ok((outcomes, per_engine))
-}
-
-/// Requests an engine finished, from its `/metrics`.
-async fn served(http: &reqwest::Client, address: &str) -> Result<usize> {
-    let text = http
-        .get(format!("http://{address}/metrics"))
-        .send()
-        .await?
-        .text()
-        .await?;
-    Ok(crate::prometheus::sum(&text, "vllm:request_success_total{") as usize)
 }

@@ -16,6 +16,9 @@ use crate::process::{free_port, Process};
 /// KV block size: vLLM's CPU attention needs 32.
 pub const BLOCK_SIZE: u32 = 32;
 
+/// Tokens of prompt and output a request may have (`--max-model-len`: the model's own limit).
+pub const MAX_MODEL_LEN: usize = 2048;
+
 /// What to start.
 #[derive(Debug, Clone)]
 pub struct VllmOptions {
@@ -114,7 +117,11 @@ pub fn spawn(opts: &VllmOptions, engine: &EngineInfo, dir: &Path) -> Result<Proc
             &opts.capacity_blocks.to_string(),
         ])
         .args(["--max-num-seqs", &opts.max_num_seqs.to_string()])
-        .args(["--max-model-len", "2048", "--enforce-eager"])
+        .args([
+            "--max-model-len",
+            &MAX_MODEL_LEN.to_string(),
+            "--enforce-eager",
+        ])
         .arg("--enable-prompt-tokens-details")
         // SIGTERM lets running requests finish (the default, 0, aborts their streams mid-way,
         // which no proxy can retry once a token reached the client).
@@ -191,4 +198,16 @@ pub async fn start(
     }
     processes.extend(running);
     Ok(engines)
+}
+
+/// Requests the engine at `address` finished so far, from its `/metrics` (vLLM does not say in
+/// a response who served it).
+pub async fn served(http: &reqwest::Client, address: &str) -> Result<usize> {
+    let text = http
+        .get(format!("http://{address}/metrics"))
+        .send()
+        .await?
+        .text()
+        .await?;
+    Ok(crate::prometheus::sum(&text, "vllm:request_success_total{") as usize)
 }

@@ -76,7 +76,7 @@ enum Command {
     /// the same request stream; per mode the highest rate whose TTFT p90 stays within the
     /// target.
     Load {
-        /// Simulated engines.
+        /// Engines (simulated, or real vLLM with `--vllm`).
         #[arg(long, default_value_t = 8)]
         engines: usize,
         /// The short run `make test` holds.
@@ -116,6 +116,10 @@ enum Command {
         /// Only these modes (comma-separated, as in the report).
         #[arg(long, value_delimiter = ',')]
         modes: Option<Vec<String>>,
+        /// Real vLLM 0.32 engines on CPU (`make venv-vllm`; `--engines` of them) instead of
+        /// simulated ones: Envoy's modes only; token prompts cut to the model's length.
+        #[arg(long)]
+        vllm: bool,
     },
     /// KV events at a ladder of rates, then a burst, on one event plane: what one sidecar
     /// applies and indexes, against what was published.
@@ -505,6 +509,7 @@ async fn main() -> Result<()> {
             oracle,
             sidecar_toml,
             modes,
+            vllm,
         } => {
             use kvroute_harness::bench_load::{markdown, run, LoadBench, LoadWorkload};
             let scale = if smoke { Scale::Smoke } else { scale };
@@ -532,6 +537,9 @@ async fn main() -> Result<()> {
             }
             if peers {
                 bench.with_peers();
+            }
+            if vllm {
+                bench.on_vllm();
             }
             bench.sidecar_toml = sidecar_toml;
             if let Some(names) = modes {
