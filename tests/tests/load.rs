@@ -51,6 +51,12 @@ async fn the_ladder_runs_and_kvroute_keeps_prefixes_round_robin_evicts() {
                     );
                 }
                 assert!(p["requests"].as_u64().unwrap() > 0, "{p}");
+                // The filter's own timings, where it runs: kvroute asks for hints.
+                let pause = p["hint_pause_p50_us"].as_f64();
+                match mode {
+                    "kvroute" => assert!(pause.is_some_and(|us| us > 0.0), "{p}"),
+                    _ => assert!(pause.is_none(), "{p}"),
+                }
                 p["hit_rate"].as_f64().unwrap()
             })
             .collect()

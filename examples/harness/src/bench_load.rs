@@ -12,9 +12,10 @@
 //! 0.32 engines on CPU instead (`make venv-vllm`): what the simulator's cost model predicts,
 //! checked against an engine's own.
 //!
-//! Per rate: TTFT p50/p90/p99, end-to-end latency, throughput, hit rate, imbalance, errors, and
-//! the CPU each process used (on a small machine the proxy side can saturate before the
-//! engines: the report says which did). Per mode: the highest rate whose TTFT p90 stays within
+//! Per rate: TTFT p50/p90/p99, end-to-end latency, throughput, hit rate, imbalance, errors, the
+//! filter's preparation and pause for the hint (its own histograms in Envoy), and the CPU each
+//! process used (on a small machine the proxy side can saturate before the engines: the report
+//! says which did). Per mode: the highest rate whose TTFT p90 stays within
 //! the target — [`TARGET_MULTIPLE`] × the TTFT of a cold prompt on an idle fleet, measured at
 //! the start of the run — and its goodput (requests a second answered within the target).
 
@@ -40,6 +41,16 @@ pub const TARGET_MULTIPLE: f64 = 2.0;
 
 /// A mode's ladder stops after this many rates past the target: higher ones only queue more.
 const PAST_SATURATION: usize = 2;
+
+/// Envoy's stats flush in the ladder's stacks: the filter's histograms are read per rate.
+const STATS_FLUSH_MS: u64 = 500;
+
+/// The filter's histograms each rate reports quantiles of: its preparation and its pause for
+/// the hint (µs, recorded inside Envoy), `(histogram, key prefix in the point)`.
+const FILTER_TIMINGS: [(&str, &str); 2] = [
+    ("wasmcustom.kvroute.prepare_us", "filter_prepare"),
+    ("wasmcustom.kvroute.hint_pause_us", "hint_pause"),
+];
 
 /// A request not answered within this long is an error (keeps every step bounded).
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
@@ -811,6 +822,16 @@ fn imbalance(per_engine: &[usize]) -> f64 {
     }
 }
 
+/// The filter's [`FILTER_TIMINGS`] histograms so far (each empty where no Envoy runs the
+/// filter).
+async fn filter_timings(stack: &Stack) -> Vec<Vec<crate::stack::Bucket>> {
+    let mut all = Vec::new();
+    for (name, _) in FILTER_TIMINGS {
+        all.push(stack.envoy_histogram(name).await.unwrap_or_default());
+    }
+    all
+}
+
 /// Requests each vLLM engine has finished so far, in fleet order; `None` off vLLM or when an
 /// engine does not answer (the step then reports no split).
 async fn vllm_served(bench: &LoadBench, stack: &Stack) -> Option<Vec<usize>> {
@@ -896,6 +917,7 @@ async fn start(
     };
     let mut opts = StackOptions::new(&name, stack_mode);
     opts.sidecar_toml = bench.sidecar_toml.clone();
+    opts.envoy_stats_flush_ms = Some(STATS_FLUSH_MS);
     opts.sim = SimOptions {
         capacity_blocks,
         ..bench.sim.clone()
@@ -1004,6 +1026,7 @@ async fn run_mode(
         let harness0 = crate::process::cpu_seconds(std::process::id()).unwrap_or(0.0);
         let rules0 = hint_rules(&stack).await;
         let served0 = vllm_served(bench, &stack).await;
+        let timings0 = filter_timings(&stack).await;
         let mut sent = run_step(&stack.http, &route, probe, sessions).await;
         let seconds = t0.elapsed().as_secs_f64();
         for o in sent.iter_mut().map(|s| &mut s.outcome) {
@@ -1028,6 +1051,19 @@ async fn run_mode(
                 .collect();
             p["imbalance"] = json!(imbalance(&per_engine));
             p["requests_per_engine"] = json!(per_engine);
+        }
+        // What the filter spent of each request's TTFT, where it ran (not on Dynamo's own
+        // router nor the peers').
+        if timings0.iter().any(|h| !h.is_empty()) {
+            tokio::time::sleep(Duration::from_millis(3 * STATS_FLUSH_MS)).await;
+            let timings = filter_timings(&stack).await;
+            for ((before, after), (_, key)) in timings0.iter().zip(&timings).zip(FILTER_TIMINGS) {
+                for (q, name) in [(0.5, "p50"), (0.9, "p90"), (0.99, "p99")] {
+                    if let Some(us) = crate::stack::quantile_between(before, after, q) {
+                        p[format!("{key}_{name}_us")] = json!(us);
+                    }
+                }
+            }
         }
         let mut used = cores(&cpu0, &stack.cpu_seconds(), seconds);
         let harness = crate::process::cpu_seconds(std::process::id()).unwrap_or(0.0);
