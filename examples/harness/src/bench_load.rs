@@ -1416,8 +1416,8 @@ mod tests {
         }
     }
 
-    /// The highest rate counts from the bottom: a rate within the target above one that missed
-    /// does not count.
+    /// On vLLM a trace's token prompt longer than the model's length is cut to its prefix; a
+    /// chat body is left as it is.
     #[test]
     fn a_prompt_is_cut_to_fit_with_its_output_and_its_prefix_kept() {
         let mut long = json!({"prompt": (0..100).collect::<Vec<u32>>(), "max_tokens": 8});
@@ -1435,6 +1435,7 @@ mod tests {
         assert!(!fit_prompt(&mut chat, 1));
     }
 
+    /// Imbalance is the busiest engine's requests over the mean; nothing served is 0.
     #[test]
     fn imbalance_is_the_busiest_over_the_mean() {
         assert_eq!(imbalance(&[3, 1]), 1.5);
@@ -1443,6 +1444,8 @@ mod tests {
         assert_eq!(imbalance(&[]), 0.0);
     }
 
+    /// The highest rate counts from the bottom: a rate within the target above one that missed
+    /// does not count.
     #[test]
     fn the_highest_rate_within_target_counts_from_the_bottom() {
         let p = |rate: f64, p90: f64, errors: u64| json!({"rate": rate, "ttft_p90_ms": p90, "errors": errors, "requests": 100, "goodput": rate});
