@@ -25,6 +25,8 @@ async fn the_ladder_runs_and_kvroute_keeps_prefixes_round_robin_evicts() {
     let hit = |mode: &str| -> Vec<f64> {
         let m = &w["modes"][mode];
         assert_eq!(m["available"], true, "{m}");
+        let sidecar = m["sidecar_hint_p50_us_bucket_bound"].as_f64();
+        assert_eq!(sidecar.is_some(), mode == "kvroute", "{m}");
         assert!(m["max_rate_within_target"].is_f64(), "{m}");
         let points = m["points"].as_array().unwrap();
         assert_eq!(points.len(), bench.rates.len(), "{m}");

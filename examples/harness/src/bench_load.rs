@@ -1126,11 +1126,20 @@ async fn run_mode(
         workload.name,
         mode.name()
     );
-    Ok(
-        json!({"available": true, "cold_ttft_ms": cold_ms, "target_ttft_ms": target_ms,
-              "max_rate_within_target": max_rate, "goodput": goodput,
-              "saturated_by": saturated_by, "points": points}),
-    )
+    let mut result = json!({"available": true, "cold_ttft_ms": cold_ms, "target_ttft_ms": target_ms,
+          "max_rate_within_target": max_rate, "goodput": goodput,
+          "saturated_by": saturated_by, "points": points});
+    // The sidecar's own time per hint over the whole ladder, beside the filter's pause per
+    // rate: what the pause spends outside the sidecar is transport and the wait for a core.
+    if let Ok(metrics) = stack.sidecar_metrics().await {
+        for (q, name) in [(0.5, "p50"), (0.9, "p90"), (0.99, "p99")] {
+            let at = crate::prometheus::histogram_quantile(&metrics, "kvroute_hint_seconds", q);
+            if let Some(seconds) = at {
+                result[format!("sidecar_hint_{name}_us_bucket_bound")] = json!(seconds * 1e6);
+            }
+        }
+    }
+    Ok(result)
 }
 
 /// Run every mode's ladder of one workload: the cold TTFT and target of each fleet (the
