@@ -836,15 +836,7 @@ async fn filter_timings(stack: &Stack) -> Vec<Vec<crate::stack::Bucket>> {
 /// engine does not answer (the step then reports no split).
 async fn vllm_served(bench: &LoadBench, stack: &Stack) -> Option<Vec<usize>> {
     bench.vllm.as_ref()?;
-    let mut served = Vec::new();
-    for engine in &stack.engines {
-        served.push(
-            crate::vllm::served(&stack.http, &engine.address)
-                .await
-                .ok()?,
-        );
-    }
-    Some(served)
+    crate::vllm::served(&stack.http, &stack.engines).await.ok()
 }
 
 /// Whether a rate's TTFT p90 stays within the target with at most 1% errors.

@@ -173,9 +173,6 @@ async fn run_mode(
         eprintln!("  hinted matches {promised} tokens, engines' cached tokens {cached}");
         stack.save_explain().await?;
     }
-    let mut per_engine = Vec::new();
-    for engine in &stack.engines {
-        per_engine.push(crate::vllm::served(&stack.http, &engine.address).await?);
-    }
+    let per_engine = crate::vllm::served(&stack.http, &stack.engines).await?;
     Ok((outcomes, per_engine))
 }

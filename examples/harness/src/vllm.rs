@@ -200,14 +200,18 @@ pub async fn start(
     Ok(engines)
 }
 
-/// Requests the engine at `address` finished so far, from its `/metrics` (vLLM does not say in
-/// a response who served it).
-pub async fn served(http: &reqwest::Client, address: &str) -> Result<usize> {
-    let text = http
-        .get(format!("http://{address}/metrics"))
-        .send()
-        .await?
-        .text()
-        .await?;
-    Ok(crate::prometheus::sum(&text, "vllm:request_success_total{") as usize)
+/// Requests each of `engines` finished so far, in their order, from their `/metrics` (vLLM
+/// does not say in a response who served it).
+pub async fn served(http: &reqwest::Client, engines: &[EngineInfo]) -> Result<Vec<usize>> {
+    let mut served = Vec::new();
+    for engine in engines {
+        let text = http
+            .get(format!("http://{}/metrics", engine.address))
+            .send()
+            .await?
+            .text()
+            .await?;
+        served.push(crate::prometheus::sum(&text, "vllm:request_success_total{") as usize);
+    }
+    Ok(served)
 }
