@@ -5,8 +5,11 @@
 //! groups' prefixes outgrow one engine's cache, so spreading them evicts), and so does the
 //! oracle; a peer router that cannot start is reported unavailable and the ladder goes on. What
 //! the engines held just before each request is probed for every mode: the oracle, which sends
-//! each request where the most is held, sent where the probe saw the most. `make bench-load`
-//! runs the whole ladder. The conversation trace replays through kvroute at its own timestamps.
+//! each request where the most is held, sent where the probe saw the most. The modes run
+//! interleaved (each rate on every fleet in turn, the order reversed at the next rate), and every
+//! request is in `requests.jsonl` with Envoy's split of its time where kvroute held it.
+//! `make bench-load` runs the whole ladder. The conversation trace replays through kvroute at
+//! its own timestamps, the modes one after the other.
 
 use kvroute_harness::bench::Scale;
 use kvroute_harness::bench_load::{run, LoadBench, LoadMode, LoadWorkload, Source};
@@ -19,6 +22,7 @@ async fn the_ladder_runs_and_kvroute_keeps_prefixes_round_robin_evicts() {
     let mut bench = LoadBench::new(Scale::Smoke, 4);
     bench.modes.push(LoadMode::Oracle);
     bench.modes.push(LoadMode::Peer("no-such-router"));
+    bench.interleave = true;
     let doc = run(&bench, &out).await.unwrap();
     let w = &doc["workloads"]["shared_prefix"];
     assert!(w["target_ttft_ms"].as_f64().unwrap() > 0.0, "{w}");
@@ -74,6 +78,46 @@ async fn the_ladder_runs_and_kvroute_keeps_prefixes_round_robin_evicts() {
     let missing = &w["modes"]["no-such-router"];
     assert_eq!(missing["available"], false, "{missing}");
     assert!(out.join("load.png").exists() && out.join("load.md").exists());
+    the_requests_are_recorded(&w["modes"], &out.join("requests.jsonl"), &bench.rates);
+}
+
+/// `requests.jsonl` holds every request each mode's points count, each with its engine;
+/// kvroute's with how long Envoy held it and the engine's time to answer (its access log); the
+/// modes took turns, the first at one rate last at the next.
+fn the_requests_are_recorded(modes: &serde_json::Value, path: &std::path::Path, rates: &[f64]) {
+    let text = std::fs::read_to_string(path).unwrap();
+    let records: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for mode in ["round_robin", "kvroute", "oracle"] {
+        let mine: Vec<&serde_json::Value> = records.iter().filter(|r| r["mode"] == mode).collect();
+        let counted: u64 = modes[mode]["points"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["requests"].as_u64().unwrap())
+            .sum();
+        assert_eq!(mine.len() as u64, counted, "{mode}");
+        for r in &mine {
+            assert!(
+                r["engine"].is_u64() && r["ttft_ms"].as_f64() > Some(0.0),
+                "{r}"
+            );
+            if mode == "kvroute" {
+                assert!(r["held_us"].as_i64() >= Some(0), "{r}");
+                assert!(r["upstream_us"].as_i64() > Some(0), "{r}");
+            }
+        }
+    }
+    let order = |rate: f64| {
+        let r = records
+            .iter()
+            .find(|r| r["mode"] == "round_robin" && r["rate"] == rate)
+            .unwrap();
+        r["order"].as_u64().unwrap()
+    };
+    assert_eq!((order(rates[0]), order(rates[1])), (0, 2));
 }
 
 /// The Mooncake conversation trace on the ladder through kvroute: its requests (completions of

@@ -18,8 +18,11 @@
 //! says which did). Per mode: the highest rate whose TTFT p90 stays within
 //! the target — [`TARGET_MULTIPLE`] × the TTFT of a cold prompt on an idle fleet, measured at
 //! the start of the run — and its goodput (requests a second answered within the target).
+//! Beside the report, `requests.jsonl` holds every request: when it was sent, its TTFT, its
+//! prompt and cached tokens, the engine (from Envoy's access log where the answer does not say),
+//! and Envoy's split of its TTFT: held after its last byte, the engine's time to respond.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -28,7 +31,7 @@ use anyhow::{Context as _, Result};
 use serde_json::{json, Value};
 
 use crate::bench::Scale;
-use crate::client::{oracle_cached_all, send_streaming, Outcome};
+use crate::client::{oracle_cached_all, send_streaming, send_streaming_as, Outcome};
 use crate::process::Process;
 use crate::report::quantile;
 use crate::stack::{Mode, SimOptions, Stack, StackOptions, MODEL};
@@ -325,6 +328,9 @@ pub struct LoadBench {
     pub sidecar_toml: String,
     /// Real vLLM engines instead of simulated ones ([`LoadBench::on_vllm`]).
     pub vllm: Option<VllmOptions>,
+    /// Start every mode's fleet first and run each rate on all of them in turn, instead of one
+    /// mode's whole ladder after another's ([`run_interleaved`]).
+    pub interleave: bool,
 }
 
 impl LoadBench {
@@ -372,6 +378,7 @@ impl LoadBench {
                 dynamo,
                 sidecar_toml: String::new(),
                 vllm: None,
+                interleave: false,
             },
             Scale::Quick => LoadBench {
                 engines,
@@ -384,6 +391,7 @@ impl LoadBench {
                 dynamo,
                 sidecar_toml: String::new(),
                 vllm: None,
+                interleave: false,
             },
             Scale::Full => LoadBench {
                 engines,
@@ -396,6 +404,7 @@ impl LoadBench {
                 dynamo,
                 sidecar_toml: String::new(),
                 vllm: None,
+                interleave: false,
             },
         }
     }
@@ -612,6 +621,10 @@ enum Route<'a> {
 /// One request sent and what the engines held of its prompt just before.
 struct Sent {
     outcome: Outcome,
+    /// When it was sent, from the step's start.
+    at: Duration,
+    /// Its `x-request-id`, which Envoy's access log names with the engine it went to.
+    id: String,
     /// Leading prompt blocks each engine held (its `/oracle`), in fleet order; empty where the
     /// engines cannot be asked (Dynamo's mockers).
     held: Vec<u64>,
@@ -658,16 +671,22 @@ async fn run_step(
     route: &Route<'_>,
     probe: &[String],
     sessions: &[Planned],
+    step: &str,
 ) -> Vec<Sent> {
     let start = tokio::time::Instant::now();
-    let runs = sessions.iter().map(|s| async move {
+    let runs = sessions.iter().enumerate().map(|(n, s)| async move {
         tokio::time::sleep_until(start + s.at).await;
         let mut sent = Vec::new();
-        for (think, body) in &s.turns {
+        for (turn, (think, body)) in s.turns.iter().enumerate() {
             tokio::time::sleep(*think).await;
             let (url, engine, held) = route.pick(http, probe, s.path, body).await;
-            let answer =
-                tokio::time::timeout(REQUEST_TIMEOUT, send_streaming(http, &url, body)).await;
+            let id = format!("{step}-{n}-{turn}");
+            let at = start.elapsed();
+            let answer = tokio::time::timeout(
+                REQUEST_TIMEOUT,
+                send_streaming_as(http, &url, body, Some(&id)),
+            )
+            .await;
             route.done(engine);
             let outcome = match answer {
                 Ok(o) => o,
@@ -677,7 +696,12 @@ async fn run_step(
                 },
             };
             let failed = !outcome.ok();
-            sent.push(Sent { outcome, held });
+            sent.push(Sent {
+                outcome,
+                at,
+                id,
+                held,
+            });
             if failed {
                 break;
             }
@@ -812,6 +836,61 @@ fn point(
     p
 }
 
+/// One line of `requests.jsonl`: what one request of the step at `rate` saw, for reading a
+/// rate's quantiles apart (TTFT against the prompt's uncached tokens, the engine, the load).
+fn request_record(rate: f64, s: &Sent) -> Value {
+    let o = &s.outcome;
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    json!({
+        "rate": rate,
+        "id": s.id,
+        "at_ms": ms(s.at),
+        "ok": o.ok(),
+        "ttft_ms": ms(o.ttft),
+        "e2e_ms": ms(o.latency),
+        "prompt_tokens": o.prompt_tokens,
+        "cached_tokens": o.cached_tokens,
+        "engine": o.engine,
+        "held": s.held,
+    })
+}
+
+/// What Envoy's access log says of each record's request (its `request_id=` is the record's
+/// id): the engine it went to where the record has none (vLLM's answers do not say; `upstream=`
+/// is one of `engines`, `ip:port`), and how long Envoy held it after its last byte
+/// (`held_us`: the filter's work and its wait for a hint) and the engine took to its first
+/// response byte (`upstream_us`).
+fn from_access_log(records: &mut [Value], log: &str, engines: &[String]) {
+    let field = |line: &'_ str, key: &str| -> Option<String> {
+        let rest = &line[line.find(key)? + key.len()..];
+        Some(
+            rest.split_whitespace()
+                .next()
+                .unwrap_or_default()
+                .to_owned(),
+        )
+    };
+    let lines: HashMap<String, &str> = log
+        .lines()
+        .filter_map(|line| Some((field(line, " request_id=")?, line)))
+        .collect();
+    for r in records.iter_mut() {
+        let Some(&line) = r["id"].as_str().and_then(|id| lines.get(id)) else {
+            continue;
+        };
+        let upstream = field(line, " upstream=");
+        let engine = upstream.and_then(|u| engines.iter().position(|e| *e == u));
+        if let (true, Some(engine)) = (r["engine"].is_null(), engine) {
+            r["engine"] = json!(engine);
+        }
+        for key in ["held_us", "upstream_us"] {
+            if let Some(us) = field(line, &format!(" {key}=")).and_then(|v| v.parse::<i64>().ok()) {
+                r[key] = json!(us);
+            }
+        }
+    }
+}
+
 /// The busiest engine's requests over the fleet's mean (0 when none were served).
 fn imbalance(per_engine: &[usize]) -> f64 {
     let total: usize = per_engine.iter().sum();
@@ -910,6 +989,7 @@ async fn start(
     let mut opts = StackOptions::new(&name, stack_mode);
     opts.sidecar_toml = bench.sidecar_toml.clone();
     opts.envoy_stats_flush_ms = Some(STATS_FLUSH_MS);
+    opts.envoy_log_flush_ms = Some(STATS_FLUSH_MS);
     opts.sim = SimOptions {
         capacity_blocks,
         ..bench.sim.clone()
@@ -978,63 +1058,128 @@ fn naming_workers(steps: &[Vec<Planned>]) -> Vec<Vec<Planned>> {
     steps
 }
 
-/// One mode's ladder: its points, the highest rate within the target, where it saturated.
-/// `target` is the fleet's (measured with the `cold` prompts on the first mode to run on it).
-async fn run_mode(
-    bench: &LoadBench,
-    workload: &LoadWorkload,
+/// One mode's fleet and what its ladder measured so far. A ladder runs its rates one after the
+/// other ([`run_mode`]), or in turn with other modes' ladders, each on its own fleet, rate by
+/// rate ([`LoadBench::interleave`]).
+struct Ladder {
     mode: LoadMode,
-    steps: &[Vec<Planned>],
-    cold: &[(&'static str, Value)],
-    target: &mut Option<(f64, f64)>,
-) -> Result<Value> {
-    let (mut stack, url, _peer) = start(bench, workload, mode).await?;
-    let cold_ms = cold_ttft_ms(&stack.http, &url, cold).await?;
-    let (_, target_ms) = *target.get_or_insert((cold_ms, TARGET_MULTIPLE * cold_ms));
-    // Dynamo names the worker by instance id; reports number them in the fleet's order.
-    let ids: Vec<u64> = stack.engines.iter().map(|e| e.dynamo_worker_id).collect();
-    let engines = if mode.on_dynamo() {
-        ids.len()
-    } else {
-        bench.engines
-    };
-    let (mut points, mut past) = (Vec::new(), 0);
-    let (warm_up, steps) = steps.split_first().context("an empty ladder")?;
-    let addresses: Vec<String> = stack.engines.iter().map(|e| e.address.clone()).collect();
-    let in_flight: Vec<AtomicUsize> = addresses.iter().map(|_| AtomicUsize::new(0)).collect();
-    let route = match mode {
-        LoadMode::Oracle => Route::Oracle(&in_flight),
-        _ => Route::Url(&url),
-    };
-    // Dynamo's mockers and vLLM cannot say what they hold.
-    let probe: &[String] = if mode.on_dynamo() || bench.vllm.is_some() {
-        &[]
-    } else {
-        &addresses
-    };
-    run_step(&stack.http, &route, probe, warm_up).await;
-    for (rate, sessions) in bench.rates.iter().zip(steps) {
+    stack: Stack,
+    url: String,
+    _peer: Option<Process>,
+    cold_ms: f64,
+    /// Engines a point counts requests against.
+    engines: usize,
+    /// Dynamo names the worker by instance id; reports number them in the fleet's order.
+    ids: Vec<u64>,
+    addresses: Vec<String>,
+    /// [`LoadMode::Oracle`]'s requests in flight per engine.
+    in_flight: Vec<AtomicUsize>,
+    points: Vec<Value>,
+    /// Every request ([`request_record`]).
+    requests: Vec<Value>,
+    /// Rates past the target so far.
+    past: usize,
+}
+
+impl Ladder {
+    /// Start `mode`'s fleet and measure its cold TTFT with the `cold` prompts; `target` is the
+    /// fleet kind's (set from the first mode started on it).
+    async fn start(
+        bench: &LoadBench,
+        workload: &LoadWorkload,
+        mode: LoadMode,
+        cold: &[(&'static str, Value)],
+        target: &mut Option<(f64, f64)>,
+    ) -> Result<Self> {
+        let (stack, url, peer) = start(bench, workload, mode).await?;
+        let cold_ms = cold_ttft_ms(&stack.http, &url, cold).await?;
+        target.get_or_insert((cold_ms, TARGET_MULTIPLE * cold_ms));
+        let ids: Vec<u64> = stack.engines.iter().map(|e| e.dynamo_worker_id).collect();
+        let engines = if mode.on_dynamo() {
+            ids.len()
+        } else {
+            bench.engines
+        };
+        let addresses: Vec<String> = stack.engines.iter().map(|e| e.address.clone()).collect();
+        Ok(Ladder {
+            mode,
+            in_flight: addresses.iter().map(|_| AtomicUsize::new(0)).collect(),
+            stack,
+            url,
+            _peer: peer,
+            cold_ms,
+            engines,
+            ids,
+            addresses,
+            points: Vec::new(),
+            requests: Vec::new(),
+            past: 0,
+        })
+    }
+
+    fn route(&self) -> Route<'_> {
+        match self.mode {
+            LoadMode::Oracle => Route::Oracle(&self.in_flight),
+            _ => Route::Url(&self.url),
+        }
+    }
+
+    /// The engines asked what they hold before each request: Dynamo's mockers and vLLM cannot
+    /// say.
+    fn probe(&self, bench: &LoadBench) -> &[String] {
+        if self.mode.on_dynamo() || bench.vllm.is_some() {
+            &[]
+        } else {
+            &self.addresses
+        }
+    }
+
+    /// The unmeasured first step (a fleet in service is warm).
+    async fn warm_up(&self, bench: &LoadBench, sessions: &[Planned]) {
+        let probe = self.probe(bench);
+        run_step(&self.stack.http, &self.route(), probe, sessions, "warm-up").await;
+    }
+
+    /// Whether its ladder stopped, [`PAST_SATURATION`] rates past the target.
+    fn stopped(&self) -> bool {
+        self.past >= PAST_SATURATION
+    }
+
+    /// Run one rate's sessions and record its point; `order` is this ladder's turn at this
+    /// rate (0: it ran first).
+    async fn step(
+        &mut self,
+        bench: &LoadBench,
+        workload: &LoadWorkload,
+        rate: f64,
+        sessions: &[Planned],
+        target_ms: f64,
+        order: usize,
+    ) {
+        let stack = &self.stack;
         let (cpu0, t0) = (stack.cpu_seconds(), Instant::now());
         let harness0 = crate::process::cpu_seconds(std::process::id()).unwrap_or(0.0);
-        let rules0 = hint_rules(&stack).await;
-        let served0 = vllm_served(bench, &stack).await;
-        let timings0 = filter_timings(&stack).await;
-        let mut sent = run_step(&stack.http, &route, probe, sessions).await;
+        let rules0 = hint_rules(stack).await;
+        let served0 = vllm_served(bench, stack).await;
+        let timings0 = filter_timings(stack).await;
+        let probe = self.probe(bench);
+        let tag = format!("{rate}");
+        let mut sent = run_step(&stack.http, &self.route(), probe, sessions, &tag).await;
         let seconds = t0.elapsed().as_secs_f64();
         for o in sent.iter_mut().map(|s| &mut s.outcome) {
             if let Some((worker, _)) = o.dynamo_workers {
-                o.engine = ids.iter().position(|&id| id == worker);
+                o.engine = self.ids.iter().position(|&id| id == worker);
             }
         }
         let mut p = point(
-            *rate,
+            rate,
             &sent,
             bench.sim.block_size,
             seconds,
-            engines,
+            self.engines,
             target_ms,
         );
-        if let (Some(before), Some(after)) = (served0, vllm_served(bench, &stack).await) {
+        if let (Some(before), Some(after)) = (served0, vllm_served(bench, stack).await) {
             // vLLM does not say in a response who served it: its engines' counts do.
             let per_engine: Vec<usize> = after
                 .iter()
@@ -1048,7 +1193,7 @@ async fn run_mode(
         // router nor the peers').
         if timings0.iter().any(|h| !h.is_empty()) {
             tokio::time::sleep(Duration::from_millis(3 * STATS_FLUSH_MS)).await;
-            let timings = filter_timings(&stack).await;
+            let timings = filter_timings(stack).await;
             for ((before, after), (_, key)) in timings0.iter().zip(&timings).zip(FILTER_TIMINGS) {
                 for (q, name) in [(0.5, "p50"), (0.9, "p90"), (0.99, "p99")] {
                     if let Some(us) = crate::stack::quantile_between(before, after, q) {
@@ -1061,7 +1206,7 @@ async fn run_mode(
         let harness = crate::process::cpu_seconds(std::process::id()).unwrap_or(0.0);
         used.insert("harness".into(), (harness - harness0) / seconds);
         p["cpu_cores"] = json!(used);
-        let rules: BTreeMap<String, f64> = hint_rules(&stack)
+        let rules: BTreeMap<String, f64> = hint_rules(stack)
             .await
             .into_iter()
             .map(|(rule, n)| {
@@ -1076,7 +1221,7 @@ async fn run_mode(
         println!(
             "load: {} / {} at {rate:.1} req/s: TTFT p50 {:.0} ms p90 {:.0} ms (target {target_ms:.0}), hit rate {:.1}%{}, {:.1} req/s, errors {}, CPU {}{}",
             workload.name,
-            mode.name(),
+            self.mode.name(),
             p["ttft_p50_ms"].as_f64().unwrap_or(0.0),
             p["ttft_p90_ms"].as_f64().unwrap_or(0.0),
             100.0 * p["hit_rate"].as_f64().unwrap_or(0.0),
@@ -1096,42 +1241,204 @@ async fn run_mode(
                 None => String::new(),
             },
         );
-        let missed = !meets(&p, target_ms);
-        points.push(p);
-        past += usize::from(missed);
-        if past == PAST_SATURATION {
+        self.requests.extend(sent.iter().map(|s| {
+            let mut r = request_record(rate, s);
+            r["order"] = json!(order);
+            r
+        }));
+        self.past += usize::from(!meets(&p, target_ms));
+        self.points.push(p);
+        if self.stopped() {
             println!(
                 "load: {} / {}: {PAST_SATURATION} rates past the target, the ladder stops here",
                 workload.name,
-                mode.name()
+                self.mode.name()
             );
+        }
+    }
+
+    /// The mode's result: its points, the highest rate within the target, where it saturated,
+    /// its requests (moved to `requests.jsonl` by [`run`]).
+    async fn finish(mut self, workload: &LoadWorkload, target_ms: f64) -> Result<Value> {
+        self.stack.check_alive()?;
+        let (max_rate, goodput) = within_target(&self.points, target_ms);
+        let saturated_by = saturated_by(&self.points, max_rate);
+        println!(
+            "load: {} / {}: highest rate within target {max_rate} req/s, best goodput {goodput:.1} req/s; past it, saturated by {saturated_by}",
+            workload.name,
+            self.mode.name()
+        );
+        if matches!(self.mode, LoadMode::Sim(_)) {
+            tokio::time::sleep(Duration::from_millis(3 * STATS_FLUSH_MS)).await;
+            let log = std::fs::read_to_string(self.stack.dir.join("envoy.log")).unwrap_or_default();
+            from_access_log(&mut self.requests, &log, &self.addresses);
+        }
+        let mut result = json!({"available": true, "cold_ttft_ms": self.cold_ms,
+              "target_ttft_ms": target_ms, "max_rate_within_target": max_rate,
+              "goodput": goodput, "saturated_by": saturated_by, "points": self.points,
+              "requests": self.requests});
+        // The sidecar's own time per hint over the whole ladder, beside the filter's pause per
+        // rate: what the pause spends outside the sidecar is transport and the wait for a core.
+        if let Ok(metrics) = self.stack.sidecar_metrics().await {
+            for (q, name) in [(0.5, "p50"), (0.9, "p90"), (0.99, "p99")] {
+                let at = crate::prometheus::histogram_quantile(&metrics, "kvroute_hint_seconds", q);
+                if let Some(seconds) = at {
+                    result[format!("sidecar_hint_{name}_us_bucket_bound")] = json!(seconds * 1e6);
+                }
+            }
+        }
+        Ok(result)
+    }
+}
+
+/// One mode's ladder on its own fleet, rate after rate: its result ([`Ladder::finish`]).
+/// `target` is the fleet kind's (measured with the `cold` prompts on the first mode to run on
+/// it); `order` is its place among the modes run one after the other.
+async fn run_mode(
+    bench: &LoadBench,
+    workload: &LoadWorkload,
+    mode: LoadMode,
+    steps: &[Vec<Planned>],
+    cold: &[(&'static str, Value)],
+    target: &mut Option<(f64, f64)>,
+    order: usize,
+) -> Result<Value> {
+    let mut ladder = Ladder::start(bench, workload, mode, cold, target).await?;
+    let target_ms = target.map_or(0.0, |t| t.1);
+    let (warm_up, steps) = steps.split_first().context("an empty ladder")?;
+    ladder.warm_up(bench, warm_up).await;
+    for (rate, sessions) in bench.rates.iter().zip(steps) {
+        ladder
+            .step(bench, workload, *rate, sessions, target_ms, order)
+            .await;
+        if ladder.stopped() {
             break;
         }
         // Let the fleet drain before the next rate.
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
-    stack.check_alive()?;
-    let (max_rate, goodput) = within_target(&points, target_ms);
-    let saturated_by = saturated_by(&points, max_rate);
+    ladder.finish(workload, target_ms).await
+}
+
+/// Each mode's name in the report: a mode run again (an A/B/A comparison, to see how far two
+/// fleets of one mode differ) is `<mode>_2`, `<mode>_3`, ….
+fn run_names(modes: &[LoadMode]) -> Vec<String> {
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    modes
+        .iter()
+        .map(|m| {
+            let n = seen.entry(m.name()).or_insert(0);
+            *n += 1;
+            match *n {
+                1 => m.name(),
+                n => format!("{}_{n}", m.name()),
+            }
+        })
+        .collect()
+}
+
+/// A mode that needs what this machine lacks (Dynamo, a peer router), reported as such.
+fn unavailable(workload: &LoadWorkload, mode: LoadMode, e: &anyhow::Error) -> Value {
     println!(
-        "load: {} / {}: highest rate within target {max_rate} req/s, best goodput {goodput:.1} req/s; past it, saturated by {saturated_by}",
+        "load: {} / {}: unavailable: {e:#}",
         workload.name,
         mode.name()
     );
-    let mut result = json!({"available": true, "cold_ttft_ms": cold_ms, "target_ttft_ms": target_ms,
-          "max_rate_within_target": max_rate, "goodput": goodput,
-          "saturated_by": saturated_by, "points": points});
-    // The sidecar's own time per hint over the whole ladder, beside the filter's pause per
-    // rate: what the pause spends outside the sidecar is transport and the wait for a core.
-    if let Ok(metrics) = stack.sidecar_metrics().await {
-        for (q, name) in [(0.5, "p50"), (0.9, "p90"), (0.99, "p99")] {
-            let at = crate::prometheus::histogram_quantile(&metrics, "kvroute_hint_seconds", q);
-            if let Some(seconds) = at {
-                result[format!("sidecar_hint_{name}_us_bucket_bound")] = json!(seconds * 1e6);
+    json!({"available": false, "reason": format!("{e:#}")})
+}
+
+/// What every mode of a workload is sent: the simulated (or vLLM) fleet's steps, the Dynamo
+/// fleet's (asking which worker served), and the cold prompts that set each fleet's target.
+struct Fleets<'a> {
+    steps: &'a [Vec<Planned>],
+    dynamo_steps: &'a [Vec<Planned>],
+    cold: &'a [(&'static str, Value)],
+}
+
+/// Every mode's ladder in turn, rate by rate ([`LoadBench::interleave`]): all fleets start
+/// first and warm up, then each rate runs every mode that has not stopped, the order reversed
+/// at every other rate. On a machine whose speed drifts over minutes (engines on CPU beside
+/// other tenants), modes are compared within the same minutes.
+async fn run_interleaved(
+    bench: &LoadBench,
+    workload: &LoadWorkload,
+    fleets: &Fleets<'_>,
+    sim_target: &mut Option<(f64, f64)>,
+    dynamo_target: &mut Option<(f64, f64)>,
+) -> Result<serde_json::Map<String, Value>> {
+    let steps_of = |mode: LoadMode| {
+        if mode.on_dynamo() {
+            fleets.dynamo_steps
+        } else {
+            fleets.steps
+        }
+    };
+    let mut results = serde_json::Map::new();
+    let mut ladders = Vec::new();
+    let names = run_names(&bench.modes);
+    for (order, &mode) in bench.modes.iter().enumerate() {
+        let target = if mode.on_dynamo() {
+            &mut *dynamo_target
+        } else {
+            &mut *sim_target
+        };
+        match Ladder::start(bench, workload, mode, fleets.cold, target).await {
+            Ok(ladder) => ladders.push((order, ladder)),
+            Err(e) if mode.optional() => {
+                let mut result = unavailable(workload, mode, &e);
+                result["order"] = json!(order);
+                result["mode"] = json!(mode.name());
+                results.insert(names[order].clone(), result);
             }
+            Err(e) => return Err(e),
         }
     }
-    Ok(result)
+    let target_of = |mode: LoadMode| {
+        let target = if mode.on_dynamo() {
+            *dynamo_target
+        } else {
+            *sim_target
+        };
+        target.map_or(0.0, |t| t.1)
+    };
+    for (_, ladder) in &ladders {
+        let warm_up = steps_of(ladder.mode).first().context("an empty ladder")?;
+        ladder.warm_up(bench, warm_up).await;
+    }
+    for (i, rate) in bench.rates.iter().enumerate() {
+        let mut turns: Vec<usize> = (0..ladders.len()).collect();
+        if i % 2 == 1 {
+            turns.reverse();
+        }
+        let mut order = 0;
+        for k in turns {
+            let ladder = &mut ladders[k].1;
+            let Some(sessions) = steps_of(ladder.mode).get(i + 1) else {
+                continue;
+            };
+            if ladder.stopped() {
+                continue;
+            }
+            let target_ms = target_of(ladder.mode);
+            ladder
+                .step(bench, workload, *rate, sessions, target_ms, order)
+                .await;
+            order += 1;
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
+    for (order, ladder) in ladders {
+        let mode = ladder.mode;
+        let mut result = match ladder.finish(workload, target_of(mode)).await {
+            Ok(r) => r,
+            Err(e) if mode.optional() => unavailable(workload, mode, &e),
+            Err(e) => return Err(e),
+        };
+        result["order"] = json!(order);
+        result["mode"] = json!(mode.name());
+        results.insert(names[order].clone(), result);
+    }
+    Ok(results)
 }
 
 /// Run every mode's ladder of one workload: the cold TTFT and target of each fleet (the
@@ -1158,30 +1465,42 @@ async fn run_workload(bench: &LoadBench, workload: &LoadWorkload) -> Result<Valu
         }
     }
     let (mut sim_target, mut dynamo_target) = (None, None);
-    let mut modes = serde_json::Map::new();
-    for &mode in &bench.modes {
-        let (steps, target) = if mode.on_dynamo() {
-            (&dynamo_steps, &mut dynamo_target)
-        } else {
-            (&steps, &mut sim_target)
+    let modes = if bench.interleave {
+        let fleets = Fleets {
+            steps: &steps,
+            dynamo_steps: &dynamo_steps,
+            cold: &cold,
         };
-        let result = if mode.optional() {
-            match run_mode(bench, workload, mode, steps, &cold, target).await {
+        run_interleaved(
+            bench,
+            workload,
+            &fleets,
+            &mut sim_target,
+            &mut dynamo_target,
+        )
+        .await?
+    } else {
+        let mut modes = serde_json::Map::new();
+        let names = run_names(&bench.modes);
+        for (order, &mode) in bench.modes.iter().enumerate() {
+            let (steps, target) = if mode.on_dynamo() {
+                (&dynamo_steps, &mut dynamo_target)
+            } else {
+                (&steps, &mut sim_target)
+            };
+            let run = run_mode(bench, workload, mode, steps, &cold, target, order).await;
+            let mut result = match run {
                 Ok(r) => r,
-                Err(e) => {
-                    println!(
-                        "load: {} / {}: unavailable: {e:#}",
-                        workload.name,
-                        mode.name()
-                    );
-                    json!({"available": false, "reason": format!("{e:#}")})
-                }
-            }
-        } else {
-            run_mode(bench, workload, mode, steps, &cold, target).await?
-        };
-        modes.insert(mode.name(), result);
-    }
+                Err(e) if mode.optional() => unavailable(workload, mode, &e),
+                Err(e) => return Err(e),
+            };
+            // Which fleet started first matters on real engines (`load-pool` shows it).
+            result["order"] = json!(order);
+            result["mode"] = json!(mode.name());
+            modes.insert(names[order].clone(), result);
+        }
+        modes
+    };
     let (turns, think) = workload.turns();
     let mut doc = json!({
         "cold_ttft_ms": sim_target.map(|t| t.0),
@@ -1211,7 +1530,7 @@ pub async fn run(bench: &LoadBench, out: &Path) -> Result<Value> {
             .with_context(|| format!("workload {}", w.name))?;
         workloads.insert(w.name.to_owned(), result);
     }
-    let doc = json!({
+    let mut doc = json!({
         "engines": bench.engines,
         "vllm": bench.vllm.is_some(),
         "dynamo_workers": bench.dynamo.aggregated,
@@ -1235,6 +1554,23 @@ pub async fn run(bench: &LoadBench, out: &Path) -> Result<Value> {
         "workloads": workloads,
     });
     std::fs::create_dir_all(out)?;
+    // Per-request records go beside the report, not in it: a workload's ladder sends thousands.
+    let mut lines = String::new();
+    for (name, w) in doc["workloads"].as_object_mut().into_iter().flatten() {
+        for (fleet, m) in w["modes"].as_object_mut().into_iter().flatten() {
+            let records = m.as_object_mut().and_then(|m| m.remove("requests"));
+            for mut r in records
+                .and_then(|r| r.as_array().cloned())
+                .unwrap_or_default()
+            {
+                r["workload"] = json!(name);
+                r["mode"] = m["mode"].clone();
+                r["fleet"] = json!(fleet);
+                lines += &format!("{r}\n");
+            }
+        }
+    }
+    std::fs::write(out.join("requests.jsonl"), lines)?;
     std::fs::write(out.join("load.json"), serde_json::to_string_pretty(&doc)?)?;
     std::fs::write(out.join("load.md"), markdown(&doc))?;
     crate::plot::load_png(&out.join("load.png"), &doc)?;
@@ -1443,6 +1779,42 @@ mod tests {
         assert_eq!(imbalance(&[2, 2, 2, 2]), 1.0);
         assert_eq!(imbalance(&[0, 0]), 0.0);
         assert_eq!(imbalance(&[]), 0.0);
+    }
+
+    /// A record takes from the access log line with its request id the engine (where it has
+    /// none and the line names one of the fleet's) and Envoy's two timings.
+    #[test]
+    fn the_access_log_names_the_engine_and_the_timings_of_a_request() {
+        let engines = ["127.0.0.1:9001".to_owned(), "127.0.0.1:9002".to_owned()];
+        let line = |id: &str, up: &str, held: &str| {
+            format!("[2026-12-06T19:50:00.000Z] \"POST /v1/chat/completions\" 200 - 30ms request_id={id} upstream={up} hinted=- held_us={held} upstream_us=7021\n")
+        };
+        let log = [
+            line("8-0-1", "127.0.0.1:9002", "512"),
+            line("8-1-0", "127.0.0.1:9009", "-"),
+            line("8-2-0", "127.0.0.1:9001", "430"),
+        ]
+        .concat();
+        let mut records = vec![
+            json!({"id": "8-0-1", "engine": null}),
+            json!({"id": "8-1-0", "engine": null}),
+            json!({"id": "8-2-0", "engine": 1}),
+            json!({"id": "8-3-0", "engine": null}),
+        ];
+        from_access_log(&mut records, &log, &engines);
+        assert_eq!(
+            records[0],
+            json!({"id": "8-0-1", "engine": 1, "held_us": 512, "upstream_us": 7021})
+        );
+        assert_eq!(
+            records[1],
+            json!({"id": "8-1-0", "engine": null, "upstream_us": 7021})
+        );
+        assert_eq!(
+            records[2],
+            json!({"id": "8-2-0", "engine": 1, "held_us": 430, "upstream_us": 7021})
+        );
+        assert_eq!(records[3], json!({"id": "8-3-0", "engine": null}));
     }
 
     /// The highest rate counts from the bottom: a rate within the target above one that missed

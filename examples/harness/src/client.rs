@@ -78,14 +78,16 @@ async fn post_json(
     http: &reqwest::Client,
     url: &str,
     body: &Value,
+    request_id: Option<&str>,
 ) -> Result<(reqwest::Response, Outcome), Outcome> {
-    match http
+    let mut post = http
         .post(url)
         .header("content-type", "application/json")
-        .body(body.to_string())
-        .send()
-        .await
-    {
+        .body(body.to_string());
+    if let Some(id) = request_id {
+        post = post.header("x-request-id", id);
+    }
+    match post.send().await {
         Ok(resp) => {
             let out = Outcome {
                 status: resp.status().as_u16(),
@@ -105,7 +107,7 @@ pub async fn send_whole(http: &reqwest::Client, url: &str, body: &Value) -> Outc
     let mut body = body.clone();
     body["stream"] = Value::Bool(false);
     let start = Instant::now();
-    let (resp, mut out) = match post_json(http, url, &body).await {
+    let (resp, mut out) = match post_json(http, url, &body, None).await {
         Ok(r) => r,
         Err(out) => return out,
     };
@@ -131,11 +133,21 @@ pub async fn send_whole(http: &reqwest::Client, url: &str, body: &Value) -> Outc
 
 /// Send one request streaming (`stream: true` with usage) and measure it.
 pub async fn send_streaming(http: &reqwest::Client, url: &str, body: &Value) -> Outcome {
+    send_streaming_as(http, url, body, None).await
+}
+
+/// [`send_streaming`] with an `x-request-id`, which Envoy's access log then names.
+pub async fn send_streaming_as(
+    http: &reqwest::Client,
+    url: &str,
+    body: &Value,
+    request_id: Option<&str>,
+) -> Outcome {
     let mut body = body.clone();
     body["stream"] = Value::Bool(true);
     body["stream_options"] = serde_json::json!({"include_usage": true});
     let start = Instant::now();
-    let (resp, mut out) = match post_json(http, url, &body).await {
+    let (resp, mut out) = match post_json(http, url, &body, request_id).await {
         Ok(r) => r,
         Err(out) => return out,
     };

@@ -21,6 +21,7 @@
 //! - [`mod@bench`], [`datapath`], [`peers`], [`plot`]: the routing and data-path benchmarks.
 //! - [`bench_dynamo`]: kvroute against Dynamo's own KV router on a real Dynamo fleet.
 //! - [`bench_vllm`]: kvroute against ring hash alone and round robin on real vLLM engines.
+//! - [`bench_load`], [`load_pool`]: the open-loop ladder; several of its runs pooled.
 //! - [`bench_replicas`]: several sidecar + Envoy pairs on one fleet, lossy, repairing or not.
 //! - [`lossy_nats`]: a NATS proxy that loses a seeded share of one subscriber's KV events.
 
@@ -34,6 +35,7 @@ pub mod client;
 pub mod datapath;
 pub mod dynamo;
 pub mod engines;
+pub mod load_pool;
 pub mod lossy_nats;
 pub mod paths;
 pub mod peers;

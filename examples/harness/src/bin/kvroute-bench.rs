@@ -1,5 +1,5 @@
-//! `kvroute-bench routing|datapath|dynamo|vllm|replicas`: the benchmark harness (see
-//! docs/benchmarks.md).
+//! `kvroute-bench routing|datapath|load|load-pool|dynamo|vllm|replicas|storm|soak`: the
+//! benchmark harness (see docs/benchmarks.md).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -113,13 +113,26 @@ enum Command {
         /// Extra sidecar configuration, e.g. `"[routing]\nmax_in_flight = 64"`.
         #[arg(long, default_value = "")]
         sidecar_toml: String,
-        /// Only these modes (comma-separated, as in the report).
+        /// Only these modes (comma-separated, as in the report), run in this order; one named
+        /// twice runs twice (reported as `<mode>_2`).
         #[arg(long, value_delimiter = ',')]
         modes: Option<Vec<String>>,
+        /// Start every mode's fleet first, then run each rate on all of them in turn (the order
+        /// reversed at every other rate): modes compared within the same minutes, as real
+        /// engines on a shared machine need.
+        #[arg(long)]
+        interleave: bool,
         /// Real vLLM 0.32 engines on CPU (`make venv-vllm`; `--engines` of them) instead of
         /// simulated ones: Envoy's modes only; token prompts cut to the model's length.
         #[arg(long)]
         vllm: bool,
+    },
+    /// Several runs of `load` read as one: every request pooled per workload, rate and mode,
+    /// each run's own p90 and the order its mode ran in beside (`load-pool.{json,md}`).
+    LoadPool {
+        /// The runs' output directories (each with its `requests.jsonl`).
+        #[arg(required = true)]
+        dirs: Vec<PathBuf>,
     },
     /// KV events at a ladder of rates, then a burst, on one event plane: what one sidecar
     /// applies and indexes, against what was published.
@@ -510,6 +523,7 @@ async fn main() -> Result<()> {
             sidecar_toml,
             modes,
             vllm,
+            interleave,
         } => {
             use kvroute_harness::bench_load::{markdown, run, LoadBench, LoadWorkload};
             let scale = if smoke { Scale::Smoke } else { scale };
@@ -542,9 +556,19 @@ async fn main() -> Result<()> {
                 bench.on_vllm();
             }
             bench.sidecar_toml = sidecar_toml;
+            bench.interleave = interleave;
             if let Some(names) = modes {
-                bench.modes.retain(|m| names.contains(&m.name()));
-                anyhow::ensure!(!bench.modes.is_empty(), "no such mode: {names:?}");
+                // In the order given, a mode named twice run twice: on real engines a fleet
+                // started after another runs on a machine in another state, so comparisons run
+                // each order, or A/B/A.
+                let known = std::mem::take(&mut bench.modes);
+                for name in &names {
+                    let mode = known
+                        .iter()
+                        .find(|m| m.name() == *name)
+                        .with_context(|| format!("no such mode: {name}"))?;
+                    bench.modes.push(*mode);
+                }
             }
             let dir = match &suffix {
                 Some(s) => out.join(format!("load-{s}")),
@@ -553,6 +577,19 @@ async fn main() -> Result<()> {
             let doc = run(&bench, &dir).await?;
             println!("\n{}", markdown(&doc));
             println!("written to {}", dir.join("load.{json,md,png}").display());
+        }
+        Command::LoadPool { dirs } => {
+            use kvroute_harness::load_pool;
+            let pooled = load_pool::pool(&load_pool::read(&dirs)?);
+            let md = load_pool::markdown(&pooled);
+            std::fs::create_dir_all(&out)?;
+            std::fs::write(
+                out.join("load-pool.json"),
+                serde_json::to_string_pretty(&pooled)?,
+            )?;
+            std::fs::write(out.join("load-pool.md"), &md)?;
+            println!("{md}");
+            println!("written to {}", out.join("load-pool.{json,md}").display());
         }
         Command::Datapath {
             setups,

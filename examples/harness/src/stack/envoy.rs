@@ -201,6 +201,9 @@ pub(super) fn spawn_envoy(
         .arg(config)
         .args(["--concurrency", &opts.envoy_concurrency.to_string()])
         .args(["--disable-hot-restart", "-l", "info"]);
+    if let Some(ms) = opts.envoy_log_flush_ms {
+        envoy.args(["--file-flush-interval-msec", &ms.to_string()]);
+    }
     Process::spawn(name, envoy, dir)
 }
 

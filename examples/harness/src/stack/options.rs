@@ -172,6 +172,9 @@ pub struct StackOptions {
     /// Envoy's `stats_flush_interval` in milliseconds, in place of its 5 s: histograms reach
     /// `/stats` only when flushed, so a benchmark reading them per step waits one interval.
     pub envoy_stats_flush_ms: Option<u64>,
+    /// Envoy's `--file-flush-interval-msec` in place of its 10 s: the access log (one line per
+    /// request, naming the engine it went to) reaches the log file within this.
+    pub envoy_log_flush_ms: Option<u64>,
     /// A fleet under a control plane: Envoy's `workers` cluster reads an EDS file
     /// ([`super::Stack::set_members`]), and the sidecar takes its workers from Envoy's membership
     /// (`[[envoy.members]]`, events at `{port+1}`, replay at `{port+2}`) instead of
@@ -237,6 +240,7 @@ impl StackOptions {
             shared_sidecar: false,
             ejection_s: None,
             envoy_stats_flush_ms: None,
+            envoy_log_flush_ms: None,
             eds_membership: false,
             envoy_bootstrap: None,
             workers_cluster: "workers".into(),

@@ -1,0 +1,216 @@
+//! `kvroute-bench load-pool DIR…`: several runs of the load ladder read as one.
+//!
+//! On real engines one run's rung is a few hundred requests, and the fleet itself moves between
+//! runs (two vLLM engines started alike differ by milliseconds of TTFT, a machine's speed drifts
+//! over minutes); which mode's fleet started first shifted a mode's p90 by more than the
+//! difference between modes (docs/benchmarks.md, "Against real vLLM"). So modes are compared
+//! over several runs in alternating order: every request of every run (`requests.jsonl`,
+//! written beside `load.json`) pooled per workload, rate and mode, with each run's own p90 and
+//! the order its mode ran in beside the pooled quantiles.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use anyhow::{Context as _, Result};
+use serde_json::{json, Value};
+
+use crate::report::quantile;
+
+/// Every run's records: its directory's name and the lines of its `requests.jsonl`.
+pub fn read(dirs: &[PathBuf]) -> Result<Vec<(String, Vec<Value>)>> {
+    dirs.iter()
+        .map(|dir| {
+            let path = dir.join("requests.jsonl");
+            let text = std::fs::read_to_string(&path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let records = text
+                .lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(serde_json::from_str)
+                .collect::<Result<Vec<Value>, _>>()
+                .with_context(|| format!("parsing {}", path.display()))?;
+            Ok((dir.display().to_string(), records))
+        })
+        .collect()
+}
+
+/// What one mode saw at one rate, over every run.
+#[derive(Default)]
+struct Cell {
+    ttft: Vec<f64>,
+    /// Envoy's split where its access log gave it: held after the last byte, µs; the engine's
+    /// time to its first response byte, ms.
+    held_us: Vec<f64>,
+    upstream_ms: Vec<f64>,
+    prompt: u64,
+    cached: u64,
+    errors: usize,
+    /// Per fleet (the run's position, the fleet's name in it): the order it ran in at this
+    /// rate, its successful TTFTs.
+    runs: BTreeMap<(usize, String), (u64, Vec<f64>)>,
+}
+
+/// The pooled figures: `workloads.<name>.<rate>.<mode>` with `runs` (the mode's fleets: more
+/// than one in a run that named the mode twice), `requests`, `errors`, `ttft_p50_ms`,
+/// `ttft_p90_ms`, `ttft_p99_ms`, `hit_rate`, Envoy's split (`held_p50_us`, `held_p90_us`,
+/// `upstream_p50_ms`, `upstream_p90_ms`; 0 without it), and per fleet, in the order of the runs
+/// given, `run_ttft_p90_ms` and `run_order` (0: it ran first at that rate).
+pub fn pool(runs: &[(String, Vec<Value>)]) -> Value {
+    // Rates as text keep their order and print as given.
+    let mut cells: BTreeMap<(String, u64, String), Cell> = BTreeMap::new();
+    for (run, (_, records)) in runs.iter().enumerate() {
+        for r in records {
+            let key = (
+                r["workload"].as_str().unwrap_or_default().to_owned(),
+                r["rate"].as_f64().unwrap_or(0.0).to_bits(),
+                r["mode"].as_str().unwrap_or_default().to_owned(),
+            );
+            let cell = cells.entry(key).or_default();
+            let order = r["order"].as_u64().unwrap_or(0);
+            // A mode run twice in one invocation (`kvroute_2`) is another fleet of that mode.
+            let fleet = r["fleet"].as_str().unwrap_or_default().to_owned();
+            let this_run = &mut cell
+                .runs
+                .entry((run, fleet))
+                .or_insert((order, Vec::new()))
+                .1;
+            if r["ok"] != true {
+                cell.errors += 1;
+                continue;
+            }
+            let ttft = r["ttft_ms"].as_f64().unwrap_or(0.0);
+            cell.ttft.push(ttft);
+            this_run.push(ttft);
+            cell.held_us.extend(r["held_us"].as_f64());
+            cell.upstream_ms
+                .extend(r["upstream_us"].as_f64().map(|us| us / 1e3));
+            cell.prompt += r["prompt_tokens"].as_u64().unwrap_or(0);
+            cell.cached += r["cached_tokens"].as_u64().unwrap_or(0);
+        }
+    }
+    let mut doc = json!({"runs": runs.iter().map(|(name, _)| name).collect::<Vec<_>>(),
+                         "workloads": {}});
+    for ((workload, rate, mode), cell) in cells {
+        let rate = f64::from_bits(rate);
+        doc["workloads"][&workload][format!("{rate}")][&mode] = json!({
+            "runs": cell.runs.len(),
+            "requests": cell.ttft.len() + cell.errors,
+            "errors": cell.errors,
+            "ttft_p50_ms": quantile(&cell.ttft, 0.5),
+            "ttft_p90_ms": quantile(&cell.ttft, 0.9),
+            "ttft_p99_ms": quantile(&cell.ttft, 0.99),
+            "hit_rate": cell.cached as f64 / cell.prompt.max(1) as f64,
+            "held_p50_us": quantile(&cell.held_us, 0.5),
+            "held_p90_us": quantile(&cell.held_us, 0.9),
+            "upstream_p50_ms": quantile(&cell.upstream_ms, 0.5),
+            "upstream_p90_ms": quantile(&cell.upstream_ms, 0.9),
+            "run_ttft_p90_ms": cell.runs.values().map(|(_, t)| quantile(t, 0.9)).collect::<Vec<_>>(),
+            "run_order": cell.runs.values().map(|(o, _)| *o).collect::<Vec<_>>(),
+        });
+    }
+    doc
+}
+
+/// The pooled figures as a table per workload, rates in increasing order.
+pub fn markdown(pooled: &Value) -> String {
+    let mut s = String::new();
+    for (workload, rates) in pooled["workloads"].as_object().into_iter().flatten() {
+        s += &format!(
+            "### {workload}\n\n| rate (req/s) | mode | runs | requests | TTFT p50 / p90 / p99 (ms) | hit rate | held in Envoy p50 / p90 (µs) | engine to first byte p50 / p90 (ms) | p90 per fleet (ms; ¹ it ran first) |\n|---|---|---|---|---|---|---|---|---|\n"
+        );
+        let mut by_rate: Vec<(f64, &Value)> = rates
+            .as_object()
+            .into_iter()
+            .flatten()
+            .map(|(r, modes)| (r.parse().unwrap_or(0.0), modes))
+            .collect();
+        by_rate.sort_by(|a, b| a.0.total_cmp(&b.0));
+        for (rate, modes) in by_rate {
+            for (mode, c) in modes.as_object().into_iter().flatten() {
+                let f = |k: &str| c[k].as_f64().unwrap_or(0.0);
+                let per_run: Vec<String> = c["run_ttft_p90_ms"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .zip(c["run_order"].as_array().into_iter().flatten())
+                    .map(|(p90, order)| {
+                        let first = if order == 0 { "¹" } else { "" };
+                        format!("{:.1}{first}", p90.as_f64().unwrap_or(0.0))
+                    })
+                    .collect();
+                s += &format!(
+                    "| {rate} | {mode} | {} | {} | {:.1} / {:.1} / {:.1} | {:.1}% | {:.0} / {:.0} | {:.1} / {:.1} | {} |\n",
+                    c["runs"],
+                    c["requests"],
+                    f("ttft_p50_ms"),
+                    f("ttft_p90_ms"),
+                    f("ttft_p99_ms"),
+                    100.0 * f("hit_rate"),
+                    f("held_p50_us"),
+                    f("held_p90_us"),
+                    f("upstream_p50_ms"),
+                    f("upstream_p90_ms"),
+                    per_run.join(", ")
+                );
+            }
+        }
+        s += "\n";
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(mode: &str, rate: f64, order: u64, ttft: f64, cached: u64) -> Value {
+        json!({"workload": "chat", "mode": mode, "fleet": mode, "rate": rate, "order": order, "ok": true,
+               "ttft_ms": ttft, "prompt_tokens": 100, "cached_tokens": cached,
+               "held_us": 10.0 * ttft, "upstream_us": 500.0 * ttft})
+    }
+
+    /// Requests pool per workload, rate and mode across runs, a mode run twice in one run
+    /// counting as two fleets; each fleet keeps its own p90 and the order it ran in; a failed
+    /// request counts as an error, not a TTFT.
+    #[test]
+    fn runs_pool_per_rate_and_mode_and_each_fleet_keeps_its_own_p90() {
+        let mut a: Vec<Value> = (1..=10)
+            .map(|t| record("kvroute", 4.0, 0, f64::from(t), 50))
+            .collect();
+        let mut failed = record("kvroute", 4.0, 0, 0.0, 0);
+        failed["ok"] = json!(false);
+        a.push(failed);
+        let b: Vec<Value> = (11..=20)
+            .map(|t| record("kvroute", 4.0, 1, f64::from(t), 100))
+            .collect();
+        let ring = vec![record("ring_hash", 4.0, 1, 7.0, 0)];
+        let mut again = record("kvroute", 4.0, 2, 30.0, 100);
+        again["fleet"] = json!("kvroute_2");
+        let runs = vec![
+            ("one".to_owned(), [a, ring].concat()),
+            ("two".to_owned(), [b, vec![again]].concat()),
+        ];
+        let doc = pool(&runs);
+        let k = &doc["workloads"]["chat"]["4"]["kvroute"];
+        assert_eq!(
+            (k["runs"].clone(), k["requests"].clone()),
+            (json!(3), json!(22))
+        );
+        assert_eq!(k["errors"], 1);
+        assert_eq!(
+            (k["ttft_p50_ms"].as_f64(), k["ttft_p90_ms"].as_f64()),
+            (Some(11.0), Some(19.0))
+        );
+        assert_eq!(k["hit_rate"].as_f64(), Some(1600.0 / 2100.0));
+        assert_eq!(
+            (k["held_p50_us"].as_f64(), k["upstream_p90_ms"].as_f64()),
+            (Some(110.0), Some(9.5))
+        );
+        assert_eq!(k["run_ttft_p90_ms"], json!([9.0, 19.0, 30.0]));
+        assert_eq!(k["run_order"], json!([0, 1, 2]));
+        assert_eq!(doc["workloads"]["chat"]["4"]["ring_hash"]["runs"], 1);
+        let md = markdown(&doc);
+        let row = "| 4 | kvroute | 3 | 22 | 11.0 / 19.0 / 30.0 | 76.2% | 110 / 190 | 5.5 / 9.5 | 9.0¹, 19.0, 30.0 |";
+        assert!(md.contains(row), "{md}");
+    }
+}
