@@ -1337,6 +1337,26 @@ fn run_names(modes: &[LoadMode]) -> Vec<String> {
         .collect()
 }
 
+/// A mode's result as the report keeps it: unavailable where a mode that needs what this
+/// machine may lack could not run (any other error is the run's), with its mode (a mode run
+/// twice is reported under another name) and the order its fleet started in, which matters on
+/// real engines (`load-pool` shows it).
+fn reported(
+    run: Result<Value>,
+    workload: &LoadWorkload,
+    mode: LoadMode,
+    order: usize,
+) -> Result<Value> {
+    let mut result = match run {
+        Ok(r) => r,
+        Err(e) if mode.optional() => unavailable(workload, mode, &e),
+        Err(e) => return Err(e),
+    };
+    result["order"] = json!(order);
+    result["mode"] = json!(mode.name());
+    Ok(result)
+}
+
 /// A mode that needs what this machine lacks (Dynamo, a peer router), reported as such.
 fn unavailable(workload: &LoadWorkload, mode: LoadMode, e: &anyhow::Error) -> Value {
     println!(
@@ -1384,13 +1404,10 @@ async fn run_interleaved(
         };
         match Ladder::start(bench, workload, mode, fleets.cold, target).await {
             Ok(ladder) => ladders.push((order, ladder)),
-            Err(e) if mode.optional() => {
-                let mut result = unavailable(workload, mode, &e);
-                result["order"] = json!(order);
-                result["mode"] = json!(mode.name());
+            Err(e) => {
+                let result = reported(Err(e), workload, mode, order)?;
                 results.insert(names[order].clone(), result);
             }
-            Err(e) => return Err(e),
         }
     }
     let target_of = |mode: LoadMode| {
@@ -1429,14 +1446,8 @@ async fn run_interleaved(
     }
     for (order, ladder) in ladders {
         let mode = ladder.mode;
-        let mut result = match ladder.finish(workload, target_of(mode)).await {
-            Ok(r) => r,
-            Err(e) if mode.optional() => unavailable(workload, mode, &e),
-            Err(e) => return Err(e),
-        };
-        result["order"] = json!(order);
-        result["mode"] = json!(mode.name());
-        results.insert(names[order].clone(), result);
+        let run = ladder.finish(workload, target_of(mode)).await;
+        results.insert(names[order].clone(), reported(run, workload, mode, order)?);
     }
     Ok(results)
 }
@@ -1489,15 +1500,7 @@ async fn run_workload(bench: &LoadBench, workload: &LoadWorkload) -> Result<Valu
                 (&steps, &mut sim_target)
             };
             let run = run_mode(bench, workload, mode, steps, &cold, target, order).await;
-            let mut result = match run {
-                Ok(r) => r,
-                Err(e) if mode.optional() => unavailable(workload, mode, &e),
-                Err(e) => return Err(e),
-            };
-            // Which fleet started first matters on real engines (`load-pool` shows it).
-            result["order"] = json!(order);
-            result["mode"] = json!(mode.name());
-            modes.insert(names[order].clone(), result);
+            modes.insert(names[order].clone(), reported(run, workload, mode, order)?);
         }
         modes
     };
