@@ -328,8 +328,9 @@ pub struct LoadBench {
     pub sidecar_toml: String,
     /// Real vLLM engines instead of simulated ones ([`LoadBench::on_vllm`]).
     pub vllm: Option<VllmOptions>,
-    /// Start every mode's fleet first and run each rate on all of them in turn, instead of one
-    /// mode's whole ladder after another's ([`run_interleaved`]).
+    /// Start every mode's fleet first and run each rate on all of them in turn (the order
+    /// reversed at every other rate), instead of one mode's whole ladder after another's: on a
+    /// machine whose speed drifts over minutes, modes compared within the same minutes.
     pub interleave: bool,
 }
 
