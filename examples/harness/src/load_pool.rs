@@ -1,12 +1,11 @@
 //! `kvroute-bench load-pool DIR…`: several runs of the load ladder read as one.
 //!
-//! On real engines one run's rung is a few hundred requests, and the fleet itself moves between
-//! runs (two vLLM engines started alike differ by milliseconds of TTFT, a machine's speed drifts
-//! over minutes); which mode's fleet started first shifted a mode's p90 by more than the
-//! difference between modes (docs/benchmarks.md, "Against real vLLM"). So modes are compared
-//! over several runs in alternating order: every request of every run (`requests.jsonl`,
-//! written beside `load.json`) pooled per workload, rate and mode, with each run's own p90 and
-//! the order its mode ran in beside the pooled quantiles.
+//! On real engines one run's rung is a few hundred requests, and the fleet itself moves: two
+//! fleets of one mode on two vLLM engines each, in the same minutes, differed by more than the
+//! modes did, and a machine's speed drifts over the hour (docs/benchmarks.md, "Against real
+//! vLLM"). So modes are compared over several fleets in alternating order: every request of
+//! every run (`requests.jsonl`, written beside `load.json`) pooled per workload, rate and mode,
+//! with each fleet's own p90 and the order it ran in beside the pooled quantiles.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -56,7 +55,7 @@ struct Cell {
 /// `upstream_p50_ms`, `upstream_p90_ms`; 0 without it), and per fleet, in the order of the runs
 /// given, `run_ttft_p90_ms` and `run_order` (0: it ran first at that rate).
 pub fn pool(runs: &[(String, Vec<Value>)]) -> Value {
-    // Rates as text keep their order and print as given.
+    // Keyed by the rate's bits: the same rate in every run is one cell.
     let mut cells: BTreeMap<(String, u64, String), Cell> = BTreeMap::new();
     for (run, (_, records)) in runs.iter().enumerate() {
         for r in records {
@@ -67,7 +66,8 @@ pub fn pool(runs: &[(String, Vec<Value>)]) -> Value {
             );
             let cell = cells.entry(key).or_default();
             let order = r["order"].as_u64().unwrap_or(0);
-            // A mode run twice in one invocation (`kvroute_2`) is another fleet of that mode.
+            // A mode run twice in one invocation (`kvroute_2`) is another fleet of that mode;
+            // records without a fleet count as one per mode and run.
             let fleet = r["fleet"].as_str().unwrap_or_default().to_owned();
             let this_run = &mut cell
                 .runs
