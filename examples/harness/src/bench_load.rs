@@ -1377,9 +1377,11 @@ struct Fleets<'a> {
 }
 
 /// Every mode's ladder in turn, rate by rate ([`LoadBench::interleave`]): all fleets start
-/// first and warm up, then each rate runs every mode that has not stopped, the order reversed
-/// at every other rate. On a machine whose speed drifts over minutes (engines on CPU beside
-/// other tenants), modes are compared within the same minutes.
+/// first, then each rate runs every mode that has not stopped, the order reversed at every
+/// other rate. On a machine whose speed drifts over minutes (engines on CPU beside other
+/// tenants), modes are compared within the same minutes. Each fleet warms up right before its
+/// first rung: warmed up together, the first to run had idled longest, and an idle vLLM engine
+/// answers its next request 2-3x slower (docs/benchmarks.md).
 async fn run_interleaved(
     bench: &LoadBench,
     workload: &LoadWorkload,
@@ -1419,10 +1421,6 @@ async fn run_interleaved(
         };
         target.map_or(0.0, |t| t.1)
     };
-    for (_, ladder) in &ladders {
-        let warm_up = steps_of(ladder.mode).first().context("an empty ladder")?;
-        ladder.warm_up(bench, warm_up).await;
-    }
     for (i, rate) in bench.rates.iter().enumerate() {
         let mut turns: Vec<usize> = (0..ladders.len()).collect();
         if i % 2 == 1 {
@@ -1436,6 +1434,10 @@ async fn run_interleaved(
             };
             if ladder.stopped() {
                 continue;
+            }
+            if i == 0 {
+                let warm_up = steps_of(ladder.mode).first().context("an empty ladder")?;
+                ladder.warm_up(bench, warm_up).await;
             }
             let target_ms = target_of(ladder.mode);
             ladder
