@@ -118,8 +118,8 @@ enum Command {
         #[arg(long, value_delimiter = ',')]
         modes: Option<Vec<String>>,
         /// Start every mode's fleet first, then run each rate on all of them in turn (the order
-        /// reversed at every other rate): modes compared within the same minutes, as real
-        /// engines on a shared machine need.
+        /// reversed at every other rate, each fleet warmed up right before its first rung):
+        /// modes compared within the same minutes, as real engines on a shared machine need.
         #[arg(long)]
         interleave: bool,
         /// Real vLLM 0.32 engines on CPU (`make venv-vllm`; `--engines` of them) instead of
@@ -128,7 +128,7 @@ enum Command {
         vllm: bool,
     },
     /// Several runs of `load` read as one: every request pooled per workload, rate and mode,
-    /// each run's own p90 and the order its mode ran in beside (`load-pool.{json,md}`).
+    /// each fleet's own p90 and the order it ran in beside (`load-pool.{json,md}`).
     LoadPool {
         /// The runs' output directories (each with its `requests.jsonl`).
         #[arg(required = true)]
@@ -558,7 +558,7 @@ async fn main() -> Result<()> {
             bench.sidecar_toml = sidecar_toml;
             bench.interleave = interleave;
             if let Some(names) = modes {
-                // In the order given, a mode named twice run twice: on real engines a fleet
+                // In the order given, a mode named twice runs twice: on real engines a fleet
                 // started after another runs on a machine in another state, so comparisons run
                 // each order, or A/B/A.
                 let known = std::mem::take(&mut bench.modes);
