@@ -837,13 +837,15 @@ fn point(
     p
 }
 
-/// One line of `requests.jsonl`: what one request of the step at `rate` saw, for reading a
-/// rate's quantiles apart (TTFT against the prompt's uncached tokens, the engine, the load).
-fn request_record(rate: f64, s: &Sent) -> Value {
+/// One line of `requests.jsonl`: what one request of the step at `rate` saw (its fleet's turn
+/// at that rate: `order`), for reading a rate's quantiles apart (TTFT against the prompt's
+/// uncached tokens, the engine, the load).
+fn request_record(rate: f64, order: usize, s: &Sent) -> Value {
     let o = &s.outcome;
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     json!({
         "rate": rate,
+        "order": order,
         "id": s.id,
         "at_ms": ms(s.at),
         "ok": o.ok(),
@@ -1242,11 +1244,8 @@ impl Ladder {
                 None => String::new(),
             },
         );
-        self.requests.extend(sent.iter().map(|s| {
-            let mut r = request_record(rate, s);
-            r["order"] = json!(order);
-            r
-        }));
+        self.requests
+            .extend(sent.iter().map(|s| request_record(rate, order, s)));
         self.past += usize::from(!meets(&p, target_ms));
         self.points.push(p);
         if self.stopped() {
@@ -1376,6 +1375,41 @@ struct Fleets<'a> {
     cold: &'a [(&'static str, Value)],
 }
 
+impl Fleets<'_> {
+    /// The steps `mode`'s fleet is sent, the warm-up first.
+    fn steps(&self, mode: LoadMode) -> &[Vec<Planned>] {
+        if mode.on_dynamo() {
+            self.dynamo_steps
+        } else {
+            self.steps
+        }
+    }
+}
+
+/// Each kind of fleet's (cold TTFT, target TTFT p90), ms, once the first mode on it measured
+/// them: the simulated (or vLLM) fleet's and Dynamo's.
+#[derive(Default)]
+struct Targets {
+    sim: Option<(f64, f64)>,
+    dynamo: Option<(f64, f64)>,
+}
+
+impl Targets {
+    /// `mode`'s fleet kind's.
+    fn of(&mut self, mode: LoadMode) -> &mut Option<(f64, f64)> {
+        if mode.on_dynamo() {
+            &mut self.dynamo
+        } else {
+            &mut self.sim
+        }
+    }
+
+    /// `mode`'s target, ms (0 before it is measured).
+    fn target_ms(&mut self, mode: LoadMode) -> f64 {
+        self.of(mode).map_or(0.0, |t| t.1)
+    }
+}
+
 /// Every mode's ladder in turn, rate by rate ([`LoadBench::interleave`]): all fleets start
 /// first, then each rate runs every mode that has not stopped, the order reversed at every
 /// other rate. On a machine whose speed drifts over minutes (engines on CPU beside other
@@ -1386,26 +1420,13 @@ async fn run_interleaved(
     bench: &LoadBench,
     workload: &LoadWorkload,
     fleets: &Fleets<'_>,
-    sim_target: &mut Option<(f64, f64)>,
-    dynamo_target: &mut Option<(f64, f64)>,
+    targets: &mut Targets,
 ) -> Result<serde_json::Map<String, Value>> {
-    let steps_of = |mode: LoadMode| {
-        if mode.on_dynamo() {
-            fleets.dynamo_steps
-        } else {
-            fleets.steps
-        }
-    };
     let mut results = serde_json::Map::new();
     let mut ladders = Vec::new();
     let names = run_names(&bench.modes);
     for (order, &mode) in bench.modes.iter().enumerate() {
-        let target = if mode.on_dynamo() {
-            &mut *dynamo_target
-        } else {
-            &mut *sim_target
-        };
-        match Ladder::start(bench, workload, mode, fleets.cold, target).await {
+        match Ladder::start(bench, workload, mode, fleets.cold, targets.of(mode)).await {
             Ok(ladder) => ladders.push((order, ladder)),
             Err(e) => {
                 let result = reported(Err(e), workload, mode, order)?;
@@ -1413,14 +1434,6 @@ async fn run_interleaved(
             }
         }
     }
-    let target_of = |mode: LoadMode| {
-        let target = if mode.on_dynamo() {
-            *dynamo_target
-        } else {
-            *sim_target
-        };
-        target.map_or(0.0, |t| t.1)
-    };
     for (i, rate) in bench.rates.iter().enumerate() {
         let mut turns: Vec<usize> = (0..ladders.len()).collect();
         if i % 2 == 1 {
@@ -1429,17 +1442,20 @@ async fn run_interleaved(
         let mut order = 0;
         for k in turns {
             let ladder = &mut ladders[k].1;
-            let Some(sessions) = steps_of(ladder.mode).get(i + 1) else {
+            let Some(sessions) = fleets.steps(ladder.mode).get(i + 1) else {
                 continue;
             };
             if ladder.stopped() {
                 continue;
             }
             if i == 0 {
-                let warm_up = steps_of(ladder.mode).first().context("an empty ladder")?;
+                let warm_up = fleets
+                    .steps(ladder.mode)
+                    .first()
+                    .context("an empty ladder")?;
                 ladder.warm_up(bench, warm_up).await;
             }
-            let target_ms = target_of(ladder.mode);
+            let target_ms = targets.target_ms(ladder.mode);
             ladder
                 .step(bench, workload, *rate, sessions, target_ms, order)
                 .await;
@@ -1449,7 +1465,7 @@ async fn run_interleaved(
     }
     for (order, ladder) in ladders {
         let mode = ladder.mode;
-        let run = ladder.finish(workload, target_of(mode)).await;
+        let run = ladder.finish(workload, targets.target_ms(mode)).await;
         results.insert(names[order].clone(), reported(run, workload, mode, order)?);
     }
     Ok(results)
@@ -1478,41 +1494,30 @@ async fn run_workload(bench: &LoadBench, workload: &LoadWorkload) -> Result<Valu
             );
         }
     }
-    let (mut sim_target, mut dynamo_target) = (None, None);
+    let fleets = Fleets {
+        steps: &steps,
+        dynamo_steps: &dynamo_steps,
+        cold: &cold,
+    };
+    let mut targets = Targets::default();
     let modes = if bench.interleave {
-        let fleets = Fleets {
-            steps: &steps,
-            dynamo_steps: &dynamo_steps,
-            cold: &cold,
-        };
-        run_interleaved(
-            bench,
-            workload,
-            &fleets,
-            &mut sim_target,
-            &mut dynamo_target,
-        )
-        .await?
+        run_interleaved(bench, workload, &fleets, &mut targets).await?
     } else {
         let mut modes = serde_json::Map::new();
         let names = run_names(&bench.modes);
         for (order, &mode) in bench.modes.iter().enumerate() {
-            let (steps, target) = if mode.on_dynamo() {
-                (&dynamo_steps, &mut dynamo_target)
-            } else {
-                (&steps, &mut sim_target)
-            };
-            let run = run_mode(bench, workload, mode, steps, &cold, target, order).await;
+            let (steps, target) = (fleets.steps(mode), targets.of(mode));
+            let run = run_mode(bench, workload, mode, steps, fleets.cold, target, order).await;
             modes.insert(names[order].clone(), reported(run, workload, mode, order)?);
         }
         modes
     };
     let (turns, think) = workload.turns();
     let mut doc = json!({
-        "cold_ttft_ms": sim_target.map(|t| t.0),
-        "target_ttft_ms": sim_target.map(|t| t.1),
-        "dynamo_cold_ttft_ms": dynamo_target.map(|t| t.0),
-        "dynamo_target_ttft_ms": dynamo_target.map(|t| t.1),
+        "cold_ttft_ms": targets.sim.map(|t| t.0),
+        "target_ttft_ms": targets.sim.map(|t| t.1),
+        "dynamo_cold_ttft_ms": targets.dynamo.map(|t| t.0),
+        "dynamo_target_ttft_ms": targets.dynamo.map(|t| t.1),
         "capacity_blocks": bench.capacity(workload),
         "turns": turns,
         "think_ms": think.as_secs_f64() * 1e3,
