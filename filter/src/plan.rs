@@ -219,7 +219,7 @@ mod tests {
         .into_bytes()
     }
 
-    /// The next turn of a chat finds its history in the VM's token cache and plans the same
+    /// The next turns of a chat find their history in the VM's token cache and plan the same
     /// hint a VM without one does.
     #[test]
     fn a_next_turn_finds_its_history_in_the_token_cache() {
@@ -249,6 +249,10 @@ mod tests {
         let uncached = plan(&turn(4), &plain, &cfg, None);
         assert_eq!(uncached.segments, SegmentUse::default());
         assert_eq!(next.hint(), uncached.hint());
+        // The turn after finds the history the last one found, whole.
+        let after = plan(&turn(5), &cached, &cfg, None);
+        assert!(after.segments.history > 0, "{:?}", after.segments);
+        assert_eq!(after.hint(), plan(&turn(5), &plain, &cfg, None).hint());
     }
 
     /// A LoRA adapter served under its own name uses its base model's bundle and index, with

@@ -64,8 +64,11 @@ pub struct Preprocessor {
 /// A processed request: its tokens and the prefix hash of each full block.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PromptHashes {
-    /// Token ids as the engine sees them.
+    /// Token ids as the engine sees them, but the first `known`.
     pub tokens: Vec<u32>,
+    /// Ids at the prompt's start not in `tokens`: a history the token cache found as its
+    /// blocks' hashes ([`Segmenter::encode_hashed`]); always a whole number of blocks.
+    pub known: usize,
     /// One prefix hash per full block.
     pub hashes: Vec<PrefixHash>,
     /// What the token cache did for it (nothing without one).
@@ -88,13 +91,6 @@ fn sample_chat() -> Result<request::ChatInput, RequestError> {
 }
 
 /// Ids that did not come from the token cache.
-fn whole(ids: Vec<u32>) -> Cut {
-    Cut {
-        ids,
-        ..Cut::default()
-    }
-}
-
 impl Preprocessor {
     /// Load a bundle; this compiles the template and builds the tokenizer (slow: do it once).
     pub fn from_bundle(bundle: &ModelBundle) -> Result<Self, BundleError> {
@@ -148,7 +144,7 @@ impl Preprocessor {
     fn encode_chat(&self, text: &str, add_special_tokens: bool) -> Result<Cut, TokenizerError> {
         match &self.segments {
             Some(segments) if !add_special_tokens => segments.encode(text, &self.tokenizer),
-            _ => Ok(whole(self.tokenizer.encode(text, add_special_tokens)?)),
+            _ => Ok(Cut::whole(self.tokenizer.encode(text, add_special_tokens)?)),
         }
     }
 
@@ -160,10 +156,7 @@ impl Preprocessor {
     /// The prompt text the engine would build (chat: the rendered template).
     pub fn render(&self, req: &LlmRequest) -> Result<Option<String>, PromptError> {
         match &req.input {
-            PromptInput::Chat(chat) => {
-                let template = self.template.as_ref().ok_or(TemplateError::Missing)?;
-                Ok(Some(template.render(chat)?))
-            }
+            PromptInput::Chat(chat) => Ok(Some(self.rendered(chat)?)),
             PromptInput::Text(text) => Ok(Some(text.clone())),
             PromptInput::TokenIds(_) => Ok(None),
         }
@@ -178,17 +171,16 @@ impl Preprocessor {
     fn tokens_cut(&self, req: &LlmRequest) -> Result<Cut, PromptError> {
         match &req.input {
             PromptInput::Chat(chat) => {
-                let template = self.template.as_ref().ok_or(TemplateError::Missing)?;
-                let text = template.render(chat)?;
+                let text = self.rendered(chat)?;
                 // The template already holds BOS and friends: engines encode chat prompts
                 // without adding special tokens unless the request asks (vLLM's default: no).
                 Ok(self.encode_chat(&text, req.add_special_tokens.unwrap_or(false))?)
             }
-            PromptInput::Text(text) => Ok(whole(
+            PromptInput::Text(text) => Ok(Cut::whole(
                 self.tokenizer
                     .encode(text, req.add_special_tokens.unwrap_or(true))?,
             )),
-            PromptInput::TokenIds(ids) => Ok(whole(ids.clone())),
+            PromptInput::TokenIds(ids) => Ok(Cut::whole(ids.clone())),
         }
     }
 
@@ -197,32 +189,60 @@ impl Preprocessor {
     /// tokenized without what follows it may end differently at the cut.
     pub fn hashes(&self, req: &LlmRequest) -> Result<PromptHashes, PromptError> {
         let seed = HashSeed::for_request(req.lora.as_deref(), req.cache_salt.as_deref());
-        let prefix = match &req.input {
-            PromptInput::Chat(chat) => chat.text_prefix(),
-            _ => None,
-        };
-        let cut = match prefix {
-            None => self.tokens_cut(req)?,
-            Some(prefix) if prefix.messages.is_empty() => Cut::default(),
-            Some(prefix) => {
-                let template = self.template.as_ref().ok_or(TemplateError::Missing)?;
-                let special = req.add_special_tokens.unwrap_or(false);
-                let mut cut = self.encode_chat(&template.render(&prefix)?, special)?;
-                let safe_blocks = (cut.ids.len() / self.block_size).saturating_sub(1);
-                cut.ids.truncate(safe_blocks * self.block_size);
-                cut.ends.retain(|end| end.tokens <= cut.ids.len());
-                cut
+        // As in `tokens_cut`: a chat's template writes its special tokens.
+        let special = req.add_special_tokens.unwrap_or(false);
+        let (cut, hashes) = match &req.input {
+            PromptInput::Chat(chat) => match chat.text_prefix() {
+                None => self.hashed_chat(&self.rendered(chat)?, special, seed)?,
+                Some(prefix) if prefix.messages.is_empty() => (Cut::default(), Vec::new()),
+                Some(prefix) => {
+                    let (mut cut, mut hashes) =
+                        self.hashed_chat(&self.rendered(&prefix)?, special, seed)?;
+                    hashes.truncate(hashes.len().saturating_sub(1));
+                    let tokens = hashes.len() * self.block_size;
+                    cut.known = cut.known.min(tokens);
+                    cut.ids.truncate(tokens - cut.known);
+                    cut.ends.retain(|end| end.tokens <= tokens);
+                    (cut, hashes)
+                }
+            },
+            _ => {
+                let cut = self.tokens_cut(req)?;
+                let hashes = token_prefix_hashes(&cut.ids, self.block_size, seed);
+                (cut, hashes)
             }
-        };
-        let hashes = match &self.segments {
-            Some(segments) => segments.prefix_hashes(&cut, self.block_size, seed),
-            None => token_prefix_hashes(&cut.ids, self.block_size, seed),
         };
         Ok(PromptHashes {
             tokens: cut.ids,
+            known: cut.known,
             hashes,
             segments: cut.used,
         })
+    }
+
+    /// `chat` through the template.
+    fn rendered(&self, chat: &request::ChatInput) -> Result<String, PromptError> {
+        let template = self.template.as_ref().ok_or(TemplateError::Missing)?;
+        Ok(template.render(chat)?)
+    }
+
+    /// A rendered chat's ids and block hashes, through the token cache where there is one.
+    fn hashed_chat(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        seed: HashSeed,
+    ) -> Result<(Cut, Vec<PrefixHash>), TokenizerError> {
+        match &self.segments {
+            Some(segments) if !add_special_tokens => {
+                segments.encode_hashed(text, &self.tokenizer, self.block_size, seed)
+            }
+            _ => {
+                let cut = self.encode_chat(text, add_special_tokens)?;
+                let hashes = token_prefix_hashes(&cut.ids, self.block_size, seed);
+                Ok((cut, hashes))
+            }
+        }
     }
 }
 

@@ -19,10 +19,18 @@
 //! only on the segments so far, so they are kept too, under a key naming those segments (and
 //! the block size and hash seed). The next turn of a chat finds its history's hashes and hashes
 //! only its new blocks: in Envoy's V8, hashing an 8k-token history's 500 blocks took ~40 µs.
+//!
+//! And one step further again: a prompt's history — its block hashes up to the end of the
+//! segments it shares with prompts seen before — is kept whole under that end's key, and the
+//! next prompt that reaches that end finds it in one lookup instead of one per segment, without
+//! the history's ids: the next turn of a chat finds the history its last turn found, and looks
+//! up only the last turn's segments. Inside Envoy the proxy's neighbours evict the CPU's caches
+//! between requests, and each of an 8k history's ~60 segments cost two cold map lookups and a
+//! copy of its ids (docs/benchmarks.md, "Request preparation").
 
 use std::sync::Mutex;
 
-use kvroute_protocol::hash::{extend_prefix_hashes, HashSeed, PrefixHash};
+use kvroute_protocol::hash::{extend_prefix_hashes, token_prefix_hashes, HashSeed, PrefixHash};
 use xxhash_rust::xxh3::xxh3_128;
 
 use crate::clock::ClockMap;
@@ -35,15 +43,22 @@ pub const CHECK_EVERY: u64 = 64;
 /// slot.
 const ENTRY_OVERHEAD: usize = 64;
 
-/// One part in this many of the budget holds block hashes, the rest ids: a block's hash takes
-/// 8 bytes against its ids' 4 a token.
+/// One part in this many of the budget holds segments' block hashes, one histories (a
+/// block's hash takes 8 bytes against its ids' 4 a token), the rest ids.
 const HASHES_SHARE: usize = 8;
+
+/// A prompt's history is looked for at its last this many segment ends: a next turn adds the
+/// last answer, the question and the generation prompt to the history its last turn found, a
+/// few segments each, and an agent's turn tool results as well.
+const HISTORY_LOOKBACK: usize = 16;
 
 /// What the cache did for one prompt.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SegmentUse {
     /// Segments found.
     pub found: u32,
+    /// Of those, segments found at once as a prompt's history.
+    pub history: u32,
     /// Segments tokenized (and kept, unless larger than a quarter of the budget).
     pub tokenized: u32,
     /// The prompt was also tokenized whole to check the cut, and the two differed: the cache is
@@ -54,13 +69,31 @@ pub struct SegmentUse {
 /// A prompt's ids, cut at its segments.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Cut {
-    /// Token ids of the whole prompt.
+    /// Token ids of the prompt but its first [`Cut::known`].
     pub ids: Vec<u32>,
+    /// Ids at the prompt's start not in `ids`: a history's, found as its blocks' hashes
+    /// ([`Segmenter::encode_hashed`]; 0 otherwise).
+    pub known: usize,
     /// What the cache did.
     pub used: SegmentUse,
     /// Where each segment ends, in order; empty when the ids did not come from the cut (the
     /// cache off, or the cut found wrong).
     pub ends: Vec<SegmentEnd>,
+}
+
+impl Cut {
+    /// The ids of a prompt tokenized whole, without the cache.
+    pub(crate) fn whole(ids: Vec<u32>) -> Cut {
+        Cut {
+            ids,
+            ..Cut::default()
+        }
+    }
+
+    /// The prompt's length in tokens.
+    pub fn tokens(&self) -> usize {
+        self.known + self.ids.len()
+    }
 }
 
 /// The end of a prompt's segment: the ids before it, and a key naming every segment up to it.
@@ -88,19 +121,47 @@ struct State {
     /// The hashes of the blocks ending within a segment, by its end's [`SegmentEnd::key`],
     /// the block size and the hash seed.
     hashes: ClockMap<Box<[PrefixHash]>>,
+    /// Prompts' histories, by the key of the end they reach, the block size and the hash seed.
+    histories: ClockMap<History>,
     requests: u64,
     off: bool,
 }
 
 impl State {
     fn new(budget: usize) -> State {
+        let part = budget / HASHES_SHARE;
         State {
-            ids: ClockMap::new(budget - budget / HASHES_SHARE),
-            hashes: ClockMap::new(budget / HASHES_SHARE),
+            ids: ClockMap::new(budget - 2 * part),
+            hashes: ClockMap::new(part),
+            histories: ClockMap::new(part),
             requests: 0,
             off: false,
         }
     }
+
+    fn clear(&mut self) {
+        self.ids.clear();
+        self.hashes.clear();
+        self.histories.clear();
+    }
+}
+
+/// A prompt from its start to one of its segment ends: the hashes of its full blocks, the ids
+/// after them, and the ids before each segment's end.
+struct History {
+    hashes: Box<[PrefixHash]>,
+    tail: Box<[u32]>,
+    ends: Box<[u32]>,
+}
+
+/// One segment of a prompt: where it lies in the text, the hash of its text (its ids' key) and
+/// the key of the segments up to its end ([`SegmentEnd::key`]).
+#[derive(Debug, Clone, Copy)]
+struct Segment {
+    start: usize,
+    end: usize,
+    hash: u128,
+    key: u128,
 }
 
 /// Special tokens of `tokenizer_json` that the tokenizer matches verbatim, wherever they are.
@@ -170,20 +231,77 @@ impl Segmenter {
     /// `tokenizer.encode(text, false)` would give them, what the cache did, and where the
     /// segments end.
     pub fn encode(&self, text: &str, tokenizer: &Tokenizer) -> Result<Cut, TokenizerError> {
-        let check = {
-            let mut state = self.lock();
-            if state.off {
-                drop(state);
-                let ids = tokenizer.encode(text, false)?;
-                return Ok(Cut {
-                    ids,
-                    ..Cut::default()
-                });
-            }
-            state.requests += 1;
-            state.requests % CHECK_EVERY == 1
+        let Some(check) = self.begin() else {
+            return Ok(Cut::whole(tokenizer.encode(text, false)?));
         };
         let cut = self.cut_ids(text, tokenizer, true)?;
+        self.checked(cut, text, tokenizer, check)
+    }
+
+    /// [`Segmenter::encode`] and [`Segmenter::prefix_hashes`] in one, the history found whole
+    /// where the prompt continues one seen before ([module docs](self)): its ids are then not in
+    /// the cut ([`Cut::known`]), only its blocks' hashes. A request checked whole is cut
+    /// without a history, all its ids at hand.
+    pub fn encode_hashed(
+        &self,
+        text: &str,
+        tokenizer: &Tokenizer,
+        block_size: usize,
+        seed: HashSeed,
+    ) -> Result<(Cut, Vec<PrefixHash>), TokenizerError> {
+        if block_size == 0 {
+            return Ok((self.encode(text, tokenizer)?, Vec::new()));
+        }
+        let Some(check) = self.begin() else {
+            let cut = Cut::whole(tokenizer.encode(text, false)?);
+            let hashes = token_prefix_hashes(&cut.ids, block_size, seed);
+            return Ok((cut, hashes));
+        };
+        let segments = self.segments(text);
+        let mut cut = Cut {
+            ids: Vec::with_capacity(text.len() / 3),
+            ..Cut::default()
+        };
+        let mut hashes = Vec::with_capacity(text.len() / 3 / block_size);
+        let known = match check {
+            true => 0,
+            false => self.find_history(&segments, block_size, seed, &mut cut, &mut hashes),
+        };
+        let run = self.extend_cut(&mut cut, text, &segments[known..], tokenizer)?;
+        if known > 0 {
+            extend_prefix_hashes(&mut hashes, &cut.ids, block_size, seed);
+        } else {
+            hashes = self.prefix_hashes(&cut, block_size, seed);
+        }
+        if run > 0 {
+            self.keep_history(&cut, &hashes, block_size, seed, known + run - 1);
+        }
+        let cut = self.checked(cut, text, tokenizer, check)?;
+        if cut.used.mismatch {
+            hashes = token_prefix_hashes(&cut.ids, block_size, seed);
+        }
+        Ok((cut, hashes))
+    }
+
+    /// Count a request; `None` when the cache is off, else whether this one is checked whole.
+    fn begin(&self) -> Option<bool> {
+        let mut state = self.lock();
+        if state.off {
+            return None;
+        }
+        state.requests += 1;
+        Some(state.requests % CHECK_EVERY == 1)
+    }
+
+    /// `cut`, or with `check` the whole prompt's ids when they differ from it (the cache is
+    /// then off for good).
+    fn checked(
+        &self,
+        cut: Cut,
+        text: &str,
+        tokenizer: &Tokenizer,
+        check: bool,
+    ) -> Result<Cut, TokenizerError> {
         if !check {
             return Ok(cut);
         }
@@ -193,16 +311,73 @@ impl Segmenter {
         }
         let mut state = self.lock();
         state.off = true;
-        state.ids.clear();
-        state.hashes.clear();
+        state.clear();
         Ok(Cut {
-            ids: whole,
             used: SegmentUse {
                 mismatch: true,
                 ..cut.used
             },
-            ends: Vec::new(),
+            ..Cut::whole(whole)
         })
+    }
+
+    /// The longest history kept that `segments` start with, looked for at the last
+    /// [`HISTORY_LOOKBACK`] ends: its hashes are put in `hashes` and `cut` made its
+    /// continuation (the ids after its full blocks), and the number of segments it covers
+    /// returned (0: none found).
+    fn find_history(
+        &self,
+        segments: &[Segment],
+        block_size: usize,
+        seed: HashSeed,
+        cut: &mut Cut,
+        hashes: &mut Vec<PrefixHash>,
+    ) -> usize {
+        let n = segments.len();
+        let mut state = self.lock();
+        for at in (n.saturating_sub(HISTORY_LOOKBACK)..n).rev() {
+            let key = end_key(segments[at].key, block_size, seed);
+            if let Some(history) = state.histories.get(key) {
+                hashes.extend_from_slice(&history.hashes);
+                cut.known = hashes.len() * block_size;
+                cut.ids.extend_from_slice(&history.tail);
+                let ends = segments[..=at].iter().zip(history.ends.iter());
+                cut.ends.extend(ends.map(|(segment, &tokens)| SegmentEnd {
+                    tokens: tokens as usize,
+                    key: segment.key,
+                }));
+                cut.used.found += at as u32 + 1;
+                cut.used.history += at as u32 + 1;
+                return at + 1;
+            }
+        }
+        0
+    }
+
+    /// Keep `cut`'s history up to its segment end `at`, if it holds a full block.
+    fn keep_history(
+        &self,
+        cut: &Cut,
+        hashes: &[PrefixHash],
+        block_size: usize,
+        seed: HashSeed,
+        at: usize,
+    ) {
+        let end = cut.ends[at];
+        let blocks = end.tokens / block_size;
+        if blocks == 0 {
+            return;
+        }
+        // `at` is past the history the cut was found with, if any: its ids are at hand.
+        let tail = blocks * block_size - cut.known..end.tokens - cut.known;
+        let bytes = (tail.len() + at + 1) * 4 + blocks * 8 + ENTRY_OVERHEAD;
+        let history = History {
+            hashes: hashes[..blocks].into(),
+            tail: cut.ids[tail].into(),
+            ends: cut.ends[..=at].iter().map(|e| e.tokens as u32).collect(),
+        };
+        let key = end_key(end.key, block_size, seed);
+        self.lock().histories.put(key, history, bytes);
     }
 
     /// The prefix hashes of `cut`'s full blocks of `block_size` under `seed`, as
@@ -280,6 +455,28 @@ impl Segmenter {
         }
     }
 
+    /// `text`'s segments, in order.
+    fn segments(&self, text: &str) -> Vec<Segment> {
+        let mut key = 0u128;
+        let mut start = 0;
+        let points = self.cut_points(text);
+        let mut segments = Vec::with_capacity(points.len() + 1);
+        for end in points.into_iter().chain([text.len()]) {
+            if end > start {
+                let hash = xxh3_128(&text.as_bytes()[start..end]);
+                key = chained(key, hash);
+                segments.push(Segment {
+                    start,
+                    end,
+                    hash,
+                    key,
+                });
+            }
+            start = end;
+        }
+        segments
+    }
+
     /// The ids of `text` segment by segment; with `cached`, each segment looked up (and kept),
     /// what the cache did counted, and the segment ends named.
     fn cut_ids(
@@ -292,22 +489,30 @@ impl Segmenter {
             ids: Vec::with_capacity(text.len() / 3),
             ..Cut::default()
         };
-        let mut chain = 0u128;
+        if cached {
+            self.extend_cut(&mut cut, text, &self.segments(text), tokenizer)?;
+            return Ok(cut);
+        }
         let mut from = 0;
-        let points = self.cut_points(text);
-        for to in points.into_iter().chain([text.len()]) {
-            let segment = &text[from..to];
+        for to in self.cut_points(text).into_iter().chain([text.len()]) {
+            cut.ids.extend(tokenizer.encode(&text[from..to], false)?);
             from = to;
-            if segment.is_empty() {
-                continue;
-            }
-            if !cached {
-                cut.ids.extend(tokenizer.encode(segment, false)?);
-                continue;
-            }
-            let key = xxh3_128(segment.as_bytes());
-            chain = chained(chain, key);
-            let found = match self.lock().ids.get(key) {
+        }
+        Ok(cut)
+    }
+
+    /// Append the ids of `segments` of `text` to `cut`: each looked up, or tokenized and kept.
+    /// Returns how many of them, from the first, were found.
+    fn extend_cut(
+        &self,
+        cut: &mut Cut,
+        text: &str,
+        segments: &[Segment],
+        tokenizer: &Tokenizer,
+    ) -> Result<usize, TokenizerError> {
+        let mut run = None;
+        for (i, segment) in segments.iter().enumerate() {
+            let found = match self.lock().ids.get(segment.hash) {
                 Some(known) => {
                     cut.ids.extend_from_slice(known);
                     true
@@ -317,18 +522,21 @@ impl Segmenter {
             if found {
                 cut.used.found += 1;
             } else {
-                let new = tokenizer.encode(segment, false)?;
+                run.get_or_insert(i);
+                let new = tokenizer.encode(&text[segment.start..segment.end], false)?;
                 cut.used.tokenized += 1;
                 cut.ids.extend_from_slice(&new);
                 let bytes = new.len() * 4 + ENTRY_OVERHEAD;
-                self.lock().ids.put(key, new.into_boxed_slice(), bytes);
+                self.lock()
+                    .ids
+                    .put(segment.hash, new.into_boxed_slice(), bytes);
             }
             cut.ends.push(SegmentEnd {
-                tokens: cut.ids.len(),
-                key: chain,
+                tokens: cut.tokens(),
+                key: segment.key,
             });
         }
-        Ok(cut)
+        Ok(run.unwrap_or(segments.len()))
     }
 
     /// The lock is only ever held for a lookup or an insert, never across tokenizing: the
@@ -465,6 +673,62 @@ mod tests {
             new.iter().filter_map(kept).flatten().count(),
             want.len() - found.len()
         );
+    }
+
+    /// A chat's turns find their history whole, as prompts sharing a history and asking
+    /// different questions do: the ids, hashes and segment ends are the ones the prompt has
+    /// without it, under each seed and block size, and only the last turn's segments are
+    /// looked up one by one.
+    #[test]
+    fn prompts_find_their_history_whole() {
+        use kvroute_protocol::hash::token_prefix_hashes;
+        let lora = HashSeed::for_request(Some("adapter"), None);
+        for (seed, block_size) in [(HashSeed::default(), 4), (lora, 4), (lora, 16)] {
+            let (s, tokenizer) = segmenter(1 << 20);
+            let encode = |text: &str| s.encode_hashed(text, &tokenizer, block_size, seed).unwrap();
+            let check = |text: &str, (cut, hashes): &(Cut, Vec<PrefixHash>)| {
+                let whole = tokenizer.encode(text, false).unwrap();
+                assert_eq!(cut.ids, whole[cut.known..]);
+                assert_eq!(*hashes, token_prefix_hashes(&whole, block_size, seed));
+                assert_eq!(cut.known % block_size, 0);
+                assert_eq!(cut.ends, s.encode(text, &tokenizer).unwrap().ends, "ends");
+            };
+            // The first turn finds no history; the second its first turn's segments one by one
+            // and keeps them as a history, which the third finds.
+            let turns: Vec<_> = (2..7).map(chat).collect();
+            let used: Vec<SegmentUse> = turns
+                .iter()
+                .map(|text| {
+                    let got = encode(text);
+                    check(text, &got);
+                    got.0.used
+                })
+                .collect();
+            assert_eq!((used[0].history, used[1].history), (0, 0), "{used:?}");
+            for (t, used) in used.iter().enumerate().skip(2) {
+                // The history: the turn two before, less its generation prompt.
+                let history = s.encode(&turns[t - 2], &tokenizer).unwrap().ends.len() - 1;
+                assert_eq!(used.history as usize, history, "turn {t}: {used:?}");
+                // The question and its answer are new; the history's ids are not at hand.
+                assert_eq!(used.tokenized, 2, "turn {t}: {used:?}");
+                assert!(encode(&turns[t]).0.known > 0, "turn {t}");
+            }
+            // One history, a new question each time: the third prompt finds the history whole.
+            let asked = |q: usize| chat(5) + &format!("<|user|>\nAnd {q}?<|end|>\n<|assistant|>\n");
+            let used: Vec<SegmentUse> = (0..3).map(|q| encode(&asked(q)).0.used).collect();
+            let segments = s.encode(&asked(0), &tokenizer).unwrap().ends.len() as u32;
+            assert_eq!(used[2].history, segments - 3, "{used:?}");
+            check(&asked(3), &encode(&asked(3)));
+            // Under another block size or seed the history is not found.
+            assert_eq!(
+                s.encode_hashed(&asked(4), &tokenizer, 8, seed)
+                    .unwrap()
+                    .0
+                    .used
+                    .history,
+                0
+            );
+        }
     }
 
     /// A cut the tokenizer does not make (here inside a word) is caught by the whole-prompt
