@@ -707,6 +707,7 @@ impl HttpContext for Request {
             let used = planned.segments;
             shared.bump(Counter::TokenSegmentsFound, u64::from(used.found));
             shared.bump(Counter::TokenSegmentsTokenized, u64::from(used.tokenized));
+            shared.bump(Counter::TokenHistoriesFound, u64::from(used.history > 0));
             if used.mismatch {
                 log::error!(
                     "kvroute: a prompt cut at special tokens tokenized differently from the whole \

@@ -27,6 +27,8 @@ pub enum Counter {
     TokenSegmentsFound,
     /// Chat segments tokenized (not in the token cache).
     TokenSegmentsTokenized,
+    /// Prompts whose history the token cache found whole (its segments are among the found).
+    TokenHistoriesFound,
     /// Hints asked on the hint stream (the others went as HTTP calls).
     HintStreamAsks,
     /// Times the hint stream could not be opened, was given up unanswered, or closed.
@@ -128,6 +130,7 @@ impl Counter {
             Counter::HostErrors,
             Counter::TokenSegmentsFound,
             Counter::TokenSegmentsTokenized,
+            Counter::TokenHistoriesFound,
             Counter::TokenCacheMismatches,
             Counter::HintStreamAsks,
             Counter::HintStreamDown,
@@ -151,6 +154,7 @@ impl Counter {
             Counter::HostErrors => "kvroute.host_errors".into(),
             Counter::TokenSegmentsFound => "kvroute.token_cache.found".into(),
             Counter::TokenSegmentsTokenized => "kvroute.token_cache.tokenized".into(),
+            Counter::TokenHistoriesFound => "kvroute.token_cache.histories".into(),
             Counter::TokenCacheMismatches => "kvroute.token_cache.mismatches".into(),
             Counter::HintStreamAsks => "kvroute.hint_stream.asks".into(),
             Counter::HintStreamDown => "kvroute.hint_stream.down".into(),

@@ -70,14 +70,15 @@ async fn the_filter_in_envoy_tokenizes_every_fixture_like_transformers() {
     let refused_before = template_fallbacks().await;
     let (mut checked, mut refused, mut failures) = (0, 0, Vec::new());
     // The `bpe-special` models (every template family's special tokens, so chats are cut
-    // between messages) go twice: the second time the filter's token cache holds every
-    // segment.
-    let passes = expected.models.iter().chain(
+    // between messages) go three times: the second time the filter's token cache holds every
+    // segment, the third every chat's history whole.
+    let cut = || {
         expected
             .models
             .iter()
-            .filter(|(m, _)| m.starts_with("bpe-special")),
-    );
+            .filter(|(m, _)| m.starts_with("bpe-special"))
+    };
+    let passes = expected.models.iter().chain(cut()).chain(cut());
     for (model, cases) in passes {
         for (i, body) in requests.iter().enumerate() {
             let mut body = body.clone();
@@ -123,6 +124,14 @@ async fn the_filter_in_envoy_tokenizes_every_fixture_like_transformers() {
     assert!(
         found >= 6 * 30,
         "segments found in the token cache: {found}"
+    );
+    let histories = stack
+        .envoy_stat("wasmcustom.kvroute.token_cache.histories")
+        .await
+        .unwrap_or(0);
+    assert!(
+        histories >= 6 * 10,
+        "prompts whose history the token cache found: {histories}"
     );
     assert_eq!(
         stack
