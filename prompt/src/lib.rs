@@ -90,7 +90,6 @@ fn sample_chat() -> Result<request::ChatInput, RequestError> {
     }
 }
 
-/// Ids that did not come from the token cache.
 impl Preprocessor {
     /// Load a bundle; this compiles the template and builds the tokenizer (slow: do it once).
     pub fn from_bundle(bundle: &ModelBundle) -> Result<Self, BundleError> {
@@ -238,7 +237,7 @@ impl Preprocessor {
                 segments.encode_hashed(text, &self.tokenizer, self.block_size, seed)
             }
             _ => {
-                let cut = self.encode_chat(text, add_special_tokens)?;
+                let cut = Cut::whole(self.tokenizer.encode(text, add_special_tokens)?);
                 let hashes = token_prefix_hashes(&cut.ids, self.block_size, seed);
                 Ok((cut, hashes))
             }
