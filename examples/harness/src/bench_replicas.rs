@@ -607,6 +607,35 @@ fn probe_bodies(workload: &bench::Workload, probes: usize) -> Vec<Value> {
         .collect()
 }
 
+/// Wait until the sidecars' repairs have settled: at least 5 repair intervals, then until an
+/// interval passes in which no sidecar noticed, filled or repaired anything more — at most 20
+/// intervals. Only when to probe is decided by the sidecars' own counters; whether they agree
+/// is the probe's.
+async fn settle(http: &reqwest::Client, sidecars: &[String], interval_ms: u64) {
+    const REPAIRS: [&str; 3] = [
+        "kvroute_replica_lost_messages_total",
+        "kvroute_replica_repairs_total",
+        "kvroute_replica_divergences_total",
+    ];
+    let interval = Duration::from_millis(interval_ms);
+    tokio::time::sleep(5 * interval).await;
+    let mut last = None;
+    for _ in 5..20 {
+        let mut now = 0.0;
+        for base in sidecars {
+            let text = crate::client::get_text(http, &format!("{base}/metrics"))
+                .await
+                .unwrap_or_default();
+            now += prometheus::sum_where(&text, |l| REPAIRS.iter().any(|r| l.starts_with(r)));
+        }
+        if last == Some(now) {
+            return;
+        }
+        last = Some(now);
+        tokio::time::sleep(interval).await;
+    }
+}
+
 /// The sidecars' distinct URLs, in replica order (one for a shared index).
 pub fn sidecars_of(stack: &Stack) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
@@ -689,10 +718,11 @@ async fn run_scenario(
     .await?;
     stack.check_alive()?;
     // Events still on their way, and repair rounds: a message lost at the very end is noticed
-    // only by a digest round and filled by a later one (3 intervals once left one of 32 smoke
-    // probes unrepaired on a loaded 2-core machine): then every sidecar is asked the same.
-    tokio::time::sleep(Duration::from_millis(5 * bench.interval_ms)).await;
+    // only by a digest round and filled by a later one, and a divergence needs a snapshot
+    // after that (5 intervals once left one of 32 smoke probes unrepaired on a loaded 2-core
+    // machine): then every sidecar is asked the same.
     let sidecars = sidecars_of(&stack);
+    settle(&stack.http, &sidecars, bench.interval_ms).await;
     let agreement = probe(
         &stack.http,
         &sidecars,
