@@ -38,6 +38,11 @@ impl<V> ClockMap<V> {
         Some(&entry.value)
     }
 
+    /// Whether `key` is kept (it is not thereby used).
+    pub(crate) fn contains(&self, key: u128) -> bool {
+        self.map.contains_key(&key)
+    }
+
     /// Keep `value` (costing `bytes`) under `key`, dropping entries not used since the clock
     /// last passed them until it fits; nothing if `key` is kept already or the value is larger
     /// than a quarter of the budget (one prompt must not empty the cache).
@@ -103,6 +108,7 @@ mod tests {
         assert!(map.get(6).is_none(), "larger than a quarter: not kept");
         map.put(5, 50, 10);
         assert_eq!(map.get(5), Some(&5), "a kept key is not replaced");
+        assert!(map.contains(5) && !map.contains(2));
         map.clear();
         assert!(map.get(1).is_none() && map.bytes == 0);
     }

@@ -355,7 +355,8 @@ impl Segmenter {
         0
     }
 
-    /// Keep `cut`'s history up to its segment end `at`, if it holds a full block.
+    /// Keep `cut`'s history up to its segment end `at`, if it holds a full block and is not
+    /// kept already.
     fn keep_history(
         &self,
         cut: &Cut,
@@ -366,7 +367,10 @@ impl Segmenter {
     ) {
         let end = cut.ends[at];
         let blocks = end.tokens / block_size;
-        if blocks == 0 {
+        let key = end_key(end.key, block_size, seed);
+        // Kept already when it ends earlier than the ends a history is looked for at (a shared
+        // system prompt before a long new question): not built again to be refused.
+        if blocks == 0 || self.lock().histories.contains(key) {
             return;
         }
         // `at` is past the history the cut was found with, if any: its ids are at hand.
@@ -377,7 +381,6 @@ impl Segmenter {
             tail: cut.ids[tail].into(),
             ends: cut.ends[..=at].iter().map(|e| e.tokens as u32).collect(),
         };
-        let key = end_key(end.key, block_size, seed);
         self.lock().histories.put(key, history, bytes);
     }
 
