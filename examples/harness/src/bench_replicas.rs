@@ -805,6 +805,16 @@ async fn run_scenario(
                 .unwrap_or(0.0)
         })
         .collect();
+    // Where replicas disagree, what each believes of its caches and its peers' (the probe is
+    // what counts; this says why).
+    let mut states = Vec::new();
+    if agreement.same < 1.0 {
+        for base in &sidecars {
+            states.push(
+                crate::client::get_json(&stack.http, &format!("{base}/debug/replicas")).await,
+            );
+        }
+    }
     let mut row = bench::summary(&outcomes, bench.engines);
     let fields = json!({
         "workload": workload.name,
@@ -825,6 +835,7 @@ async fn run_scenario(
         "probe_outliers_per_replica": agreement.outliers,
         "disagreements": agreement.disagreements,
         "index_disagreements": agreement.index_disagreements,
+        "replica_states": states,
         "survival_per_replica": agreement.survival,
         "survival_spread": spread,
         "predicted_per_replica": predicted,

@@ -185,7 +185,9 @@ impl Replicas {
                                 && p.divergent_since.get(key).is_some_and(|since| {
                                     now.saturating_duration_since(*since) >= 2 * stuck
                                 });
-                        let unclean = !m.clean && !m.filling;
+                        // Behind for an interval, ours lost its last messages (none came
+                        // after them to show the gap): unclean, whatever it believes.
+                        let unclean = (!m.clean || behind) && !m.filling;
                         if !theirs.clean {
                             // Only to converge when no peer holds a clean copy, and only once
                             // neither copy waits for a fill (a fill rebuilds from what ours
@@ -420,6 +422,8 @@ impl Replicas {
                             "rank": c.rank,
                             "latest": c.checkpoints.last(),
                             "clean": c.clean,
+                            "filling": c.filling,
+                            "lost_at": c.lost_at,
                             "agreement": p.states.get(&key),
                         })
                     })
@@ -624,6 +628,18 @@ mod tests {
         );
         d.observe(ahead(), &mine, later);
         let asked = d.repairs(&mine, later);
+        assert!(
+            matches!(&asked[..], [(_, _, Why::NoCleanCopy { behind: true, .. })]),
+            "{asked:?}"
+        );
+        // The same with ours believing itself clean: it lost only its last messages (the peer
+        // lost two of them for good, we the rest, so no fill could tell us).
+        let mut g = Replicas::new("g".into(), Duration::from_secs(6));
+        let believed = [report("w1", &[(8, 80)])];
+        g.observe(ahead(), &believed, now);
+        assert!(g.repairs(&believed, now).is_empty());
+        g.observe(ahead(), &believed, later);
+        let asked = g.repairs(&believed, later);
         assert!(
             matches!(&asked[..], [(_, _, Why::NoCleanCopy { behind: true, .. })]),
             "{asked:?}"
