@@ -1,4 +1,5 @@
-//! Tests of the core: KV events in: sequence, gaps, warm starts, restarts, fills, snapshots, capacity.
+//! Tests of the core: KV events in: sequence, gaps, warm starts, restarts, fills, snapshots, capacity;
+//! and two replicas converging under the replica plane's rule.
 
 use super::*;
 
@@ -610,17 +611,6 @@ fn replicas_that_both_lose_fill_each_other() {
         seed ^= seed << 17;
         seed
     };
-    let exchange = |to: &mut Core, from: &Core| {
-        for ((worker, rank), seqs) in to.wanted(Instant::now(), Duration::ZERO) {
-            let copies = from.messages(&worker, rank, &seqs);
-            let fill = Input::Fill {
-                worker: &worker,
-                rank,
-                messages: &copies,
-            };
-            to.ingest(fill, Instant::now());
-        }
-    };
     for run in 0..30 {
         let (mut a, mut b) = (replica(), replica());
         let mut both = 0;
@@ -636,18 +626,123 @@ fn replicas_that_both_lose_fill_each_other() {
             }
             both += usize::from(!to_a && !to_b);
             if seq % 5 == 4 {
-                exchange(&mut a, &b);
-                exchange(&mut b, &a);
+                fill_from(&mut a, &b);
+                fill_from(&mut b, &a);
             }
         }
-        exchange(&mut a, &b);
-        exchange(&mut b, &a);
+        fill_from(&mut a, &b);
+        fill_from(&mut b, &a);
         let later = Instant::now() + Duration::from_secs(30);
         a.ingest(Input::Tick, later);
         b.ingest(Input::Tick, later);
         assert_eq!(blocks(&a), 300 - both, "run {run}: a");
         assert_eq!(blocks(&b), 300 - both, "run {run}: b");
     }
+}
+
+/// Hand `to` what `from` applied of the messages it lost.
+fn fill_from(to: &mut Core, from: &Core) {
+    for ((worker, rank), seqs) in to.wanted(Instant::now(), Duration::ZERO) {
+        let copies = from.messages(&worker, rank, &seqs);
+        let fill = Input::Fill {
+            worker: &worker,
+            rank,
+            messages: &copies,
+        };
+        to.ingest(fill, Instant::now());
+    }
+}
+
+/// Replicas converge whatever they lost, the last messages included (nothing after those
+/// shows the gap): two replicas losing a tenth each fill each other, then the replica plane's
+/// rule over their digests ([`Replicas::repairs`], a round an interval) repairs what fills
+/// could not. Every other run, `a` loses the last four messages and `b` two of them, which
+/// neither can hand over: `b` gives them up (unclean, ahead), `a` believes itself clean, and
+/// only staying behind tells it otherwise.
+#[test]
+fn replicas_converge_when_the_last_messages_are_lost() {
+    use crate::replication::peers::Replicas;
+    use crate::replication::wire::Digests;
+    let replica = || {
+        Core::new(
+            &config(
+                "[replicas]\ngroup = \"t\"\n\n[[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\n",
+            ),
+            7,
+        )
+    };
+    let mut seed = 0x8c3f_52a1_0e6b_d947u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let n = 60u64;
+    let mut believed_clean = 0;
+    for run in 0..30 {
+        let (mut a, mut b) = (replica(), replica());
+        let tail = run % 2 == 0;
+        for seq in 0..n {
+            let batch = store(None, 10_000 * (run + 1) + seq, 1);
+            let (mut to_a, mut to_b) = (next() % 10 != 0, next() % 10 != 0);
+            if tail && seq >= n - 4 {
+                (to_a, to_b) = (false, seq >= n - 2);
+            }
+            if to_a || seq == 0 {
+                vllm(&mut a, seq, Delivery::Live, &batch);
+            }
+            if to_b || seq == 0 {
+                vllm(&mut b, seq, Delivery::Live, &batch);
+            }
+            if seq % 5 == 4 {
+                fill_from(&mut a, &b);
+                fill_from(&mut b, &a);
+            }
+        }
+        fill_from(&mut a, &b);
+        fill_from(&mut b, &a);
+        let later = Instant::now() + Duration::from_secs(30);
+        a.ingest(Input::Tick, later);
+        b.ingest(Input::Tick, later);
+        believed_clean += usize::from(tail && a.reports()[0].clean);
+        let timeout = Duration::from_secs(6);
+        let mut planes = [
+            Replicas::new("a".into(), timeout),
+            Replicas::new("b".into(), timeout),
+        ];
+        for round in 0..4 {
+            let at = later + round * timeout / 3;
+            for (me, plane) in planes.iter_mut().enumerate() {
+                let (ours, theirs) = if me == 0 { (&mut a, &b) } else { (&mut b, &a) };
+                let peer = Digests {
+                    replica: if me == 0 { "b" } else { "a" }.into(),
+                    caches: theirs.reports(),
+                    served: Vec::new(),
+                };
+                let clean = peer.caches.iter().all(|c| c.clean);
+                plane.observe(peer, &ours.reports(), at);
+                for (_, (worker, rank), _) in plane.repairs(&ours.reports(), at) {
+                    let snapshot = theirs.snapshot(&worker, rank).unwrap();
+                    let install = Input::Snapshot {
+                        worker: &worker,
+                        rank,
+                        snapshot: &snapshot,
+                        clean,
+                    };
+                    ours.ingest(install, at);
+                    plane.repaired(&(worker, rank));
+                }
+            }
+        }
+        let (x, y) = (
+            a.snapshot("127.0.0.1:9000", 0).unwrap(),
+            b.snapshot("127.0.0.1:9000", 0).unwrap(),
+        );
+        assert_eq!((x.seq, &x.entries), (y.seq, &y.entries), "run {run}");
+        assert_eq!(x.seq, n - 1, "run {run}");
+    }
+    assert!(believed_clean > 0, "no run left `a` believing itself clean");
 }
 
 /// Dynamo sends events about offloaded copies (KVBM, vLLM's CPU offload, SGLang's host cache)
