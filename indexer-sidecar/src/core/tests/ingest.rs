@@ -3,6 +3,25 @@
 
 use super::*;
 
+/// A replica's core: model `m`, `[replicas]` on, the worker at 127.0.0.1:9000 (`extra`: more
+/// of its keys).
+fn replica(extra: &str) -> Core {
+    let text = format!(
+        "[replicas]\ngroup = \"t\"\n\n[[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\n{extra}"
+    );
+    Core::new(&config(&text), 7)
+}
+
+/// A seeded xorshift generator: which messages a test's replicas lose.
+fn xorshift(mut seed: u64) -> impl FnMut() -> u64 {
+    move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    }
+}
+
 /// A replica that lost a message takes a clean peer's snapshot: the entries, then its own
 /// later messages on top; its cache then equals the peer's and is clean again.
 #[test]
@@ -78,13 +97,7 @@ fn a_peer_snapshot_repairs_a_cache_that_lost_events() {
 /// late alone, they would come back). Nobody handing it over makes the cache unclean.
 #[test]
 fn a_lost_message_filled_by_a_peer_is_applied_in_its_place() {
-    let replica = || {
-        Core::new(
-            &config("[replicas]\ngroup = \"t\"\n\n[[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\n"),
-            7,
-        )
-    };
-    let (mut clean, mut lossy, mut alone) = (replica(), replica(), vllm_core());
+    let (mut clean, mut lossy, mut alone) = (replica(""), replica(""), vllm_core());
     let removed = EventBatch {
         events: vec![VllmEvent::BlockRemoved {
             block_hashes: vec![EngineBlockHash(10), EngineBlockHash(11)].into(),
@@ -139,7 +152,7 @@ fn a_lost_message_filled_by_a_peer_is_applied_in_its_place() {
     assert!(!report(&alone).clean);
     assert!(alone.wanted(now, Duration::ZERO).is_empty());
     // With peers, a loss nobody hands over is given up on after the fill timeout.
-    let mut unlucky = replica();
+    let mut unlucky = replica("");
     for (seq, b) in stream.iter().enumerate().filter(|(s, _)| *s != 1) {
         vllm(&mut unlucky, seq as u64, Delivery::Live, b);
     }
@@ -490,29 +503,18 @@ fn a_cache_restored_from_disk_is_continued_or_replaced() {
 /// re-application of late messages on top of the evicted cache would not undo.
 #[test]
 fn filled_caches_are_what_in_order_application_holds() {
-    let replica = || {
-        Core::new(
-            &config(
-                "[replicas]\ngroup = \"t\"\n\n[[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\ncapacity_blocks = 24\n",
-            ),
-            7,
-        )
-    };
-    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed
-    };
+    let mut next = xorshift(0x9e37_79b9_7f4a_7c15u64);
     for run in 0..20 {
-        let (mut clean, mut lossy) = (replica(), replica());
+        let (mut clean, mut lossy) = (
+            replica("capacity_blocks = 24\n"),
+            replica("capacity_blocks = 24\n"),
+        );
         let mut stored: Vec<u64> = Vec::new();
         let mut name = 1_000 * (run + 1);
         let now = Instant::now();
         let mut lost = 0;
         for seq in 0..300u64 {
-            let batch = if next() % 4 == 0 && !stored.is_empty() {
+            let batch = if next().is_multiple_of(4) && !stored.is_empty() {
                 let gone: Vec<EngineBlockHash> = (0..1 + next() % 3)
                     .map(|_| EngineBlockHash(stored[(next() % stored.len() as u64) as usize]))
                     .collect();
@@ -596,28 +598,17 @@ fn filled_caches_are_what_in_order_application_holds() {
 /// lost: both end with every message but those both lost, which are given up on.
 #[test]
 fn replicas_that_both_lose_fill_each_other() {
-    let replica = || {
-        Core::new(
-            &config(
-                "[replicas]\ngroup = \"t\"\n\n[[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\n",
-            ),
-            7,
-        )
-    };
-    let mut seed = 0x2545_f491_4f6c_dd1du64;
-    let mut next = move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed
-    };
+    let mut next = xorshift(0x2545_f491_4f6c_dd1du64);
     for run in 0..30 {
-        let (mut a, mut b) = (replica(), replica());
+        let (mut a, mut b) = (replica(""), replica(""));
         let mut both = 0;
         for seq in 0..300u64 {
             let batch = store(None, 10_000 * (run + 1) + seq, 1);
             let edge = seq == 0 || seq == 299;
-            let (to_a, to_b) = (edge || next() % 10 != 0, edge || next() % 10 != 0);
+            let (to_a, to_b) = (
+                edge || !next().is_multiple_of(10),
+                edge || !next().is_multiple_of(10),
+            );
             if to_a {
                 vllm(&mut a, seq, Delivery::Live, &batch);
             }
@@ -663,29 +654,15 @@ fn fill_from(to: &mut Core, from: &Core) {
 fn replicas_converge_when_the_last_messages_are_lost() {
     use crate::replication::peers::Replicas;
     use crate::replication::wire::Digests;
-    let replica = || {
-        Core::new(
-            &config(
-                "[replicas]\ngroup = \"t\"\n\n[[workers]]\naddress = \"127.0.0.1:9000\"\nmodel = \"m\"\n",
-            ),
-            7,
-        )
-    };
-    let mut seed = 0x8c3f_52a1_0e6b_d947u64;
-    let mut next = move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed
-    };
+    let mut next = xorshift(0x8c3f_52a1_0e6b_d947u64);
     let n = 60u64;
     let mut believed_clean = 0;
     for run in 0..30 {
-        let (mut a, mut b) = (replica(), replica());
+        let (mut a, mut b) = (replica(""), replica(""));
         let tail = run % 2 == 0;
         for seq in 0..n {
             let batch = store(None, 10_000 * (run + 1) + seq, 1);
-            let (mut to_a, mut to_b) = (next() % 10 != 0, next() % 10 != 0);
+            let (mut to_a, mut to_b) = (!next().is_multiple_of(10), !next().is_multiple_of(10));
             if tail && seq >= n - 4 {
                 (to_a, to_b) = (false, seq >= n - 2);
             }
