@@ -22,6 +22,51 @@ fn xorshift(mut seed: u64) -> impl FnMut() -> u64 {
     }
 }
 
+/// Hand `to` what `from` applied of the messages it lost.
+fn fill_from(to: &mut Core, from: &Core) {
+    for ((worker, rank), seqs) in to.wanted(Instant::now(), Duration::ZERO) {
+        let copies = from.messages(&worker, rank, &seqs);
+        let fill = Input::Fill {
+            worker: &worker,
+            rank,
+            messages: &copies,
+        };
+        to.ingest(fill, Instant::now());
+    }
+}
+
+/// Two replicas read a stream of `n` one-block messages (run `run`'s blocks), each getting
+/// those `gets(seq)` says (to `a`, to `b`); they hand each other what they lost every 5
+/// messages and at the end, and 30 s later give up what is still missing. Returns that moment.
+fn lossy_pair(
+    a: &mut Core,
+    b: &mut Core,
+    n: u64,
+    run: u64,
+    mut gets: impl FnMut(u64) -> (bool, bool),
+) -> Instant {
+    for seq in 0..n {
+        let batch = store(None, 10_000 * (run + 1) + seq, 1);
+        let (to_a, to_b) = gets(seq);
+        if to_a {
+            vllm(a, seq, Delivery::Live, &batch);
+        }
+        if to_b {
+            vllm(b, seq, Delivery::Live, &batch);
+        }
+        if seq % 5 == 4 {
+            fill_from(a, b);
+            fill_from(b, a);
+        }
+    }
+    fill_from(a, b);
+    fill_from(b, a);
+    let later = Instant::now() + Duration::from_secs(30);
+    a.ingest(Input::Tick, later);
+    b.ingest(Input::Tick, later);
+    later
+}
+
 /// A replica that lost a message takes a clean peer's snapshot: the entries, then its own
 /// later messages on top; its cache then equals the peer's and is clean again.
 #[test]
@@ -602,45 +647,17 @@ fn replicas_that_both_lose_fill_each_other() {
     for run in 0..30 {
         let (mut a, mut b) = (replica(""), replica(""));
         let mut both = 0;
-        for seq in 0..300u64 {
-            let batch = store(None, 10_000 * (run + 1) + seq, 1);
+        lossy_pair(&mut a, &mut b, 300, run, |seq| {
             let edge = seq == 0 || seq == 299;
             let (to_a, to_b) = (
                 edge || !next().is_multiple_of(10),
                 edge || !next().is_multiple_of(10),
             );
-            if to_a {
-                vllm(&mut a, seq, Delivery::Live, &batch);
-            }
-            if to_b {
-                vllm(&mut b, seq, Delivery::Live, &batch);
-            }
             both += usize::from(!to_a && !to_b);
-            if seq % 5 == 4 {
-                fill_from(&mut a, &b);
-                fill_from(&mut b, &a);
-            }
-        }
-        fill_from(&mut a, &b);
-        fill_from(&mut b, &a);
-        let later = Instant::now() + Duration::from_secs(30);
-        a.ingest(Input::Tick, later);
-        b.ingest(Input::Tick, later);
+            (to_a, to_b)
+        });
         assert_eq!(blocks(&a), 300 - both, "run {run}: a");
         assert_eq!(blocks(&b), 300 - both, "run {run}: b");
-    }
-}
-
-/// Hand `to` what `from` applied of the messages it lost.
-fn fill_from(to: &mut Core, from: &Core) {
-    for ((worker, rank), seqs) in to.wanted(Instant::now(), Duration::ZERO) {
-        let copies = from.messages(&worker, rank, &seqs);
-        let fill = Input::Fill {
-            worker: &worker,
-            rank,
-            messages: &copies,
-        };
-        to.ingest(fill, Instant::now());
     }
 }
 
@@ -660,28 +677,14 @@ fn replicas_converge_when_the_last_messages_are_lost() {
     for run in 0..30 {
         let (mut a, mut b) = (replica(""), replica(""));
         let tail = run % 2 == 0;
-        for seq in 0..n {
-            let batch = store(None, 10_000 * (run + 1) + seq, 1);
-            let (mut to_a, mut to_b) = (!next().is_multiple_of(10), !next().is_multiple_of(10));
+        let later = lossy_pair(&mut a, &mut b, n, run, |seq| {
+            let (to_a, to_b) = (!next().is_multiple_of(10), !next().is_multiple_of(10));
             if tail && seq >= n - 4 {
-                (to_a, to_b) = (false, seq >= n - 2);
+                (false, seq >= n - 2)
+            } else {
+                (to_a || seq == 0, to_b || seq == 0)
             }
-            if to_a || seq == 0 {
-                vllm(&mut a, seq, Delivery::Live, &batch);
-            }
-            if to_b || seq == 0 {
-                vllm(&mut b, seq, Delivery::Live, &batch);
-            }
-            if seq % 5 == 4 {
-                fill_from(&mut a, &b);
-                fill_from(&mut b, &a);
-            }
-        }
-        fill_from(&mut a, &b);
-        fill_from(&mut b, &a);
-        let later = Instant::now() + Duration::from_secs(30);
-        a.ingest(Input::Tick, later);
-        b.ingest(Input::Tick, later);
+        });
         believed_clean += usize::from(tail && a.reports()[0].clean);
         let timeout = Duration::from_secs(6);
         let mut planes = [
