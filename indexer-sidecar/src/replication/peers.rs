@@ -185,9 +185,14 @@ impl Replicas {
                                 && p.divergent_since.get(key).is_some_and(|since| {
                                     now.saturating_duration_since(*since) >= 2 * stuck
                                 });
-                        // Behind for an interval, ours lost its last messages (none came
-                        // after them to show the gap): unclean, whatever it believes.
-                        let unclean = (!m.clean || behind) && !m.filling;
+                        // Behind for an interval, and the peer's copy the same at our last
+                        // message: ours lost the messages after it (none came to show the
+                        // gap), unclean whatever it believes. (Not the same there: another
+                        // stream, as an engine that restarted, which the peer missed.)
+                        let lost_tail = behind
+                            && matches!(p.states.get(key), Some(Agreement::Agree { seq })
+                                if m.checkpoints.last().map(|c| c.seq) == Some(*seq));
+                        let unclean = (!m.clean || lost_tail) && !m.filling;
                         if !theirs.clean {
                             // Only to converge when no peer holds a clean copy, and only once
                             // neither copy waits for a fill (a fill rebuilds from what ours
@@ -644,6 +649,21 @@ mod tests {
             matches!(&asked[..], [(_, _, Why::NoCleanCopy { behind: true, .. })]),
             "{asked:?}"
         );
+        // Not when the copies differ at our last message: ours is another stream (its engine
+        // restarted; the unclean peer missed it), not one that lost its tail.
+        let mut h = Replicas::new("h".into(), Duration::from_secs(6));
+        let restarted = [report("w1", &[(2, 20)])];
+        let stale = || {
+            let t = CacheReport {
+                lost_at: 4,
+                clean: false,
+                ..report("w1", &[(2, 7), (3, 8), (9, 90)])
+            };
+            from("a", vec![t])
+        };
+        h.observe(stale(), &restarted, now);
+        h.observe(stale(), &restarted, later);
+        assert!(h.repairs(&restarted, later).is_empty());
         // Not while a peer holds a clean copy (here one that agrees with ours).
         let mut e = Replicas::new("e".into(), Duration::from_secs(6));
         for at in [now, later] {
