@@ -612,7 +612,6 @@ mod tests {
         assert!(c.repairs(&filling, later).is_empty());
         // Behind an unclean peer (our last message lost, none after it), ours unclean too: its
         // copy, after an interval.
-        let mut d = Replicas::new("d".into(), Duration::from_secs(6));
         let mine = [CacheReport {
             lost_at: 3,
             clean: false,
@@ -626,25 +625,24 @@ mod tests {
             };
             from("a", vec![t])
         };
-        d.observe(ahead(), &mine, now);
-        assert!(
-            d.repairs(&mine, now).is_empty(),
-            "a message may be in flight"
-        );
-        d.observe(ahead(), &mine, later);
-        let asked = d.repairs(&mine, later);
+        // The peer seen ahead now and an interval later: what is asked each time.
+        let behind = |id: &str, mine: &[CacheReport]| {
+            let mut r = Replicas::new(id.into(), Duration::from_secs(6));
+            r.observe(ahead(), mine, now);
+            let at_once = r.repairs(mine, now);
+            r.observe(ahead(), mine, later);
+            (at_once, r.repairs(mine, later))
+        };
+        let (at_once, asked) = behind("d", &mine);
+        assert!(at_once.is_empty(), "a message may be in flight");
         assert!(
             matches!(&asked[..], [(_, _, Why::NoCleanCopy { behind: true, .. })]),
             "{asked:?}"
         );
         // The same with ours believing itself clean: it lost only its last messages (the peer
         // lost two of them for good, we the rest, so no fill could tell us).
-        let mut g = Replicas::new("g".into(), Duration::from_secs(6));
-        let believed = [report("w1", &[(8, 80)])];
-        g.observe(ahead(), &believed, now);
-        assert!(g.repairs(&believed, now).is_empty());
-        g.observe(ahead(), &believed, later);
-        let asked = g.repairs(&believed, later);
+        let (at_once, asked) = behind("g", &[report("w1", &[(8, 80)])]);
+        assert!(at_once.is_empty(), "a message may be in flight");
         assert!(
             matches!(&asked[..], [(_, _, Why::NoCleanCopy { behind: true, .. })]),
             "{asked:?}"
