@@ -58,6 +58,13 @@ pub struct CacheReport {
     /// started): of two copies that disagree, the one that lost longest ago is kept.
     #[serde(default)]
     pub lost_at: u64,
+    /// How long before the report this replica last applied a message from the engine's
+    /// stream (not a peer's copy), in ms (`None`: none since the cache started here, or an
+    /// older sidecar's report). Of two
+    /// copies, a higher message number is *ahead* only on the same stream: a copy whose last
+    /// message came long before ours has not seen the engine restart ours saw.
+    #[serde(default)]
+    pub quiet_ms: Option<u64>,
     /// Its recent checkpoints, oldest first.
     pub checkpoints: Vec<Checkpoint>,
 }
@@ -127,6 +134,8 @@ pub struct CacheLog {
     base: Option<Base>,
     /// See [`CacheReport::lost_at`].
     pub lost_at: u64,
+    /// When the last message from the engine's stream was applied ([`CacheReport::quiet_ms`]).
+    pub last_live: Option<Instant>,
     /// No event lost for good since a known state: the stream's first message, an engine
     /// restart (an empty cache), a clean peer's snapshot. Clean once `missing` is filled too.
     pub clean: bool,

@@ -181,6 +181,7 @@ impl Core {
         if let Some(w) = self.fleet.get_mut(id) {
             let log = w.logs.entry(m.stream).or_default();
             let given_up = log.push(m.seq, events, held, digest);
+            log.last_live = Some(now);
             if given_up > 0 {
                 out.push(Happened::Unfilled {
                     worker: name.clone(),

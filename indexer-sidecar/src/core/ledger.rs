@@ -28,13 +28,13 @@ impl Core {
     ) {
         let (rank, seq) = (m.stream, m.seq);
         // A stream's first message is Dynamo's `event_id` 1, vLLM's `seq` 0: a later first
-        // message follows lost ones.
+        // message, of the stream or of a restarted engine's, follows lost ones.
         let start = match m.body {
             Body::Dynamo(_) => 1,
             Body::Vllm(_) => 0,
         };
         let lost = match verdict {
-            Verdict::First if seq > start => Some((start, seq)),
+            Verdict::First | Verdict::Restarted if seq > start => Some((start, seq)),
             Verdict::Gap { from, to } => Some((from, to)),
             _ => None,
         };
@@ -66,8 +66,8 @@ impl Core {
         }
     }
 
-    /// Every cache's recent checkpoints, for the replica plane.
-    pub fn reports(&self) -> Vec<digest::CacheReport> {
+    /// Every cache's recent checkpoints as of `now`, for the replica plane.
+    pub fn reports(&self, now: Instant) -> Vec<digest::CacheReport> {
         self.fleet
             .iter()
             .flat_map(|w| {
@@ -77,6 +77,10 @@ impl Core {
                     clean: log.is_clean(),
                     filling: log.filling(),
                     lost_at: log.lost_at,
+                    quiet_ms: log.last_live.map(|at| {
+                        u64::try_from(now.saturating_duration_since(at).as_millis())
+                            .unwrap_or(u64::MAX)
+                    }),
                     checkpoints: log.checkpoints(),
                 })
             })

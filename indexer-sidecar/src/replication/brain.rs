@@ -477,6 +477,7 @@ mod tests {
             clean,
             filling: false,
             lost_at: 0,
+            quiet_ms: None,
             checkpoints: vec![Checkpoint {
                 seq,
                 blocks: 1,

@@ -158,8 +158,8 @@ impl Replicas {
     /// believes of itself, and the peer's copy lost messages less lately than ours (or, when
     /// that does not tell them apart, the peer's id is the lower: both take the same copy).
     fn wanted(&self, mine: &[CacheReport], now: Instant) -> Vec<(String, CacheKey, Why)> {
-        // Behind for a third of the peer timeout (one interval): not a message in flight.
-        let stuck = self.timeout / 3;
+        // Behind for an interval: not a message in flight.
+        let stuck = self.interval();
         let ours: HashMap<CacheKey, &CacheReport> = mine
             .iter()
             .map(|m| ((m.worker.clone(), m.rank), m))
@@ -298,12 +298,18 @@ impl Replicas {
         &self.me
     }
 
+    /// The digest interval: a third of the peer timeout.
+    fn interval(&self) -> Duration {
+        self.timeout / 3
+    }
+
     /// A peer's digests arrived at `now`; `mine` are this replica's caches now. Returns the
     /// caches whose agreement changed (our own messages are ignored).
     pub fn observe(&mut self, theirs: Digests, mine: &[CacheReport], now: Instant) -> Vec<Change> {
         if theirs.replica == self.me {
             return Vec::new();
         }
+        let interval = self.interval();
         let peer = self.peers.entry(theirs.replica.clone()).or_insert(Peer {
             last_seen: now,
             caches: HashMap::new(),
@@ -326,9 +332,11 @@ impl Replicas {
             let Some(t) = peer.caches.get(&key) else {
                 continue;
             };
+            // Numbers on two streams say nothing of each other: not behind, not comparable.
+            let same_stream = !older_stream(m, t, interval) && !older_stream(t, m, interval);
             let last = |c: &CacheReport| c.checkpoints.last().map(|c| c.seq);
             match (last(m), last(t)) {
-                (Some(ours), Some(theirs)) if theirs > ours => {
+                (Some(ours), Some(theirs)) if theirs > ours && same_stream => {
                     let entry = peer.behind_since.entry(key.clone()).or_insert((ours, now));
                     if entry.0 != ours {
                         *entry = (ours, now);
@@ -338,12 +346,16 @@ impl Replicas {
                     peer.behind_since.remove(&key);
                 }
             }
-            let now_state = compare(&m.checkpoints, &t.checkpoints);
+            let now_state = if same_stream {
+                compare(&m.checkpoints, &t.checkpoints)
+            } else {
+                Agreement::Unknown
+            };
             let kind = |a: &Agreement| std::mem::discriminant(a);
             let before = peer.states.get(&key);
             // Unknown says nothing new: a divergence stays one until the digests agree.
             let state = match (before, now_state) {
-                (Some(b @ Agreement::Divergent { .. }), Agreement::Unknown) => *b,
+                (Some(b @ Agreement::Divergent { .. }), Agreement::Unknown) if same_stream => *b,
                 _ => now_state,
             };
             if before.is_none_or(|b| kind(b) != kind(&state)) {
@@ -429,6 +441,7 @@ impl Replicas {
                             "clean": c.clean,
                             "filling": c.filling,
                             "lost_at": c.lost_at,
+                            "quiet_ms": c.quiet_ms,
                             "agreement": p.states.get(&key),
                         })
                     })
@@ -448,6 +461,19 @@ impl Replicas {
             "caches": {"agree": s.agree, "divergent": s.divergent, "unknown": s.unknown},
         })
     }
+}
+
+/// Whether copy `b` last took a message from the engine more than `interval` before copy `a`
+/// did: then the two are on different streams (the engine restarted, which `a` saw and `b` has
+/// not yet, the old stream's last message long before the new one's), and a number on one
+/// says nothing of the other. Comparing them as one stream would take the old copy over the
+/// new (a higher number, or the winner of a divergence at a number both used), put the old
+/// stream's blocks back and skip the new stream's messages as copies. An engine back within
+/// an interval is not told apart (its next message is, as a restart).
+fn older_stream(a: &CacheReport, b: &CacheReport, interval: Duration) -> bool {
+    let interval = u64::try_from(interval.as_millis()).unwrap_or(u64::MAX);
+    matches!((a.quiet_ms, b.quiet_ms),
+        (Some(a), Some(b)) if b > a.saturating_add(interval))
 }
 
 /// Per worker: predicted and reported cached tokens, prompt tokens and the two hit rates.
@@ -483,6 +509,7 @@ mod tests {
             clean: true,
             filling: false,
             lost_at: 0,
+            quiet_ms: None,
             checkpoints: points
                 .iter()
                 .map(|&(seq, digest)| Checkpoint {
@@ -705,6 +732,48 @@ mod tests {
         let later = now + Duration::from_secs(2);
         r.observe(theirs(), &mine, later);
         assert_eq!(r.repairs(&mine, later).len(), 1);
+    }
+
+    /// A copy whose last message came over an interval before ours is another stream's (the
+    /// engine restarted; ours saw it, the peer not yet): ours is not behind its higher number,
+    /// and the two do not diverge at a number both used. One that came later, or within an
+    /// interval, is the same stream's: ahead, or divergent.
+    #[test]
+    fn a_copy_older_than_ours_is_another_stream() {
+        let now = Instant::now();
+        let later = now + Duration::from_secs(4);
+        let at = |quiet_ms: u64, points: &[(u64, u64)]| CacheReport {
+            quiet_ms: Some(quiet_ms),
+            ..report("w1", points)
+        };
+        let mine = [at(300, &[(0, 1), (1, 2), (2, 3)])];
+        let asked = |theirs: CacheReport| {
+            let mut r = Replicas::new("b".into(), Duration::from_secs(6));
+            r.observe(from("a", vec![theirs.clone()]), &mine, now);
+            r.observe(from("a", vec![theirs]), &mine, later);
+            (r.repairs(&mine, later), r.summary())
+        };
+        let ahead = |quiet_ms| at(quiet_ms, &[(40, 9), (41, 10)]);
+        assert!(
+            asked(ahead(10_000)).0.is_empty(),
+            "the peer missed the restart"
+        );
+        assert!(
+            asked(ahead(2_301)).0.is_empty(),
+            "over an interval before ours"
+        );
+        assert_eq!(asked(ahead(2_300)).0.len(), 1, "within an interval: ahead");
+        assert_eq!(
+            asked(ahead(5)).0[0].2,
+            Why::Behind,
+            "later than ours: ahead"
+        );
+        let overlapping = |quiet_ms| at(quiet_ms, &[(2, 7), (3, 8), (19, 9)]);
+        let (repairs, summary) = asked(overlapping(10_000));
+        assert!(repairs.is_empty(), "{repairs:?}");
+        assert_eq!((summary.divergent, summary.unknown), (0, 1));
+        let (repairs, summary) = asked(overlapping(100));
+        assert_eq!((repairs.len(), summary.divergent), (1, 1), "{repairs:?}");
     }
 
     /// Two clean copies that disagree after the same message: the one that lost messages more

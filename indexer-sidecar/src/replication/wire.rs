@@ -177,6 +177,7 @@ mod tests {
             clean: true,
             filling: false,
             lost_at: u64::MAX,
+            quiet_ms: Some(u64::MAX),
             checkpoints: (0..CHECKPOINTS as u64)
                 .map(|seq| Checkpoint {
                     seq: u64::MAX - seq,

@@ -33,7 +33,7 @@ impl Sidecar {
         // One look at the core per tick: the repairs read the same reports.
         let (mine, served) = {
             let core = self.core();
-            (core.reports(), core.served())
+            (core.reports(now), core.served())
         };
         let serves = |worker: &str| self.serves(worker);
         let effects = self.replicate(
@@ -77,7 +77,7 @@ impl Sidecar {
 
     /// A peer's digests arrived: compared with our caches as they are now.
     pub fn replica_digests(&self, payload: &[u8], now: Instant) -> Vec<Effect> {
-        let mine = self.core().reports();
+        let mine = self.core().reports(now);
         self.replicate(
             Event::Digests {
                 payload,
@@ -133,13 +133,13 @@ impl Sidecar {
         // Our own caches first (the core's lock), then the peers' (the replicas' lock).
         let (reports, served) = {
             let core = self.core();
-            (core.reports(), core.served())
+            (core.reports(now), core.served())
         };
         let mine: Vec<serde_json::Value> = reports
             .iter()
             .map(|c| {
                 serde_json::json!({"worker": c.worker, "rank": c.rank, "clean": c.clean,
-                                   "latest": c.checkpoints.last()})
+                                   "quiet_ms": c.quiet_ms, "latest": c.checkpoints.last()})
             })
             .collect();
         let mut body = self.replication().peers().debug(now);
@@ -153,7 +153,7 @@ impl Sidecar {
     pub fn saved_caches(&self) -> Vec<Saved> {
         let caches: Vec<CacheKey> = self
             .core()
-            .reports()
+            .reports(Instant::now())
             .into_iter()
             .map(|r| (r.worker, r.rank))
             .collect();
@@ -263,7 +263,7 @@ impl Sidecar {
         let Some(wait) = self.peer_wait else {
             return (true, "no [replicas]: the events alone".into());
         };
-        let mine = self.core().reports();
+        let mine = self.core().reports(now);
         let brain = self.replication();
         let r = brain.peers();
         if r.warm(&mine, now) {

@@ -91,7 +91,7 @@ fn a_peer_snapshot_repairs_a_cache_that_lost_events() {
             m(&mut lossy);
         }
     }
-    let report = |core: &Core| core.reports().pop().unwrap();
+    let report = |core: &Core| core.reports(Instant::now()).pop().unwrap();
     assert!(report(&clean).clean);
     assert!(!report(&lossy).clean, "a live gap makes it unclean");
     assert_ne!(
@@ -164,7 +164,7 @@ fn a_lost_message_filled_by_a_peer_is_applied_in_its_place() {
             vllm(&mut alone, seq as u64, Delivery::Live, b);
         }
     }
-    let report = |core: &Core| core.reports().pop().unwrap();
+    let report = |core: &Core| core.reports(Instant::now()).pop().unwrap();
     assert!(!report(&lossy).clean, "message 1 is missing");
     let now = Instant::now();
     assert_eq!(
@@ -516,7 +516,7 @@ fn a_cache_restored_from_disk_is_continued_or_replaced() {
         }
     )));
     assert_eq!(blocks(&continued), 4);
-    assert!(!continued.reports().pop().unwrap().clean);
+    assert!(!continued.reports(Instant::now()).pop().unwrap().clean);
     vllm(
         &mut continued,
         2,
@@ -615,8 +615,8 @@ fn filled_caches_are_what_in_order_application_holds() {
             lossy.ingest(fill, now);
         }
         let (ours, theirs) = (
-            clean.reports().pop().unwrap(),
-            lossy.reports().pop().unwrap(),
+            clean.reports(Instant::now()).pop().unwrap(),
+            lossy.reports(Instant::now()).pop().unwrap(),
         );
         assert!(theirs.clean && !theirs.filling, "run {run}");
         assert_eq!(
@@ -669,8 +669,6 @@ fn replicas_that_both_lose_fill_each_other() {
 /// only staying behind tells it otherwise.
 #[test]
 fn replicas_converge_when_the_last_messages_are_lost() {
-    use crate::replication::peers::Replicas;
-    use crate::replication::wire::Digests;
     let mut next = xorshift(0x8c3f_52a1_0e6b_d947u64);
     let n = 60u64;
     let mut believed_clean = 0;
@@ -685,36 +683,8 @@ fn replicas_converge_when_the_last_messages_are_lost() {
                 (to_a || seq == 0, to_b || seq == 0)
             }
         });
-        believed_clean += usize::from(tail && a.reports()[0].clean);
-        let timeout = Duration::from_secs(6);
-        let mut planes = [
-            Replicas::new("a".into(), timeout),
-            Replicas::new("b".into(), timeout),
-        ];
-        for round in 0..4 {
-            let at = later + round * timeout / 3;
-            for (me, plane) in planes.iter_mut().enumerate() {
-                let (ours, theirs) = if me == 0 { (&mut a, &b) } else { (&mut b, &a) };
-                let peer = Digests {
-                    replica: if me == 0 { "b" } else { "a" }.into(),
-                    caches: theirs.reports(),
-                    served: Vec::new(),
-                };
-                let clean = peer.caches.iter().all(|c| c.clean);
-                plane.observe(peer, &ours.reports(), at);
-                for (_, (worker, rank), _) in plane.repairs(&ours.reports(), at) {
-                    let snapshot = theirs.snapshot(&worker, rank).unwrap();
-                    let install = Input::Snapshot {
-                        worker: &worker,
-                        rank,
-                        snapshot: &snapshot,
-                        clean,
-                    };
-                    ours.ingest(install, at);
-                    plane.repaired(&(worker, rank));
-                }
-            }
-        }
+        believed_clean += usize::from(tail && a.reports(later)[0].clean);
+        replica_rounds(&mut a, &mut b, later, 4);
         let (x, y) = (
             a.snapshot("127.0.0.1:9000", 0).unwrap(),
             b.snapshot("127.0.0.1:9000", 0).unwrap(),
@@ -723,6 +693,86 @@ fn replicas_converge_when_the_last_messages_are_lost() {
         assert_eq!(x.seq, n - 1, "run {run}");
     }
     assert!(believed_clean > 0, "no run left `a` believing itself clean");
+}
+
+/// `rounds` rounds of the replica plane's rule between `a` and `b`, an interval apart from
+/// `from`: each observes the other's digests ([`Replicas::observe`]) and installs the copies
+/// [`Replicas::repairs`] asks for, as the sidecar's brain does.
+fn replica_rounds(a: &mut Core, b: &mut Core, from: Instant, rounds: u32) {
+    use crate::replication::peers::Replicas;
+    use crate::replication::wire::Digests;
+    let timeout = Duration::from_secs(6);
+    let mut planes = [
+        Replicas::new("a".into(), timeout),
+        Replicas::new("b".into(), timeout),
+    ];
+    for round in 0..rounds {
+        let at = from + round * timeout / 3;
+        for (me, plane) in planes.iter_mut().enumerate() {
+            let (ours, theirs) = if me == 0 {
+                (&mut *a, &*b)
+            } else {
+                (&mut *b, &*a)
+            };
+            let peer = Digests {
+                replica: if me == 0 { "b" } else { "a" }.into(),
+                caches: theirs.reports(at),
+                served: Vec::new(),
+            };
+            let clean = peer.caches.iter().all(|c| c.clean);
+            plane.observe(peer, &ours.reports(at), at);
+            for (_, (worker, rank), _) in plane.repairs(&ours.reports(at), at) {
+                let snapshot = theirs.snapshot(&worker, rank).unwrap();
+                let install = Input::Snapshot {
+                    worker: &worker,
+                    rank,
+                    snapshot: &snapshot,
+                    clean,
+                };
+                ours.ingest(install, at);
+                plane.repaired(&(worker, rank));
+            }
+        }
+    }
+}
+
+/// A replica ahead only by numbers is not ahead: the engine restarts and goes quiet after a
+/// few messages, which `b` gets and `a` loses, so `a` stays at the old stream's higher number.
+/// `b` keeps the new stream's copy (taking `a`'s would put the old blocks back and skip the
+/// new stream's messages up to the old number as copies); `a`, at the new stream's next
+/// message, learns of the restart and of the messages it lost before it, and fills them from
+/// `b` (the lower id, `a`'s copy would win a tie between two copies that lost nothing).
+#[test]
+fn a_peer_that_missed_a_restart_is_not_ahead() {
+    let t0 = Instant::now();
+    let (mut missed, mut seen) = (replica(""), replica(""));
+    let send = |core: &mut Core, seq: u64, first_block: u64, at: Instant| {
+        let batch = store(None, first_block, 1);
+        let m = Message::vllm("127.0.0.1:9000", seq, Delivery::Live, &batch);
+        core.ingest(Input::Message(m), at);
+    };
+    for seq in 0..20 {
+        send(&mut missed, seq, 1_000 + seq, t0);
+        send(&mut seen, seq, 1_000 + seq, t0);
+    }
+    let restart = t0 + Duration::from_secs(10);
+    for seq in 0..3 {
+        send(&mut seen, seq, 2_000 + seq, restart);
+    }
+    replica_rounds(&mut missed, &mut seen, restart, 4);
+    assert_eq!(seen.snapshot("127.0.0.1:9000", 0).unwrap().seq, 2);
+    assert_eq!(blocks(&seen), 3, "the stale copy taken");
+    let next = restart + Duration::from_secs(10);
+    send(&mut seen, 3, 2_003, next);
+    send(&mut missed, 3, 2_003, next);
+    fill_from(&mut missed, &seen);
+    replica_rounds(&mut missed, &mut seen, next, 4);
+    let (x, y) = (
+        missed.snapshot("127.0.0.1:9000", 0).unwrap(),
+        seen.snapshot("127.0.0.1:9000", 0).unwrap(),
+    );
+    assert_eq!((x.seq, &x.entries), (y.seq, &y.entries));
+    assert_eq!((y.seq, blocks(&seen)), (3, 4));
 }
 
 /// Dynamo sends events about offloaded copies (KVBM, vLLM's CPU offload, SGLang's host cache)
