@@ -70,7 +70,8 @@
 //! home_key_blocks = 8               # cold prompts go to the home of their first 8 blocks
 //! spread_slack = 4                  # a popular prefix spreads to a worker this many requests less
 //!                                   #   busy, from a holder this many (and 2×) above the mean
-//!                                   #   running this many of the prefix's requests (half: to an idle one)
+//!                                   #   running this many of the prefix's requests
+//! spread_idle_slack = 2             # … or this many, to a worker running nothing
 //! predict_survival = true           # weigh what a worker will still hold, not all the index matched
 //! ```
 
@@ -705,9 +706,13 @@ pub struct RoutingConfig {
     /// A popular prefix (requests lately branched off it in different ways, or several workers hold it)
     /// goes to another worker, which then holds it too, when each holder has this many
     /// requests more than that worker and than the workers without it have on average (and
-    /// twice their average), and runs at least this many requests of the prefix (half as many
-    /// when that worker runs nothing): it spreads instead of queueing where it first landed.
+    /// twice their average), and runs at least this many requests of the prefix
+    /// (`spread_idle_slack` when that worker runs nothing): it spreads instead of queueing
+    /// where it first landed.
     pub spread_slack: f64,
+    /// The prefix's own requests on its holder that spread it to a worker running nothing,
+    /// where the copy's prefill slows no one (`spread_slack` to a busy one).
+    pub spread_idle_slack: f64,
     /// Weigh what a worker will still hold when the request gets there: the prompt blocks its
     /// running requests share, and of its other matched blocks the share its engine's reports
     /// show surviving. Off: every block the index matched counts.
@@ -747,6 +752,7 @@ impl Default for RoutingConfig {
             home_slack: 4.0,
             home_slack_blocks: None,
             spread_slack: 4.0,
+            spread_idle_slack: 2.0,
             predict_survival: true,
         }
     }
@@ -949,6 +955,7 @@ impl Config {
             ("load_penalty_blocks", r.load_penalty_blocks),
             ("home_slack", r.home_slack),
             ("spread_slack", r.spread_slack),
+            ("spread_idle_slack", r.spread_idle_slack),
             ("saturation_slack", r.saturation_slack),
             ("max_waiting", r.max_waiting),
             ("max_kv_usage", r.max_kv_usage.unwrap_or(0.0)),

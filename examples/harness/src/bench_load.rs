@@ -279,6 +279,9 @@ pub enum LoadMode {
     /// asked exactly (its `/oracle`) just before, the request goes to the engine holding the
     /// most of the prompt; ties (nothing held) to the one with the fewest requests in flight.
     Oracle,
+    /// kvroute over the simulated engines with more sidecar configuration
+    /// ([`LoadBench::with_variant`], by its name): a rule change measured beside the rule.
+    Variant(&'static str),
 }
 
 impl LoadMode {
@@ -290,6 +293,16 @@ impl LoadMode {
             LoadMode::KvrouteOnDynamo => "kvroute_pin_dynamo".into(),
             LoadMode::Peer(mode) => mode.to_owned(),
             LoadMode::Oracle => "oracle".into(),
+            LoadMode::Variant(name) => format!("kvroute:{name}"),
+        }
+    }
+
+    /// The stack mode of a mode run by Envoy over the simulated (or vLLM) engines.
+    fn envoy_mode(self) -> Option<Mode> {
+        match self {
+            LoadMode::Sim(mode) => Some(mode),
+            LoadMode::Variant(_) => Some(Mode::Kvroute),
+            _ => None,
         }
     }
 
@@ -301,7 +314,10 @@ impl LoadMode {
     /// Whether it needs something only some machines have (Dynamo, a peer): one that does not
     /// start is reported unavailable, not fatal.
     fn optional(self) -> bool {
-        !matches!(self, LoadMode::Sim(_) | LoadMode::Oracle)
+        !matches!(
+            self,
+            LoadMode::Sim(_) | LoadMode::Oracle | LoadMode::Variant(_)
+        )
     }
 }
 
@@ -326,6 +342,8 @@ pub struct LoadBench {
     pub dynamo: crate::dynamo::DynamoOptions,
     /// Appended to the sidecar's configuration (the kvroute modes), for A/B runs.
     pub sidecar_toml: String,
+    /// Each [`LoadMode::Variant`]'s name and its configuration, appended after `sidecar_toml`.
+    pub variants: Vec<(&'static str, String)>,
     /// Real vLLM engines instead of simulated ones ([`LoadBench::on_vllm`]).
     pub vllm: Option<VllmOptions>,
     /// Start every mode's fleet first and run each rate on all of them in turn (the order
@@ -378,6 +396,7 @@ impl LoadBench {
                 sim,
                 dynamo,
                 sidecar_toml: String::new(),
+                variants: Vec::new(),
                 vllm: None,
                 interleave: false,
             },
@@ -391,6 +410,7 @@ impl LoadBench {
                 sim,
                 dynamo,
                 sidecar_toml: String::new(),
+                variants: Vec::new(),
                 vllm: None,
                 interleave: false,
             },
@@ -404,6 +424,7 @@ impl LoadBench {
                 sim,
                 dynamo,
                 sidecar_toml: String::new(),
+                variants: Vec::new(),
                 vllm: None,
                 interleave: false,
             },
@@ -431,6 +452,13 @@ impl LoadBench {
             engines: self.engines,
             ..VllmOptions::default()
         });
+    }
+
+    /// Run kvroute with `toml` appended to its sidecar's configuration too, reported as
+    /// `kvroute:<name>`.
+    pub fn with_variant(&mut self, name: &'static str, toml: String) {
+        self.variants.push((name, toml));
+        self.modes.push(LoadMode::Variant(name));
     }
 
     /// Run the oracle too ([`LoadMode::Oracle`]).
@@ -985,12 +1013,18 @@ async fn start(
     };
     let (stack_mode, dynamo_router) = match mode {
         LoadMode::Sim(m) => (m, None),
+        LoadMode::Variant(_) => (Mode::Kvroute, None),
         LoadMode::Peer(_) | LoadMode::Oracle => (Mode::RoundRobin, None),
         LoadMode::Dynamo(router) => (Mode::RoundRobin, Some(router)),
         LoadMode::KvrouteOnDynamo => (Mode::Kvroute, Some("kv")),
     };
     let mut opts = StackOptions::new(&name, stack_mode);
     opts.sidecar_toml = bench.sidecar_toml.clone();
+    if let LoadMode::Variant(variant) = mode {
+        for (_, toml) in bench.variants.iter().filter(|(name, _)| *name == variant) {
+            opts.sidecar_toml = format!("{}\n{toml}", opts.sidecar_toml);
+        }
+    }
     opts.envoy_stats_flush_ms = Some(STATS_FLUSH_MS);
     opts.envoy_log_flush_ms = Some(STATS_FLUSH_MS);
     opts.sim = SimOptions {
@@ -999,7 +1033,7 @@ async fn start(
     };
     if let Some(vllm) = &bench.vllm {
         anyhow::ensure!(
-            matches!(mode, LoadMode::Sim(_)),
+            mode.envoy_mode().is_some(),
             "{} does not run on real vLLM engines",
             mode.name()
         );
@@ -1268,7 +1302,7 @@ impl Ladder {
             workload.name,
             self.mode.name()
         );
-        if matches!(self.mode, LoadMode::Sim(_)) {
+        if self.mode.envoy_mode().is_some() {
             tokio::time::sleep(Duration::from_millis(3 * STATS_FLUSH_MS)).await;
             let log = std::fs::read_to_string(self.stack.dir.join("envoy.log")).unwrap_or_default();
             from_access_log(&mut self.requests, &log, &self.addresses);

@@ -288,7 +288,7 @@ pub fn choose<'a>(
 /// requests branched off it in other ways (`shared`), or several workers hold it — that queues
 /// on its holders: the cheapest holder (first) is `spread_slack` requests busier than that
 /// worker and than the workers without it on average, and runs at least `spread_slack`
-/// requests of this prefix (half as many when that worker runs nothing). The one-request rule
+/// requests of this prefix (`spread_idle_slack` when that worker runs nothing). The one-request rule
 /// never pays a long prefix's prefill to make another holder, so a hot prefix stays on the
 /// workers that happened to take it first and queues there while another worker idles
 /// (docs/benchmarks.md, "Spreading a popular prefix"). Whether the prefill is worth it is the
@@ -332,12 +332,12 @@ fn spread(
         .min_by(|(_, a), (_, b)| a.load.busy().total_cmp(&b.load.busy()));
     // The copy's prefill slows the requests batched with it on a busy worker, which pays only
     // for a prefix with its own queue at the holder; on a worker running nothing it slows no
-    // one, and pays for a prefix with half that queue.
+    // one, and pays for a prefix with a shorter one.
     let own = f64::from(first.prefix_in_flight);
     match target {
         Some((i, c))
             if own >= routing.spread_slack
-                || (c.load.busy() < 1.0 && own >= routing.spread_slack / 2.0) =>
+                || (c.load.busy() < 1.0 && own >= routing.spread_idle_slack) =>
         {
             candidates[..=i].rotate_right(1);
             true
@@ -919,8 +919,8 @@ mod tests {
 
     /// A popular prefix whose holders are busy with other prefixes' requests stays: a copy on a
     /// busy worker would pay its prefill, slowing the requests there, while the holders'
-    /// queues, not this prefix's, stay where they are. On a worker running nothing, half its
-    /// own queue (`spread_slack` / 2) is enough.
+    /// queues, not this prefix's, stay where they are. On a worker running nothing, a smaller
+    /// own queue (`spread_idle_slack`) is enough.
     #[test]
     fn a_prefix_without_its_own_queue_does_not_spread() {
         let reg = registry(4);
@@ -936,6 +936,13 @@ mod tests {
         let d = decide(2, idle);
         assert_eq!((d.rule, order(&d)[0].clone()), (Rule::Spread, addr(3)));
         assert_eq!(decide(1, idle).rule, Rule::LongestMatch);
+        let higher = RoutingConfig {
+            spread_idle_slack: 4.0,
+            ..RoutingConfig::default()
+        };
+        let decide = |own, requests| decide_23_blocks(&reg, &three, true, own, requests, &higher);
+        assert_eq!(decide(3, idle).rule, Rule::LongestMatch);
+        assert_eq!(decide(4, idle).rule, Rule::Spread);
     }
 
     /// A fleet busy all over keeps each prompt where its prefix is: a holder over

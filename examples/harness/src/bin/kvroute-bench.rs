@@ -113,6 +113,10 @@ enum Command {
         /// Extra sidecar configuration, e.g. `"[routing]\nmax_in_flight = 64"`.
         #[arg(long, default_value = "")]
         sidecar_toml: String,
+        /// One more kvroute mode, `NAME=TOML`: its sidecar configuration also has TOML
+        /// (`\n` for newlines); reported as `kvroute:NAME`. Repeatable.
+        #[arg(long = "variant")]
+        variants: Vec<String>,
         /// Only these modes (comma-separated, as in the report), run in this order; one named
         /// twice runs twice (reported as `<mode>_2`).
         #[arg(long, value_delimiter = ',')]
@@ -372,12 +376,7 @@ async fn main() -> Result<()> {
         } => {
             let variants = variants
                 .iter()
-                .map(|v| {
-                    let (name, toml) = v
-                        .split_once('=')
-                        .with_context(|| format!("--variant {v:?} is not NAME=TOML"))?;
-                    Ok((name.to_owned(), toml.replace("\\n", "\n")))
-                })
+                .map(|v| parse_variant(v))
                 .collect::<Result<Vec<_>>>()?;
             let bench = kvroute_harness::bench_vllm::VllmBench {
                 fleet: kvroute_harness::vllm::VllmOptions {
@@ -521,6 +520,7 @@ async fn main() -> Result<()> {
             peers,
             oracle,
             sidecar_toml,
+            variants,
             modes,
             vllm,
             interleave,
@@ -556,6 +556,14 @@ async fn main() -> Result<()> {
                 bench.on_vllm();
             }
             bench.sidecar_toml = sidecar_toml;
+            for (name, toml) in variants
+                .iter()
+                .map(|v| parse_variant(v))
+                .collect::<Result<Vec<_>>>()?
+            {
+                // The mode names it for the whole run.
+                bench.with_variant(Box::leak(name.into_boxed_str()), toml);
+            }
             bench.interleave = interleave;
             if let Some(names) = modes {
                 // In the order given, a mode named twice runs twice: on real engines a fleet
@@ -608,4 +616,12 @@ async fn main() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A `--variant NAME=TOML` argument: its name and configuration, `\n` for newlines.
+fn parse_variant(v: &str) -> Result<(String, String)> {
+    let (name, toml) = v
+        .split_once('=')
+        .with_context(|| format!("--variant {v:?} is not NAME=TOML"))?;
+    Ok((name.to_owned(), toml.replace("\\n", "\n")))
 }
