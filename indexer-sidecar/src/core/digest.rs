@@ -60,9 +60,9 @@ pub struct CacheReport {
     pub lost_at: u64,
     /// How long before the report this replica last applied a message from the engine's
     /// stream (not a peer's copy), in ms (`None`: none since the cache started here, or an
-    /// older sidecar's report). Of two
-    /// copies, a higher message number is *ahead* only on the same stream: a copy whose last
-    /// message came long before ours has not seen the engine restart ours saw.
+    /// older sidecar's report). Of two copies, a higher message number is *ahead* only on the
+    /// same stream: a peer's copy whose last message came long before ours has not seen the
+    /// engine restart ours saw.
     #[serde(default)]
     pub quiet_ms: Option<u64>,
     /// Its recent checkpoints, oldest first.

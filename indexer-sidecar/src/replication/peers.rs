@@ -332,11 +332,11 @@ impl Replicas {
             let Some(t) = peer.caches.get(&key) else {
                 continue;
             };
-            // Numbers on two streams say nothing of each other: not behind, not comparable.
-            let same_stream = !older_stream(m, t, interval) && !older_stream(t, m, interval);
+            // A copy on the stream before a restart ours saw: its numbers say nothing of ours.
+            let stale = older_stream(m, t, interval);
             let last = |c: &CacheReport| c.checkpoints.last().map(|c| c.seq);
             match (last(m), last(t)) {
-                (Some(ours), Some(theirs)) if theirs > ours && same_stream => {
+                (Some(ours), Some(theirs)) if theirs > ours && !stale => {
                     let entry = peer.behind_since.entry(key.clone()).or_insert((ours, now));
                     if entry.0 != ours {
                         *entry = (ours, now);
@@ -346,16 +346,16 @@ impl Replicas {
                     peer.behind_since.remove(&key);
                 }
             }
-            let now_state = if same_stream {
-                compare(&m.checkpoints, &t.checkpoints)
-            } else {
+            let now_state = if stale {
                 Agreement::Unknown
+            } else {
+                compare(&m.checkpoints, &t.checkpoints)
             };
             let kind = |a: &Agreement| std::mem::discriminant(a);
             let before = peer.states.get(&key);
             // Unknown says nothing new: a divergence stays one until the digests agree.
             let state = match (before, now_state) {
-                (Some(b @ Agreement::Divergent { .. }), Agreement::Unknown) if same_stream => *b,
+                (Some(b @ Agreement::Divergent { .. }), Agreement::Unknown) if !stale => *b,
                 _ => now_state,
             };
             if before.is_none_or(|b| kind(b) != kind(&state)) {
@@ -463,17 +463,18 @@ impl Replicas {
     }
 }
 
-/// Whether copy `b` last took a message from the engine more than `interval` before copy `a`
-/// did: then the two are on different streams (the engine restarted, which `a` saw and `b` has
-/// not yet, the old stream's last message long before the new one's), and a number on one
-/// says nothing of the other. Comparing them as one stream would take the old copy over the
-/// new (a higher number, or the winner of a divergence at a number both used), put the old
-/// stream's blocks back and skip the new stream's messages as copies. An engine back within
-/// an interval is not told apart (its next message is, as a restart).
-fn older_stream(a: &CacheReport, b: &CacheReport, interval: Duration) -> bool {
+/// Whether the peer's copy last took a message from the engine more than `interval` before
+/// ours did: then it is on the stream before an engine restart that ours saw and it has not
+/// yet (the old stream's last message long before the new one's), and its numbers say nothing
+/// of ours. Taking it as ahead (a higher number) or as the winner of a divergence (at a number
+/// both streams used) would put the old stream's blocks back and skip the new stream's
+/// messages as copies. Not the other way round: a copy of ours that stopped long before the
+/// peer's (our subscription down while the engine went on) is behind it, and is repaired. An
+/// engine back within an interval is not told apart here (its next message shows a restart).
+fn older_stream(ours: &CacheReport, theirs: &CacheReport, interval: Duration) -> bool {
     let interval = u64::try_from(interval.as_millis()).unwrap_or(u64::MAX);
-    matches!((a.quiet_ms, b.quiet_ms),
-        (Some(a), Some(b)) if b > a.saturating_add(interval))
+    matches!((ours.quiet_ms, theirs.quiet_ms),
+        (Some(ours), Some(theirs)) if theirs > ours.saturating_add(interval))
 }
 
 /// Per worker: predicted and reported cached tokens, prompt tokens and the two hit rates.
@@ -737,7 +738,7 @@ mod tests {
     /// A copy whose last message came over an interval before ours is another stream's (the
     /// engine restarted; ours saw it, the peer not yet): ours is not behind its higher number,
     /// and the two do not diverge at a number both used. One that came later, or within an
-    /// interval, is the same stream's: ahead, or divergent.
+    /// interval, is the same stream's: ahead, or divergent, however long ours has been quiet.
     #[test]
     fn a_copy_older_than_ours_is_another_stream() {
         let now = Instant::now();
@@ -774,6 +775,14 @@ mod tests {
         assert_eq!((summary.divergent, summary.unknown), (0, 1));
         let (repairs, summary) = asked(overlapping(100));
         assert_eq!((repairs.len(), summary.divergent), (1, 1), "{repairs:?}");
+        // Ours stopped long before the peer's (our subscription was down while the engine
+        // went on): behind it, repaired.
+        let mut r = Replicas::new("b".into(), Duration::from_secs(6));
+        let stalled = [at(60_000, &[(0, 1), (1, 2), (2, 3)])];
+        for t in [now, later] {
+            r.observe(from("a", vec![ahead(5)]), &stalled, t);
+        }
+        assert_eq!(r.repairs(&stalled, later)[0].2, Why::Behind);
     }
 
     /// Two clean copies that disagree after the same message: the one that lost messages more
