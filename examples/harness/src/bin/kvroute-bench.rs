@@ -561,7 +561,7 @@ async fn main() -> Result<()> {
                 .map(|v| parse_variant(v))
                 .collect::<Result<Vec<_>>>()?
             {
-                // The mode names it for the whole run.
+                // Leaked: the mode (`Copy`, like the others) names it for the whole run.
                 bench.with_variant(Box::leak(name.into_boxed_str()), toml);
             }
             bench.interleave = interleave;
