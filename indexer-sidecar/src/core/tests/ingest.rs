@@ -720,8 +720,10 @@ fn replica_rounds(a: &mut Core, b: &mut Core, from: Instant, rounds: u32) {
                 served: Vec::new(),
             };
             let clean = peer.caches.iter().all(|c| c.clean);
-            plane.observe(peer, &ours.reports(at), at);
-            for (_, (worker, rank), _) in plane.repairs(&ours.reports(at), at) {
+            // One look at our caches a round, as the sidecar's tick takes.
+            let mine = ours.reports(at);
+            plane.observe(peer, &mine, at);
+            for (_, (worker, rank), _) in plane.repairs(&mine, at) {
                 let snapshot = theirs.snapshot(&worker, rank).unwrap();
                 let install = Input::Snapshot {
                     worker: &worker,
@@ -747,9 +749,7 @@ fn a_peer_that_missed_a_restart_is_not_ahead() {
     let t0 = Instant::now();
     let (mut missed, mut seen) = (replica(""), replica(""));
     let send = |core: &mut Core, seq: u64, first_block: u64, at: Instant| {
-        let batch = store(None, first_block, 1);
-        let m = Message::vllm("127.0.0.1:9000", seq, Delivery::Live, &batch);
-        core.ingest(Input::Message(m), at);
+        vllm_at(core, seq, Delivery::Live, &store(None, first_block, 1), at);
     };
     for seq in 0..20 {
         send(&mut missed, seq, 1_000 + seq, t0);

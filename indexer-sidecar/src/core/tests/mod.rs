@@ -100,8 +100,19 @@ fn store(parent: Option<u64>, first: u64, blocks: u64) -> EventBatch {
 }
 
 fn vllm(core: &mut Core, seq: u64, delivery: Delivery, batch: &EventBatch) -> Vec<Happened> {
+    vllm_at(core, seq, delivery, batch, Instant::now())
+}
+
+/// [`vllm`] at `at`.
+fn vllm_at(
+    core: &mut Core,
+    seq: u64,
+    delivery: Delivery,
+    batch: &EventBatch,
+    at: Instant,
+) -> Vec<Happened> {
     let m = Message::vllm("127.0.0.1:9000", seq, delivery, batch);
-    core.ingest(Input::Message(m), Instant::now())
+    core.ingest(Input::Message(m), at)
 }
 
 fn held(happened: &[Happened]) -> Option<(u64, u64)> {
