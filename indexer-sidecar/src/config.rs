@@ -68,10 +68,12 @@
 //! load_penalty_blocks = 2           # one request on a worker costs as much as 2 uncached blocks
 //! scrape_interval_ms = 250          # engines' /metrics (vLLM names) are read this often
 //! home_key_blocks = 8               # cold prompts go to the home of their first 8 blocks
+//! home_balance = 1.25               # … unless it took over 1.25× the mean of recent hints
 //! spread_slack = 4                  # a popular prefix spreads to a worker this many requests less
 //!                                   #   busy, from a holder this many (and 2×) above the mean
 //!                                   #   running this many of the prefix's requests
 //! spread_idle_slack = 2             # … or this many, to a worker running nothing
+//! spread_demand = 0.5               # … while its requests per holder are over half a worker's share
 //! predict_survival = true           # weigh what a worker will still hold, not all the index matched
 //! ```
 
@@ -703,6 +705,11 @@ pub struct RoutingConfig {
     /// land where another one is running. Unset: [`PREFILL_HOME_SLACK_BLOCKS`] for the prefill
     /// workers of a disaggregated fleet, off for aggregated workers; `inf`: off for all.
     pub home_slack_blocks: Option<f64>,
+    /// A cold prompt's home is also passed over when it took more than this many times the
+    /// workers' mean of this replica's recent hints (consistent hashing with bounded loads):
+    /// the prefixes that first land by hashing stay there, so hashing alone leaves some workers
+    /// three times the prefixes of others. `inf`: off.
+    pub home_balance: f64,
     /// A popular prefix (requests lately branched off it in different ways, or several workers hold it)
     /// goes to another worker, which then holds it too, when each holder has this many
     /// requests more than that worker and than the workers without it have on average (and
@@ -713,6 +720,13 @@ pub struct RoutingConfig {
     /// The prefix's own requests on its holder that spread it to a worker running nothing,
     /// where the copy's prefill slows no one (`spread_slack` to a busy one).
     pub spread_idle_slack: f64,
+    /// A popular prefix spreads only while its requests per holder are more than this share of
+    /// a worker's (its share of the recent requests × workers / holders): at 0.5, one of 32
+    /// equally asked prefixes never spreads on 8 workers, one of 4 apps on 4 workers does (two
+    /// apps sharing one home), one behind half the requests spreads to 7 of 8. A burst on
+    /// the holder of a prefix that is one of many passes; a prefix worth a worker's attention
+    /// does not. 0: load alone decides.
+    pub spread_demand: f64,
     /// Weigh what a worker will still hold when the request gets there: the prompt blocks its
     /// running requests share, and of its other matched blocks the share its engine's reports
     /// show surviving. Off: every block the index matched counts.
@@ -751,8 +765,10 @@ impl Default for RoutingConfig {
             home_key_blocks: 8,
             home_slack: 4.0,
             home_slack_blocks: None,
+            home_balance: 1.25,
             spread_slack: 4.0,
             spread_idle_slack: 2.0,
+            spread_demand: 0.5,
             predict_survival: true,
         }
     }
@@ -956,6 +972,7 @@ impl Config {
             ("home_slack", r.home_slack),
             ("spread_slack", r.spread_slack),
             ("spread_idle_slack", r.spread_idle_slack),
+            ("spread_demand", r.spread_demand),
             ("saturation_slack", r.saturation_slack),
             ("max_waiting", r.max_waiting),
             ("max_kv_usage", r.max_kv_usage.unwrap_or(0.0)),
@@ -964,6 +981,12 @@ impl Config {
             if !v.is_finite() || v < 0.0 {
                 bail!("[routing] {name} = {v}: must be a finite number >= 0");
             }
+        }
+        if r.home_balance.is_nan() || r.home_balance < 1.0 {
+            bail!(
+                "[routing] home_balance = {}: must be a number >= 1, or inf (off)",
+                r.home_balance
+            );
         }
         if let Some(v) = r.home_slack_blocks.filter(|v| v.is_nan() || *v < 0.0) {
             bail!("[routing] home_slack_blocks = {v}: must be a number >= 0, or inf (off)");

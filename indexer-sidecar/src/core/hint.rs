@@ -67,6 +67,7 @@ impl Core {
                 },
                 survival: w.load.survival(),
                 prefix_in_flight: 0,
+                recent_hints: w.hinted.at(now),
                 prefill: w.role == Role::Prefill,
             })
             .collect::<Vec<_>>();
@@ -87,19 +88,17 @@ impl Core {
                     .map_or(0, |f| f.load.in_flight_sharing(key.0));
             }
         }
-        let shared = match longest.checked_sub(1).and_then(|i| req.hashes.get(i)) {
-            Some(prefix) => {
-                let next = req.hashes.get(longest).map(|h| h.0);
-                self.shared_prefixes.matched(prefix.0, next, now)
-            }
-            None => false,
-        };
+        let matched = longest
+            .checked_sub(1)
+            .and_then(|i| req.hashes.get(i))
+            .map(|prefix| (prefix.0, req.hashes.get(longest).map(|h| h.0)));
+        let popularity = self.shared_prefixes.request(matched, now);
         let decision = policy::choose(
             policy::Prompt {
                 blocks: req.hashes.len() as u32,
                 home_key,
                 tie_key: req.hashes.last().map_or(0, |h| h.0),
-                shared,
+                popularity,
             },
             &matches,
             workers,
@@ -127,6 +126,7 @@ impl Core {
                     w.load.open(seq, now, expected, blocks());
                 }
                 w.hints_since_event += 1;
+                w.hinted.add(now);
             }
             if let Some(w) = self.fleet.get(first) {
                 target = match (w.pinned(), w.role, w.instance_id) {

@@ -20,6 +20,7 @@
 //! - [`index`]: [`index::RadixIndex`], prefix → caches holding it, one per model.
 //! - [`load`]: a worker's load (open tickets, scrapes, Dynamo `kv_metrics`, Envoy).
 //! - [`policy`]: the routing rule: matches and load → workers, best first.
+//! - [`recent`]: a count of recent events that fades (shares of requests and of hints).
 //! - [`shared_prefix`]: which matched prefixes requests branch off in different ways (popular).
 //! - [`truth`]: what the engines said they had cached, beside what the hints predicted.
 
@@ -33,6 +34,7 @@ pub mod index;
 mod ledger;
 pub mod load;
 pub mod policy;
+pub mod recent;
 pub mod shared_prefix;
 pub mod truth;
 

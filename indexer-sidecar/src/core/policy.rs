@@ -32,6 +32,7 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 use crate::config::RoutingConfig;
 use crate::core::fleet::WorkerId;
 use crate::core::load::Load;
+use crate::core::shared_prefix::Popularity;
 
 /// One worker as the rule saw it.
 #[derive(Debug, Clone, Serialize)]
@@ -52,6 +53,8 @@ pub struct Candidate {
     /// Requests running there whose prompts have the longest match too: the prefix's own
     /// queue there.
     pub prefix_in_flight: u32,
+    /// Hints it received lately ([`crate::core::recent`]): its share of the traffic.
+    pub recent_hints: f64,
     /// Its load as the rule weighed it (shown field by field).
     #[serde(flatten)]
     pub load: Load,
@@ -121,6 +124,10 @@ fn mean_busy(candidates: &[Candidate]) -> f64 {
     candidates.iter().map(|c| c.load.busy()).sum::<f64>() / candidates.len() as f64
 }
 
+/// Hints a home may take beyond `home_balance` × the mean: a Poisson count's noise where counts
+/// are small.
+const HOME_BALANCE_SLACK: f64 = 2.0;
+
 /// A cold prompt's home score on `address`: rendezvous hashing, the same on every replica.
 fn home_score(key: u64, address: &str) -> u64 {
     xxh3_64_with_seed(address.as_bytes(), key)
@@ -156,6 +163,8 @@ pub struct Worker<'a> {
     /// Requests running there (hinted by any replica) whose prompts have the request's longest
     /// match too ([`crate::core::load::WorkerLoad::in_flight_sharing`]).
     pub prefix_in_flight: u32,
+    /// Hints this replica sent it lately ([`crate::core::recent`]).
+    pub recent_hints: f64,
     /// A disaggregated fleet's prefill worker (which `home_slack_blocks` applies to by default).
     pub prefill: bool,
 }
@@ -170,8 +179,9 @@ pub struct Prompt {
     /// The whole prompt's: it orders workers that tie.
     pub tie_key: u64,
     /// Whether it branches off its longest match in a new way where other recent requests
-    /// branched off too (a popular prefix, [`crate::core::shared_prefix`]).
-    pub shared: bool,
+    /// branched off too (a popular prefix), and that match's share of the recent requests
+    /// ([`crate::core::shared_prefix`]).
+    pub popularity: Popularity,
 }
 
 /// Decide where `prompt` goes. `matches` are (worker, matched blocks) from the index;
@@ -186,7 +196,7 @@ pub fn choose<'a>(
         blocks: prompt_blocks,
         home_key,
         tie_key,
-        shared,
+        popularity,
     } = prompt;
     let min = routing.min_matched_blocks.max(1);
     let matched = |w: WorkerId| matches.iter().find(|(m, _)| *m == w).map_or(0, |&(_, n)| n);
@@ -208,6 +218,7 @@ pub fn choose<'a>(
                     1.0
                 },
                 prefix_in_flight: w.prefix_in_flight,
+                recent_hints: w.recent_hints,
                 load: w.load,
                 saturated: false,
                 home_slack_blocks: routing.home_slack_blocks_for(w.prefill),
@@ -247,7 +258,7 @@ pub fn choose<'a>(
         _ => Rule::LeastLoaded,
     };
     let rule = match rule {
-        Rule::LongestMatch if spread(&mut candidates, longest, shared, routing) => Rule::Spread,
+        Rule::LongestMatch if spread(&mut candidates, longest, popularity, routing) => Rule::Spread,
         rule => rule,
     };
     if let (Rule::NoMatch, Some(key)) = (rule, home_key) {
@@ -263,7 +274,20 @@ pub fn choose<'a>(
             .iter()
             .map(|c| c.load.running_prompt_blocks)
             .fold(f64::INFINITY, f64::min);
+        // Bounded-load rendezvous: a worker that took more than `home_balance` times the mean
+        // of the recent hints (and a couple more, so a fresh fleet's first hints move no home)
+        // is no new prefix's home. A prefix's home is where its later requests stay; by
+        // hashing alone, 32 prefixes on 8 workers put 6 or 7 on one and 2 on another, for
+        // good (docs/benchmarks.md, "Spreading by demand").
+        let mean_hints = candidates[..unsaturated]
+            .iter()
+            .map(|c| c.recent_hints)
+            .sum::<f64>()
+            / unsaturated.max(1) as f64;
         let home = (0..unsaturated)
+            .filter(|&i| {
+                candidates[i].recent_hints <= routing.home_balance * mean_hints + HOME_BALANCE_SLACK
+            })
             .filter(|&i| candidates[i].load.busy() <= least_busy + routing.home_slack)
             .filter(|&i| {
                 let c = &candidates[i];
@@ -285,8 +309,8 @@ pub fn choose<'a>(
 }
 
 /// Put first a worker without the longest match when the match is a popular prefix — recent
-/// requests branched off it in other ways (`shared`), or several workers hold it — that queues
-/// on its holders: the cheapest holder (first) is `spread_slack` requests busier than that
+/// requests branched off it in other ways (`shared`), or several workers hold it — with more
+/// requests per holder than `spread_demand` of a worker's share, that queues on its holders: the cheapest holder (first) is `spread_slack` requests busier than that
 /// worker and than the workers without it on average, and runs at least `spread_slack`
 /// requests of this prefix (`spread_idle_slack` when that worker runs nothing). The one-request rule
 /// never pays a long prefix's prefill to make another holder, so a hot prefix stays on the
@@ -300,14 +324,22 @@ pub fn choose<'a>(
 fn spread(
     candidates: &mut [Candidate],
     longest: u32,
-    shared: bool,
+    popularity: Popularity,
     routing: &RoutingConfig,
 ) -> bool {
     let holders = candidates.iter().filter(|c| c.held() == longest).count();
     let Some(first) = candidates.first().filter(|c| !c.saturated) else {
         return false;
     };
-    if holders < 2 && !shared {
+    if holders < 2 && !popularity.shared {
+        return false;
+    }
+    // Only a prefix worth a good part of a worker per holder: a queue on the one holder of a
+    // prefix that is one of many is a burst the holder clears in a few hundred ms, cheaper
+    // than the copy's cold prefill, which lands in the slowest tenth (docs/benchmarks.md,
+    // "Spreading by demand").
+    let per_holder = popularity.share * candidates.len() as f64 / holders.max(1) as f64;
+    if per_holder <= routing.spread_demand {
         return false;
     }
     // Only from a holder busier than the other workers are on average — by the slack and twice
@@ -389,6 +421,7 @@ mod tests {
             in_flight_blocks: 0,
             survival: 1.0,
             prefix_in_flight: 0,
+            recent_hints: 0.0,
             prefill: false,
         }
     }
@@ -421,7 +454,7 @@ mod tests {
     fn decide_23_blocks(
         reg: &[String],
         matches: &[(WorkerId, u32)],
-        shared: bool,
+        popularity: Popularity,
         own: u32,
         requests: &'static [f64],
         routing: &RoutingConfig,
@@ -440,10 +473,15 @@ mod tests {
         });
         let prompt = Prompt {
             blocks: 23,
-            shared,
+            popularity,
             ..Prompt::default()
         };
         super::choose(prompt, matches, workers, routing)
+    }
+
+    /// A prefix behind every recent request, branched off in other ways (`shared`) or not.
+    fn popular(shared: bool) -> Popularity {
+        Popularity { shared, share: 1.0 }
     }
 
     fn addr(i: usize) -> String {
@@ -678,6 +716,43 @@ mod tests {
         assert_eq!(d.candidates.len(), 2);
     }
 
+    /// A home that took more than `home_balance` times the mean of the recent hints is passed
+    /// over for the key's next home: prefixes are placed by hashing with bounded loads.
+    #[test]
+    fn a_home_that_took_more_than_its_share_is_passed_over() {
+        let reg = registry(4);
+        let routing = RoutingConfig::default();
+        assert_eq!(routing.home_balance, 1.25);
+        let decide = |key: u64, hints: [f64; 4], routing: &RoutingConfig| {
+            let workers = reg.iter().enumerate().map(|(i, a)| Worker {
+                recent_hints: hints[i],
+                ..worker(i, a, Load::default())
+            });
+            let prompt = Prompt {
+                blocks: 10,
+                home_key: Some(key),
+                ..Prompt::default()
+            };
+            let d = super::choose(prompt, &[], workers, routing);
+            assert_eq!(d.rule, Rule::NoMatch);
+            order(&d)[0].clone()
+        };
+        let key = (0..64u64)
+            .find(|&k| decide(k, [10.0; 4], &routing) == addr(1))
+            .unwrap();
+        // Mean 11.5, bound 16.4; then mean 11.75, bound 16.7.
+        assert_eq!(decide(key, [10.0, 16.0, 10.0, 10.0], &routing), addr(1));
+        let next = decide(key, [10.0, 17.0, 10.0, 10.0], &routing);
+        assert_ne!(next, addr(1));
+        let without = choose(10, Some(key), &[], &reg, &routing, idle, |w| w.0 != 1);
+        assert_eq!(next, order(&without)[0], "the key's next home");
+        let off = RoutingConfig {
+            home_balance: f64::INFINITY,
+            ..RoutingConfig::default()
+        };
+        assert_eq!(decide(key, [0.0, 40.0, 0.0, 0.0], &off), addr(1));
+    }
+
     #[test]
     fn cold_prompts_go_to_their_home_unless_it_is_saturated() {
         let reg = registry(4);
@@ -888,7 +963,7 @@ mod tests {
                       shared: bool,
                       requests: &'static [f64],
                       routing: &RoutingConfig| {
-            decide_23_blocks(&reg, matches, shared, u32::MAX, requests, routing)
+            decide_23_blocks(&reg, matches, popular(shared), u32::MAX, requests, routing)
         };
         let routing = RoutingConfig::default();
         let three = [(WorkerId(0), 20), (WorkerId(1), 20), (WorkerId(2), 20)];
@@ -917,6 +992,38 @@ mod tests {
         assert_eq!(d.rule, Rule::LongestMatch);
     }
 
+    /// A prefix spreads only while its requests per holder are more than half a worker's
+    /// share: one of 32 groups, queueing on its one holder of 8 in a burst, stays; a prefix
+    /// behind a quarter of the requests spreads to a second holder, not a fifth.
+    #[test]
+    fn a_prefix_spreads_only_past_half_a_worker_per_holder() {
+        let reg = registry(8);
+        let routing = RoutingConfig::default();
+        assert_eq!(routing.spread_demand, 0.5);
+        // The holders are among the busy workers; 1, 2 and 3 run nothing.
+        let requests: &[f64] = &[8.0, 0.0, 0.0, 0.0, 8.0, 8.0, 8.0, 4.0];
+        let holding = |ids: &[u32]| ids.iter().map(|&i| (WorkerId(i), 20)).collect::<Vec<_>>();
+        let (one, three, four) = (holding(&[0]), holding(&[0, 4, 5]), holding(&[0, 4, 5, 6]));
+        let decide = |holders: &[(WorkerId, u32)], share, routing: &RoutingConfig| {
+            let popularity = Popularity {
+                shared: true,
+                share,
+            };
+            decide_23_blocks(&reg, holders, popularity, u32::MAX, requests, routing).rule
+        };
+        assert_eq!(decide(&one, 1.0 / 32.0, &routing), Rule::LongestMatch);
+        assert_eq!(decide(&one, 1.0 / 16.0, &routing), Rule::LongestMatch);
+        assert_eq!(decide(&one, 0.25, &routing), Rule::Spread);
+        assert_eq!(decide(&three, 0.25, &routing), Rule::Spread);
+        assert_eq!(decide(&four, 0.25, &routing), Rule::LongestMatch);
+        assert_eq!(decide(&four, 0.3, &routing), Rule::Spread);
+        let off = RoutingConfig {
+            spread_demand: 0.0,
+            ..RoutingConfig::default()
+        };
+        assert_eq!(decide(&one, 1.0 / 32.0, &off), Rule::Spread);
+    }
+
     /// A popular prefix whose holders are busy with other prefixes' requests stays: a copy on a
     /// busy worker would pay its prefill, slowing the requests there, while the holders'
     /// queues, not this prefix's, stay where they are. On a worker running nothing, a smaller
@@ -926,7 +1033,8 @@ mod tests {
         let reg = registry(4);
         let routing = RoutingConfig::default();
         let three = [(WorkerId(0), 20), (WorkerId(1), 20), (WorkerId(2), 20)];
-        let decide = |own, requests| decide_23_blocks(&reg, &three, true, own, requests, &routing);
+        let decide =
+            |own, requests| decide_23_blocks(&reg, &three, popular(true), own, requests, &routing);
         let (busy, idle) = (&[5.0, 5.0, 5.0, 1.0], &[5.0, 5.0, 5.0, 0.0]);
         assert_eq!(decide(4, busy).rule, Rule::Spread);
         let d = decide(3, busy);
@@ -940,7 +1048,8 @@ mod tests {
             spread_idle_slack: 4.0,
             ..RoutingConfig::default()
         };
-        let decide = |own, requests| decide_23_blocks(&reg, &three, true, own, requests, &higher);
+        let decide =
+            |own, requests| decide_23_blocks(&reg, &three, popular(true), own, requests, &higher);
         assert_eq!(decide(3, idle).rule, Rule::LongestMatch);
         assert_eq!(decide(4, idle).rule, Rule::Spread);
     }
@@ -1019,8 +1128,9 @@ mod tests {
         let reg = registry(6);
         let routing = RoutingConfig::default();
         let matches = [(WorkerId(0), 20), (WorkerId(1), 20)];
-        let decide =
-            |requests| decide_23_blocks(&reg, &matches, true, u32::MAX, requests, &routing);
+        let decide = |requests| {
+            decide_23_blocks(&reg, &matches, popular(true), u32::MAX, requests, &routing)
+        };
         let d = decide(&[10.0, 10.0, 6.0, 12.0, 11.0, 11.0]);
         assert_eq!(d.rule, Rule::LongestMatch);
         let d = decide(&[10.0, 10.0, 6.0, 2.0, 3.0, 5.0]);

@@ -1,11 +1,14 @@
-//! Which matched prefixes are popular: requests that branch off them in different ways lately
-//! (one app's system prompt, each new user continuing it with their own words), as opposed to
-//! one conversation's history, which its own later turns match again while their events are late
-//! — continuing it the same way. The routing rule spreads only the first kind
+//! Which matched prefixes are popular, and how much: requests that branch off them in different
+//! ways lately (one app's system prompt, each new user continuing it with their own words), as
+//! opposed to one conversation's history, which its own later turns match again while their
+//! events are late — continuing it the same way; and each prefix's share of the recent requests.
+//! The routing rule spreads only the first kind, and only while its share outgrows its holders
 //! ([`crate::core::policy`], rule `spread`).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
+
+use crate::core::recent::Recent;
 
 /// How long a branch is remembered.
 const WINDOW: Duration = Duration::from_secs(60);
@@ -20,19 +23,43 @@ const BRANCHES: usize = 16;
 struct Branches {
     next: Vec<u64>,
     at: Instant,
+    requests: Recent,
+}
+
+/// What a request's matched prefix is to the rule.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Popularity {
+    /// The request is a new branch off a prefix others branched off within the window.
+    pub shared: bool,
+    /// The prefix's share of the recent requests (every request counts, matched or not).
+    pub share: f64,
 }
 
 /// The prefixes hints matched up to, with how requests went on from them.
 #[derive(Debug, Default, Clone)]
 pub struct SharedPrefixes {
     prefixes: HashMap<u64, Branches>,
+    requests: Recent,
 }
 
 impl SharedPrefixes {
-    /// Record that a request matched up to `prefix` at `now` and went on with block `next`
-    /// (`None`: it ended there); whether that is a new branch off a prefix others branched off
-    /// within the window.
-    pub fn matched(&mut self, prefix: u64, next: Option<u64>, now: Instant) -> bool {
+    /// Record a request at `now`, which matched up to `prefix` and went on with block `next`
+    /// (`None`: it ended there), or matched nothing (`matched` is `None`).
+    pub fn request(&mut self, matched: Option<(u64, Option<u64>)>, now: Instant) -> Popularity {
+        let all = self.requests.add(now);
+        let Some((prefix, next)) = matched else {
+            return Popularity::default();
+        };
+        let (shared, count) = self.matched(prefix, next, now);
+        Popularity {
+            shared,
+            share: (count / all).min(1.0),
+        }
+    }
+
+    /// Whether a request matching up to `prefix` and going on with `next` is a new branch off a
+    /// prefix others branched off within the window, and the prefix's request count.
+    fn matched(&mut self, prefix: u64, next: Option<u64>, now: Instant) -> (bool, f64) {
         if self.prefixes.len() >= CAPACITY && !self.prefixes.contains_key(&prefix) {
             self.prefixes
                 .retain(|_, b| now.saturating_duration_since(b.at) < WINDOW);
@@ -43,23 +70,25 @@ impl SharedPrefixes {
         let branches = self.prefixes.entry(prefix).or_insert(Branches {
             next: Vec::new(),
             at: now,
+            requests: Recent::default(),
         });
         if now.saturating_duration_since(branches.at) >= WINDOW {
             branches.next.clear();
         }
         branches.at = now;
+        let count = branches.requests.add(now);
         let Some(next) = next else {
-            return false;
+            return (false, count);
         };
         if branches.next.contains(&next) {
-            return false;
+            return (false, count);
         }
         let others = !branches.next.is_empty();
         if branches.next.len() == BRANCHES {
             branches.next.remove(0);
         }
         branches.next.push(next);
-        others
+        (others, count)
     }
 }
 
@@ -71,18 +100,13 @@ mod tests {
     fn a_new_branch_off_a_prefix_others_branched_off_is_shared() {
         let mut s = SharedPrefixes::default();
         let t = Instant::now();
-        assert!(
-            !s.matched(1, Some(10), t),
-            "the first branch is nobody else's"
-        );
-        assert!(s.matched(1, Some(11), t + Duration::from_secs(1)));
-        assert!(s.matched(1, Some(12), t + Duration::from_secs(1)));
-        assert!(!s.matched(2, Some(10), t + Duration::from_secs(1)));
+        let mut shared = |p, n, at| s.request(Some((p, Some(n))), at).shared;
+        assert!(!shared(1, 10, t), "the first branch is nobody else's");
+        assert!(shared(1, 11, t + Duration::from_secs(1)));
+        assert!(shared(1, 12, t + Duration::from_secs(1)));
+        assert!(!shared(2, 10, t + Duration::from_secs(1)));
         let late = t + WINDOW + Duration::from_secs(2);
-        assert!(
-            !s.matched(1, Some(13), late),
-            "the others were too long ago"
-        );
+        assert!(!shared(1, 13, late), "the others were too long ago");
     }
 
     /// A conversation's next turn arriving before its last turn's events matches the same
@@ -91,11 +115,34 @@ mod tests {
     fn the_same_branch_again_is_not_shared() {
         let mut s = SharedPrefixes::default();
         let t = Instant::now();
-        s.matched(1, Some(10), t);
-        assert!(!s.matched(1, Some(10), t));
-        s.matched(1, Some(11), t);
-        assert!(!s.matched(1, Some(10), t), "still its own branch");
-        assert!(!s.matched(1, None, t), "a prompt that ends at its match");
+        let mut shared = |next| s.request(Some((1, next)), t).shared;
+        shared(Some(10));
+        assert!(!shared(Some(10)));
+        shared(Some(11));
+        assert!(!shared(Some(10)), "still its own branch");
+        assert!(!shared(None), "a prompt that ends at its match");
+    }
+
+    /// A prefix behind half the requests has half the share, whichever requests came between
+    /// (unmatched ones count too); one that stopped being asked for fades.
+    #[test]
+    fn a_share_is_of_all_recent_requests() {
+        let mut s = SharedPrefixes::default();
+        let t = Instant::now();
+        let mut last = Popularity::default();
+        for i in 0..400u64 {
+            let at = t + Duration::from_millis(100 * i);
+            last = s.request(Some((1, Some(i))), at);
+            s.request(if i % 2 == 0 { None } else { Some((2, Some(i))) }, at);
+        }
+        assert!((last.share - 0.5).abs() < 0.01, "{last:?}");
+        let later = t + Duration::from_secs(40) + 10 * crate::core::recent::TAU;
+        for i in 0..20 {
+            s.request(None, later + Duration::from_millis(i));
+        }
+        let faded = s.request(Some((1, Some(1))), later + Duration::from_millis(20));
+        assert!(faded.share < 0.1, "{faded:?}");
+        assert_eq!(s.request(None, later).share, 0.0);
     }
 
     #[test]
@@ -104,9 +151,9 @@ mod tests {
         let t = Instant::now();
         for p in 0..(3 * CAPACITY as u64) {
             for n in 0..(2 * BRANCHES as u64) {
-                s.matched(p % 64, Some(n + p), t);
+                s.request(Some((p % 64, Some(n + p))), t);
             }
-            s.matched(p, Some(p), t);
+            s.request(Some((p, Some(p))), t);
         }
         assert!(s.prefixes.len() <= CAPACITY);
         assert!(s.prefixes.values().all(|b| b.next.len() <= BRANCHES));
