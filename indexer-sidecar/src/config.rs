@@ -73,7 +73,7 @@
 //!                                   #   busy, from a holder this many (and 2×) above the mean
 //!                                   #   running this many of the prefix's requests
 //! spread_idle_slack = 2             # … or this many, to a worker running nothing
-//! spread_demand = 0.5               # … while its requests per holder are over half a worker's share
+//! spread_demand = 0.5               # … while each holder gets over half a worker's share
 //! predict_survival = true           # weigh what a worker will still hold, not all the index matched
 //! ```
 

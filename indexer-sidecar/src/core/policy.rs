@@ -278,7 +278,7 @@ pub fn choose<'a>(
         // of the recent hints (and a couple more, so a fresh fleet's first hints move no home)
         // is no new prefix's home. A prefix's home is where its later requests stay; by
         // hashing alone, 32 prefixes on 8 workers put 6 or 7 on one and 2 on another, for
-        // good (docs/benchmarks.md, "Spreading by demand").
+        // good (docs/benchmarks.md, "Spreading by demand, homes by bounded load").
         let mean_hints = candidates[..unsaturated]
             .iter()
             .map(|c| c.recent_hints)
@@ -310,17 +310,17 @@ pub fn choose<'a>(
 
 /// Put first a worker without the longest match when the match is a popular prefix — recent
 /// requests branched off it in other ways (`shared`), or several workers hold it — with more
-/// requests per holder than `spread_demand` of a worker's share, that queues on its holders: the cheapest holder (first) is `spread_slack` requests busier than that
-/// worker and than the workers without it on average, and runs at least `spread_slack`
-/// requests of this prefix (`spread_idle_slack` when that worker runs nothing). The one-request rule
-/// never pays a long prefix's prefill to make another holder, so a hot prefix stays on the
-/// workers that happened to take it first and queues there while another worker idles
-/// (docs/benchmarks.md, "Spreading a popular prefix"). Whether the prefill is worth it is the
-/// next requests' question, which a prefix with its own queue answers yes; one whose holder is
-/// busy with other prefixes' requests answers no — the move only pays a prefill, and near
-/// saturation each one slows the fleet into more (docs/benchmarks.md, "Under load"). One
-/// conversation's history, which only its own turns continue, is neither. Whether a move
-/// happened.
+/// requests per holder than `spread_demand` of a worker's share, that queues on its holders:
+/// the cheapest holder (first) is `spread_slack` requests busier than that worker and than the
+/// workers without it on average, and runs at least `spread_slack` requests of this prefix
+/// (`spread_idle_slack` when that worker runs nothing). The one-request rule never pays a long
+/// prefix's prefill to make another holder, so a hot prefix stays on the workers that happened
+/// to take it first and queues there while another worker idles (docs/benchmarks.md,
+/// "Spreading a popular prefix"). Whether the prefill is worth it is the next requests'
+/// question, which a prefix with its own queue answers yes; one whose holder is busy with other
+/// prefixes' requests answers no — the move only pays a prefill, and near saturation each one
+/// slows the fleet into more (docs/benchmarks.md, "Under load"). One conversation's history,
+/// which only its own turns continue, is neither. Whether a move happened.
 fn spread(
     candidates: &mut [Candidate],
     longest: u32,
@@ -337,7 +337,7 @@ fn spread(
     // Only a prefix worth a good part of a worker per holder: a queue on the one holder of a
     // prefix that is one of many is a burst the holder clears in a few hundred ms, cheaper
     // than the copy's cold prefill, which lands in the slowest tenth (docs/benchmarks.md,
-    // "Spreading by demand").
+    // "Spreading by demand, homes by bounded load").
     let per_holder = popularity.share * candidates.len() as f64 / holders.max(1) as f64;
     if per_holder <= routing.spread_demand {
         return false;
