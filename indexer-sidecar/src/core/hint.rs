@@ -67,7 +67,7 @@ impl Core {
                 },
                 survival: w.load.survival(),
                 prefix_in_flight: 0,
-                recent_hints: w.hinted.at(now),
+                recent_hints: None,
                 prefill: w.role == Role::Prefill,
             })
             .collect::<Vec<_>>();
@@ -79,6 +79,12 @@ impl Core {
             .chain(workers.iter().map(|w| w.in_flight_blocks as usize))
             .max()
             .unwrap_or(0);
+        // A prompt nothing matches goes to a home balanced by the workers' recent hints.
+        if longest < self.routing.min_matched_blocks.max(1) as usize {
+            for w in &mut workers {
+                w.recent_hints = self.fleet.get(w.id).map(|f| f.hinted.at(now));
+            }
+        }
         // The prefix's own requests on each worker: one lookup each.
         if let Some(key) = load::sharing_block(longest).and_then(|i| req.hashes.get(i)) {
             for w in &mut workers {

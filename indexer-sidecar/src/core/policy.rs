@@ -53,8 +53,10 @@ pub struct Candidate {
     /// Requests running there whose prompts have the longest match too: the prefix's own
     /// queue there.
     pub prefix_in_flight: u32,
-    /// Hints it received lately ([`crate::core::recent`]): its share of the traffic.
-    pub recent_hints: f64,
+    /// Hints it received lately ([`crate::core::recent`]): its share of the traffic, where the
+    /// home balance weighed it (a prompt nothing matches).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recent_hints: Option<f64>,
     /// Its load as the rule weighed it (shown field by field).
     #[serde(flatten)]
     pub load: Load,
@@ -163,8 +165,9 @@ pub struct Worker<'a> {
     /// Requests running there (hinted by any replica) whose prompts have the request's longest
     /// match too ([`crate::core::load::WorkerLoad::in_flight_sharing`]).
     pub prefix_in_flight: u32,
-    /// Hints this replica sent it lately ([`crate::core::recent`]).
-    pub recent_hints: f64,
+    /// Hints this replica sent it lately ([`crate::core::recent`]), read only for a prompt
+    /// nothing matches (the home balance): a fading count costs an `exp` per worker per hint.
+    pub recent_hints: Option<f64>,
     /// A disaggregated fleet's prefill worker (which `home_slack_blocks` applies to by default).
     pub prefill: bool,
 }
@@ -281,12 +284,13 @@ pub fn choose<'a>(
         // good (docs/benchmarks.md, "Spreading by demand, homes by bounded load").
         let mean_hints = candidates[..unsaturated]
             .iter()
-            .map(|c| c.recent_hints)
+            .map(|c| c.recent_hints.unwrap_or(0.0))
             .sum::<f64>()
             / unsaturated.max(1) as f64;
         let home = (0..unsaturated)
             .filter(|&i| {
-                candidates[i].recent_hints <= routing.home_balance * mean_hints + HOME_BALANCE_SLACK
+                candidates[i].recent_hints.unwrap_or(0.0)
+                    <= routing.home_balance * mean_hints + HOME_BALANCE_SLACK
             })
             .filter(|&i| candidates[i].load.busy() <= least_busy + routing.home_slack)
             .filter(|&i| {
@@ -421,7 +425,7 @@ mod tests {
             in_flight_blocks: 0,
             survival: 1.0,
             prefix_in_flight: 0,
-            recent_hints: 0.0,
+            recent_hints: None,
             prefill: false,
         }
     }
@@ -725,7 +729,7 @@ mod tests {
         assert_eq!(routing.home_balance, 1.25);
         let decide = |key: u64, hints: [f64; 4], routing: &RoutingConfig| {
             let workers = reg.iter().enumerate().map(|(i, a)| Worker {
-                recent_hints: hints[i],
+                recent_hints: Some(hints[i]),
                 ..worker(i, a, Load::default())
             });
             let prompt = Prompt {
