@@ -149,3 +149,85 @@ fn finished_requests_compare_predicted_and_cached_tokens() {
     let truth = core.fleet().get(WorkerId(0)).unwrap().truth;
     assert_eq!((truth.exact, truth.over, truth.compared()), (1, 1, 2));
 }
+
+/// Cold prompts whose home is one worker fill it to `home_balance` × the mean of the recent
+/// hints (plus the slack of 2); the next goes to its next home. The hint reads the workers'
+/// counts for a cold prompt only: a warm one shows none.
+#[test]
+fn a_cold_prompts_home_that_took_more_than_its_share_is_passed_over() {
+    let four = (0..4)
+        .map(|i| format!("[[workers]]\naddress = \"127.0.0.1:900{i}\"\nmodel = \"m\"\n"))
+        .collect::<String>();
+    let mut unbounded = Core::new(
+        &config(&format!("{four}[routing]\nhome_balance = inf\n")),
+        7,
+    );
+    let mut bounded = Core::new(&config(&four), 7);
+    let now = Instant::now();
+    let request = |k: u64| HintRequest {
+        model: "m".into(),
+        hashes: vec![PrefixHash(k)],
+        finished: Vec::new(),
+    };
+    // Each request finishes before the next, so no load moves a prompt: only its home does.
+    let route = |core: &mut Core, req: &HintRequest| {
+        let hint = core.hint(req, now).unwrap();
+        let done = Finished {
+            ticket: hint.ticket.unwrap(),
+            usage: Usage::Cached {
+                prompt_tokens: 16,
+                cached_tokens: 0,
+            },
+        };
+        core.ingest(Input::Finished(&[done]), now);
+        hint
+    };
+    let first = |hint: &Hint| hint.decision.workers[0];
+    // Twelve prompts hashing alone puts on the same worker.
+    let home = first(&route(&mut unbounded, &request(1)));
+    let same_home: Vec<u64> = (2..)
+        .filter(|&k| first(&route(&mut unbounded, &request(k))) == home)
+        .take(11)
+        .chain([1])
+        .collect();
+    let hints: Vec<Hint> = same_home
+        .iter()
+        .map(|&k| route(&mut bounded, &request(k)))
+        .collect();
+    let at_home: Vec<bool> = hints.iter().map(|h| first(h) == home).collect();
+    // The third finds 2 at home against 1.25 × 2/4 + 2 = 2.63: taken. The fourth finds 3
+    // against 1.25 × 3/4 + 2 = 2.94: passed over.
+    assert_eq!(at_home[..4], [true, true, true, false], "{at_home:?}");
+    let weighed = |h: &Hint| {
+        h.decision
+            .candidates
+            .iter()
+            .find(|c| c.id == home)
+            .and_then(|c| c.recent_hints)
+    };
+    assert_eq!(weighed(&hints[3]), Some(3.0));
+    let taken = at_home.iter().filter(|&&t| t).count() as f64;
+    assert!(
+        taken <= 1.25 * 12.0 / 4.0 + 2.0 + 1.0,
+        "{taken} of 12 at one home"
+    );
+    // A prompt that matches what a worker runs is not a new prefix's home: no counts read.
+    let mut warm = request(100);
+    warm.hashes.push(PrefixHash(101));
+    let running = bounded.hint(&warm, now).unwrap();
+    assert!(running
+        .decision
+        .candidates
+        .iter()
+        .all(|c| c.recent_hints.is_some()));
+    let again = bounded.hint(&warm, now).unwrap();
+    assert!(
+        again
+            .decision
+            .candidates
+            .iter()
+            .all(|c| c.recent_hints.is_none()),
+        "{:?}",
+        again.decision.candidates
+    );
+}
