@@ -158,6 +158,18 @@ impl LoadWorkload {
         }
     }
 
+    /// The same workload drawn with another seed: other prompts and questions, the groups'
+    /// users in another order. A router that places a new prefix by arrival order (the oracle,
+    /// sglang-router) maps the groups onto the engines the same way on every run of one seed;
+    /// runs of several seeds compare routers over maps, not on one. A trace has no seed: it is
+    /// returned unchanged.
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        if let Source::Chat { spec, .. } = &mut self.source {
+            spec.seed = seed;
+        }
+        self
+    }
+
     /// Every workload the ladder knows, by name.
     pub fn named(name: &str) -> Option<Self> {
         [
@@ -493,6 +505,9 @@ pub struct Planned {
     pub at: Duration,
     /// The API path of its requests.
     pub path: &'static str,
+    /// The app whose system prompt it starts with (chat-shaped workloads): which group of
+    /// users it belongs to, for reading how a mode placed the groups.
+    pub group: Option<usize>,
     /// (think time before the turn, body).
     pub turns: Vec<(Duration, Value)>,
 }
@@ -584,6 +599,7 @@ fn plan_chat(spec: &ChatSpec, think: Duration, rates: &[f64], step: Duration) ->
                     let planned = Planned {
                         at: Duration::from_secs_f64(at),
                         path: CHAT,
+                        group: Some(all.conversations[conv].app),
                         turns: (0..turns)
                             .map(|t| {
                                 let think = if t == 0 {
@@ -631,6 +647,7 @@ fn plan_trace(lines: &[Line], windows: &[(usize, Duration)]) -> Result<Vec<Vec<P
                 .map(|l| Planned {
                     at: l.at().saturating_sub(start).div_f64(speedup),
                     path: COMPLETIONS,
+                    group: None,
                     turns: vec![(Duration::ZERO, l.body(MODEL, &trace_spec()))],
                 })
                 .collect())
@@ -654,6 +671,8 @@ struct Sent {
     at: Duration,
     /// Its `x-request-id`, which Envoy's access log names with the engine it went to.
     id: String,
+    /// Its session's group ([`Planned::group`]).
+    group: Option<usize>,
     /// Leading prompt blocks each engine held (its `/oracle`), in fleet order; empty where the
     /// engines cannot be asked (Dynamo's mockers).
     held: Vec<u64>,
@@ -729,6 +748,7 @@ async fn run_step(
                 outcome,
                 at,
                 id,
+                group: s.group,
                 held,
             });
             if failed {
@@ -875,6 +895,7 @@ fn request_record(rate: f64, order: usize, s: &Sent) -> Value {
         "rate": rate,
         "order": order,
         "id": s.id,
+        "group": s.group,
         "at_ms": ms(s.at),
         "ok": o.ok(),
         "ttft_ms": ms(o.ttft),
@@ -1794,6 +1815,7 @@ mod tests {
         Planned {
             at: Duration::ZERO,
             path: COMPLETIONS,
+            group: None,
             turns: vec![(Duration::ZERO, line.body(MODEL, &trace_spec()))],
         }
     }

@@ -44,16 +44,47 @@ struct Cell {
     prompt: u64,
     cached: u64,
     errors: usize,
-    /// Per fleet (the run's position, the fleet's name in it): the order it ran in at this
-    /// rate, its successful TTFTs.
-    runs: BTreeMap<(usize, String), (u64, Vec<f64>)>,
+    /// Per fleet (the run's position, the fleet's name in it).
+    runs: BTreeMap<(usize, String), Fleet>,
+}
+
+/// One fleet's requests at one rate.
+#[derive(Default)]
+struct Fleet {
+    /// The order it ran in at this rate.
+    order: u64,
+    /// Its successful TTFTs.
+    ttft: Vec<f64>,
+    /// Per group of users (`group`), its requests per engine.
+    groups: BTreeMap<u64, BTreeMap<u64, usize>>,
+}
+
+impl Fleet {
+    /// Groups per engine, most first: each group counted at the engine most of its requests
+    /// went to (where its prefix lived). Empty without groups.
+    fn groups_per_engine(&self) -> Vec<usize> {
+        let mut per: BTreeMap<u64, usize> = BTreeMap::new();
+        for engines in self.groups.values() {
+            if let Some((&engine, _)) = engines
+                .iter()
+                .max_by_key(|&(e, n)| (*n, std::cmp::Reverse(*e)))
+            {
+                *per.entry(engine).or_default() += 1;
+            }
+        }
+        let mut counts: Vec<usize> = per.into_values().collect();
+        counts.sort_unstable_by(|a, b| b.cmp(a));
+        counts
+    }
 }
 
 /// The pooled figures: `workloads.<name>.<rate>.<mode>` with `runs` (the mode's fleets: more
 /// than one in a run that named the mode twice), `requests`, `errors`, `ttft_p50_ms`,
 /// `ttft_p90_ms`, `ttft_p99_ms`, `hit_rate`, Envoy's split (`held_p50_us`, `held_p90_us`,
 /// `upstream_p50_ms`, `upstream_p90_ms`; 0 without it), and per fleet, in the order of the runs
-/// given, `run_ttft_p90_ms` and `run_order` (0: it ran first at that rate).
+/// given, `run_ttft_p90_ms`, `run_order` (0: it ran first at that rate) and
+/// `run_groups_per_engine` (records with a `group`: how that fleet placed the groups of users,
+/// [`Fleet::groups_per_engine`]).
 pub fn pool(runs: &[(String, Vec<Value>)]) -> Value {
     // Keyed by the rate's bits: the same rate in every run is one cell.
     let mut cells: BTreeMap<(String, u64, String), Cell> = BTreeMap::new();
@@ -69,18 +100,25 @@ pub fn pool(runs: &[(String, Vec<Value>)]) -> Value {
             // A mode run twice in one invocation (`kvroute_2`) is another fleet of that mode;
             // records without a fleet count as one per mode and run.
             let fleet = r["fleet"].as_str().unwrap_or_default().to_owned();
-            let this_run = &mut cell
-                .runs
-                .entry((run, fleet))
-                .or_insert((order, Vec::new()))
-                .1;
+            let this_run = cell.runs.entry((run, fleet)).or_insert_with(|| Fleet {
+                order,
+                ..Fleet::default()
+            });
             if r["ok"] != true {
                 cell.errors += 1;
                 continue;
             }
             let ttft = r["ttft_ms"].as_f64().unwrap_or(0.0);
             cell.ttft.push(ttft);
-            this_run.push(ttft);
+            this_run.ttft.push(ttft);
+            if let (Some(group), Some(engine)) = (r["group"].as_u64(), r["engine"].as_u64()) {
+                *this_run
+                    .groups
+                    .entry(group)
+                    .or_default()
+                    .entry(engine)
+                    .or_default() += 1;
+            }
             cell.held_us.extend(r["held_us"].as_f64());
             cell.upstream_ms
                 .extend(r["upstream_us"].as_f64().map(|us| us / 1e3));
@@ -104,8 +142,9 @@ pub fn pool(runs: &[(String, Vec<Value>)]) -> Value {
             "held_p90_us": quantile(&cell.held_us, 0.9),
             "upstream_p50_ms": quantile(&cell.upstream_ms, 0.5),
             "upstream_p90_ms": quantile(&cell.upstream_ms, 0.9),
-            "run_ttft_p90_ms": cell.runs.values().map(|(_, t)| quantile(t, 0.9)).collect::<Vec<_>>(),
-            "run_order": cell.runs.values().map(|(o, _)| *o).collect::<Vec<_>>(),
+            "run_ttft_p90_ms": cell.runs.values().map(|f| quantile(&f.ttft, 0.9)).collect::<Vec<_>>(),
+            "run_order": cell.runs.values().map(|f| f.order).collect::<Vec<_>>(),
+            "run_groups_per_engine": cell.runs.values().map(Fleet::groups_per_engine).collect::<Vec<_>>(),
         });
     }
     doc
@@ -116,7 +155,7 @@ pub fn markdown(pooled: &Value) -> String {
     let mut s = String::new();
     for (workload, rates) in pooled["workloads"].as_object().into_iter().flatten() {
         s += &format!(
-            "### {workload}\n\n| rate (req/s) | mode | runs | requests | TTFT p50 / p90 / p99 (ms) | hit rate | held in Envoy p50 / p90 (µs) | engine to first byte p50 / p90 (ms) | p90 per fleet (ms; ¹ it ran first) |\n|---|---|---|---|---|---|---|---|---|\n"
+            "### {workload}\n\n| rate (req/s) | mode | runs | requests | TTFT p50 / p90 / p99 (ms) | hit rate | held in Envoy p50 / p90 (µs) | engine to first byte p50 / p90 (ms) | p90 per fleet (ms; ¹ it ran first) | groups per engine per fleet, most first |\n|---|---|---|---|---|---|---|---|---|---|\n"
         );
         let mut by_rate: Vec<(f64, &Value)> = rates
             .as_object()
@@ -138,8 +177,19 @@ pub fn markdown(pooled: &Value) -> String {
                         format!("{:.1}{first}", p90.as_f64().unwrap_or(0.0))
                     })
                     .collect();
+                let groups: Vec<String> = c["run_groups_per_engine"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(Value::as_array)
+                    .filter(|g| !g.is_empty())
+                    .map(|g| {
+                        let n: Vec<String> = g.iter().map(Value::to_string).collect();
+                        n.join(" ")
+                    })
+                    .collect();
                 s += &format!(
-                    "| {rate} | {mode} | {} | {} | {:.1} / {:.1} / {:.1} | {:.1}% | {:.0} / {:.0} | {:.1} / {:.1} | {} |\n",
+                    "| {rate} | {mode} | {} | {} | {:.1} / {:.1} / {:.1} | {:.1}% | {:.0} / {:.0} | {:.1} / {:.1} | {} | {} |\n",
                     c["runs"],
                     c["requests"],
                     f("ttft_p50_ms"),
@@ -150,7 +200,8 @@ pub fn markdown(pooled: &Value) -> String {
                     f("held_p90_us"),
                     f("upstream_p50_ms"),
                     f("upstream_p90_ms"),
-                    per_run.join(", ")
+                    per_run.join(", "),
+                    groups.join("; ")
                 );
             }
         }
@@ -210,7 +261,26 @@ mod tests {
         assert_eq!(k["run_order"], json!([0, 1, 2]));
         assert_eq!(doc["workloads"]["chat"]["4"]["ring_hash"]["runs"], 1);
         let md = markdown(&doc);
-        let row = "| 4 | kvroute | 3 | 22 | 11.0 / 19.0 / 30.0 | 76.2% | 110 / 190 | 5.5 / 9.5 | 9.0¹, 19.0, 30.0 |";
+        let row = "| 4 | kvroute | 3 | 22 | 11.0 / 19.0 / 30.0 | 76.2% | 110 / 190 | 5.5 / 9.5 | 9.0¹, 19.0, 30.0 |  |";
         assert!(md.contains(row), "{md}");
+    }
+
+    /// A group of users counts at the engine most of its requests went to; each fleet's groups
+    /// per engine are listed most first.
+    #[test]
+    fn groups_count_where_most_of_their_requests_went() {
+        let sent = |group: u64, engine: u64| {
+            let mut r = record("kvroute", 4.0, 0, 1.0, 0);
+            r["group"] = json!(group);
+            r["engine"] = json!(engine);
+            r
+        };
+        // Groups 0 and 1 on engine 2 (one of group 1's requests moved to engine 0), group 2 on
+        // engine 0.
+        let records = vec![sent(0, 2), sent(1, 2), sent(1, 2), sent(1, 0), sent(2, 0)];
+        let doc = pool(&[("one".to_owned(), records)]);
+        let k = &doc["workloads"]["chat"]["4"]["kvroute"];
+        assert_eq!(k["run_groups_per_engine"], json!([[2, 1]]));
+        assert!(markdown(&doc).contains("| 2 1 |"), "{}", markdown(&doc));
     }
 }

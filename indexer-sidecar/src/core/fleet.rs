@@ -140,9 +140,9 @@ pub struct Worker {
     /// Hints it received since its last applied event (or ever, if none): the `silent_worker`
     /// and `worker_quiet` alarms.
     pub hints_since_event: u64,
-    /// Prompts nothing matched that this replica sent it lately, fading: the new prefixes it
-    /// took, by which the next one's home is balanced.
-    pub homed: Recent,
+    /// Hints it received lately, fading: its share of the traffic, by which a new prefix's
+    /// home is balanced.
+    pub hinted: Recent,
     /// The Dynamo component (`namespace/component`) whose subjects carry its events: from its
     /// discovery record, `[[workers]] dynamo_component`, or the first subject it was seen on.
     pub component: Option<String>,
@@ -175,7 +175,7 @@ impl Worker {
             cursors: BTreeMap::new(),
             last_event: None,
             hints_since_event: 0,
-            homed: Recent::default(),
+            hinted: Recent::default(),
             component: None,
             capacity: None,
             logs: BTreeMap::new(),

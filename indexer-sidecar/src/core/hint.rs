@@ -67,7 +67,7 @@ impl Core {
                 },
                 survival: w.load.survival(),
                 prefix_in_flight: 0,
-                recent_homes: None,
+                recent_hints: None,
                 prefill: w.role == Role::Prefill,
             })
             .collect::<Vec<_>>();
@@ -79,11 +79,10 @@ impl Core {
             .chain(workers.iter().map(|w| w.in_flight_blocks as usize))
             .max()
             .unwrap_or(0);
-        // A prompt nothing matches goes to a home balanced by the new prefixes each worker took.
-        let cold = longest < self.routing.min_matched_blocks.max(1) as usize;
-        if cold {
+        // A prompt nothing matches goes to a home balanced by the workers' recent hints.
+        if longest < self.routing.min_matched_blocks.max(1) as usize {
             for w in &mut workers {
-                w.recent_homes = self.fleet.get(w.id).map(|f| f.homed.at(now));
+                w.recent_hints = self.fleet.get(w.id).map(|f| f.hinted.at(now));
             }
         }
         // The prefix's own requests on each worker: one lookup each.
@@ -133,9 +132,7 @@ impl Core {
                     w.load.open(seq, now, expected, blocks());
                 }
                 w.hints_since_event += 1;
-                if cold {
-                    w.homed.add(now);
-                }
+                w.hinted.add(now);
             }
             if let Some(w) = self.fleet.get(first) {
                 target = match (w.pinned(), w.role, w.instance_id) {

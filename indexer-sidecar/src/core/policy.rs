@@ -53,11 +53,10 @@ pub struct Candidate {
     /// Requests running there whose prompts have the longest match too: the prefix's own
     /// queue there.
     pub prefix_in_flight: u32,
-    /// New prefixes (prompts nothing matched) this replica sent it lately
-    /// ([`crate::core::recent`]), where the home balance weighed them (a prompt nothing
-    /// matches).
+    /// Hints it received lately ([`crate::core::recent`]): its share of the traffic, where the
+    /// home balance weighed it (a prompt nothing matches).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub recent_homes: Option<f64>,
+    pub recent_hints: Option<f64>,
     /// Its load as the rule weighed it (shown field by field).
     #[serde(flatten)]
     pub load: Load,
@@ -127,10 +126,9 @@ fn mean_busy(candidates: &[Candidate]) -> f64 {
     candidates.iter().map(|c| c.load.busy()).sum::<f64>() / candidates.len() as f64
 }
 
-/// New prefixes a home may take beyond `home_balance` × the mean: half of one, so a fresh
-/// fleet's first prefix goes to its hashed home and a worker one ahead of the others passes
-/// the next to the key's next home.
-const HOME_BALANCE_SLACK: f64 = 0.5;
+/// Hints a home may take beyond `home_balance` × the mean: a Poisson count's noise where counts
+/// are small.
+const HOME_BALANCE_SLACK: f64 = 2.0;
 
 /// A cold prompt's home score on `address`: rendezvous hashing, the same on every replica.
 fn home_score(key: u64, address: &str) -> u64 {
@@ -167,10 +165,9 @@ pub struct Worker<'a> {
     /// Requests running there (hinted by any replica) whose prompts have the request's longest
     /// match too ([`crate::core::load::WorkerLoad::in_flight_sharing`]).
     pub prefix_in_flight: u32,
-    /// New prefixes (prompts nothing matched) this replica sent it lately
-    /// ([`crate::core::recent`]), read only for a prompt nothing matches (the home balance): a
-    /// fading count costs an `exp` per worker per hint.
-    pub recent_homes: Option<f64>,
+    /// Hints this replica sent it lately ([`crate::core::recent`]), read only for a prompt
+    /// nothing matches (the home balance): a fading count costs an `exp` per worker per hint.
+    pub recent_hints: Option<f64>,
     /// A disaggregated fleet's prefill worker (which `home_slack_blocks` applies to by default).
     pub prefill: bool,
 }
@@ -224,7 +221,7 @@ pub fn choose<'a>(
                     1.0
                 },
                 prefix_in_flight: w.prefix_in_flight,
-                recent_homes: w.recent_homes,
+                recent_hints: w.recent_hints,
                 load: w.load,
                 saturated: false,
                 home_slack_blocks: routing.home_slack_blocks_for(w.prefill),
@@ -280,21 +277,22 @@ pub fn choose<'a>(
             .iter()
             .map(|c| c.load.running_prompt_blocks)
             .fold(f64::INFINITY, f64::min);
-        // Bounded-load rendezvous: a worker that took more new prefixes lately than
-        // `home_balance` times the mean (and half of one) is no new prefix's home. A prefix's
-        // home is where its later requests stay; by hashing alone, 32 prefixes on 8 workers put
-        // 6 or 7 on one and 2 on another, for good. The prefixes are counted, not the requests:
-        // while prefixes arrive, a worker's requests are mostly the noise of its few prefixes'
-        // arrivals (docs/benchmarks.md, "Homes balanced by new prefixes").
-        let mean_homes = candidates[..unsaturated]
+        // Bounded-load rendezvous: a worker that took more than `home_balance` times the mean
+        // of the recent hints (and a couple more, so a fresh fleet's first hints move no home)
+        // is no new prefix's home. A prefix's home is where its later requests stay; by
+        // hashing alone, 32 prefixes on 8 workers put 6 or 7 on one and 2 on another, for
+        // good (docs/benchmarks.md, "Spreading by demand, homes by bounded load").
+        let mean_hints = candidates[..unsaturated]
             .iter()
-            .map(|c| c.recent_homes.unwrap_or(0.0))
+            .map(|c| c.recent_hints.unwrap_or(0.0))
             .sum::<f64>()
             / unsaturated.max(1) as f64;
         let home = (0..unsaturated)
             .filter(|&i| {
-                candidates[i].recent_homes.unwrap_or(0.0)
-                    <= routing.home_balance * mean_homes + HOME_BALANCE_SLACK
+                // `inf` is off, also where no worker took a hint yet (∞ × 0 is NaN).
+                routing.home_balance == f64::INFINITY
+                    || candidates[i].recent_hints.unwrap_or(0.0)
+                        <= routing.home_balance * mean_hints + HOME_BALANCE_SLACK
             })
             .filter(|&i| candidates[i].load.busy() <= least_busy + routing.home_slack)
             .filter(|&i| {
@@ -429,7 +427,7 @@ mod tests {
             in_flight_blocks: 0,
             survival: 1.0,
             prefix_in_flight: 0,
-            recent_homes: None,
+            recent_hints: None,
             prefill: false,
         }
     }
@@ -724,17 +722,19 @@ mod tests {
         assert_eq!(d.candidates.len(), 2);
     }
 
-    /// A home that took more than `home_balance` times the mean of the recent new prefixes
-    /// (and half of one) is passed over for the key's next home: prefixes are placed by hashing
-    /// with bounded loads.
+    /// A home that took more than `home_balance` times the mean of the recent hints is passed
+    /// over for the key's next home: prefixes are placed by hashing with bounded loads.
     #[test]
     fn a_home_that_took_more_than_its_share_is_passed_over() {
         let reg = registry(4);
-        let routing = RoutingConfig::default();
-        assert_eq!(routing.home_balance, 1.0);
-        let decide = |key: u64, homes: [f64; 4], routing: &RoutingConfig| {
+        assert_eq!(RoutingConfig::default().home_balance, f64::INFINITY);
+        let routing = RoutingConfig {
+            home_balance: 1.25,
+            ..RoutingConfig::default()
+        };
+        let decide = |key: u64, hints: [f64; 4], routing: &RoutingConfig| {
             let workers = reg.iter().enumerate().map(|(i, a)| Worker {
-                recent_homes: Some(homes[i]),
+                recent_hints: Some(hints[i]),
                 ..worker(i, a, Load::default())
             });
             let prompt = Prompt {
@@ -747,15 +747,11 @@ mod tests {
             order(&d)[0].clone()
         };
         let key = (0..64u64)
-            .find(|&k| decide(k, [0.0; 4], &routing) == addr(1))
+            .find(|&k| decide(k, [10.0; 4], &routing) == addr(1))
             .unwrap();
-        // A fresh fleet: the first prefix goes home (0 ≤ 0.5), the second of the key does
-        // not (1 > 1/4 + 1/2).
-        assert_eq!(decide(key, [0.0; 4], &routing), addr(1));
-        assert_ne!(decide(key, [0.0, 1.0, 0.0, 0.0], &routing), addr(1));
-        // Mean 2.25, bound 2.75; then mean 2.5, bound 3.
-        assert_eq!(decide(key, [2.0, 2.75, 2.0, 2.25], &routing), addr(1));
-        let next = decide(key, [2.0, 3.25, 2.0, 2.75], &routing);
+        // Mean 11.5, bound 16.4; then mean 11.75, bound 16.7.
+        assert_eq!(decide(key, [10.0, 16.0, 10.0, 10.0], &routing), addr(1));
+        let next = decide(key, [10.0, 17.0, 10.0, 10.0], &routing);
         assert_ne!(next, addr(1));
         let without = choose(10, Some(key), &[], &reg, &routing, idle, |w| w.0 != 1);
         assert_eq!(next, order(&without)[0], "the key's next home");

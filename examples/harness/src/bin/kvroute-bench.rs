@@ -86,6 +86,10 @@ enum Command {
         /// `conversation_trace`, `synthetic_trace`; default: the scale's).
         #[arg(long, value_delimiter = ',')]
         workloads: Option<Vec<String>>,
+        /// Draw the chat-shaped workloads with this seed instead of their own (other prompts,
+        /// another arrival order; the traces are replayed as they are).
+        #[arg(long)]
+        seed: Option<u64>,
         /// Cache capacity per engine in blocks (default: each workload's).
         #[arg(long)]
         capacity_blocks: Option<usize>,
@@ -512,6 +516,7 @@ async fn main() -> Result<()> {
             engines,
             smoke,
             workloads,
+            seed,
             capacity_blocks,
             rates,
             step_s,
@@ -535,6 +540,12 @@ async fn main() -> Result<()> {
                         LoadWorkload::named(n).with_context(|| format!("no such workload: {n}"))
                     })
                     .collect::<Result<_>>()?;
+            }
+            if let Some(seed) = seed {
+                bench.workloads = std::mem::take(&mut bench.workloads)
+                    .into_iter()
+                    .map(|w| w.with_seed(seed))
+                    .collect();
             }
             bench.capacity_blocks = capacity_blocks;
             if let Some(r) = rates {

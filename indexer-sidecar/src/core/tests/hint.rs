@@ -150,9 +150,9 @@ fn finished_requests_compare_predicted_and_cached_tokens() {
     assert_eq!((truth.exact, truth.over, truth.compared()), (1, 1, 2));
 }
 
-/// Cold prompts whose home is one worker are placed by hashing with bounded loads: a home that
-/// took more new prefixes than the workers' mean (and half of one) passes the next to the key's
-/// next home. The hint reads the workers' counts for a cold prompt only: a warm one shows none.
+/// Cold prompts whose home is one worker fill it to `home_balance` × the mean of the recent
+/// hints (plus the slack of 2); the next goes to its next home. The hint reads the workers'
+/// counts for a cold prompt only: a warm one shows none.
 #[test]
 fn a_cold_prompts_home_that_took_more_than_its_share_is_passed_over() {
     let four = (0..4)
@@ -162,7 +162,10 @@ fn a_cold_prompts_home_that_took_more_than_its_share_is_passed_over() {
         &config(&format!("{four}[routing]\nhome_balance = inf\n")),
         7,
     );
-    let mut bounded = Core::new(&config(&four), 7);
+    let mut bounded = Core::new(
+        &config(&format!("{four}[routing]\nhome_balance = 1.25\n")),
+        7,
+    );
     let now = Instant::now();
     let request = |k: u64| HintRequest {
         model: "m".into(),
@@ -185,33 +188,33 @@ fn a_cold_prompts_home_that_took_more_than_its_share_is_passed_over() {
     let first = |hint: &Hint| hint.decision.workers[0];
     // Twelve prompts hashing alone puts on the same worker.
     let home = first(&route(&mut unbounded, &request(1)));
-    let same_home: Vec<u64> = std::iter::once(1)
-        .chain((2..).filter(|&k| first(&route(&mut unbounded, &request(k))) == home))
-        .take(12)
+    let same_home: Vec<u64> = (2..)
+        .filter(|&k| first(&route(&mut unbounded, &request(k))) == home)
+        .take(11)
+        .chain([1])
         .collect();
     let hints: Vec<Hint> = same_home
         .iter()
         .map(|&k| route(&mut bounded, &request(k)))
         .collect();
-    // The first finds every count 0: home. The second finds 1 there against 1/4 + 1/2.
-    assert_eq!(first(&hints[0]), home);
-    assert_ne!(first(&hints[1]), home);
+    let at_home: Vec<bool> = hints.iter().map(|h| first(h) == home).collect();
+    // The third finds 2 at home against 1.25 × 2/4 + 2 = 2.63: taken. The fourth finds 3
+    // against 1.25 × 3/4 + 2 = 2.94: passed over.
+    assert_eq!(at_home[..4], [true, true, true, false], "{at_home:?}");
     let weighed = |h: &Hint| {
         h.decision
             .candidates
             .iter()
             .find(|c| c.id == home)
-            .and_then(|c| c.recent_homes)
+            .and_then(|c| c.recent_hints)
     };
-    assert_eq!(weighed(&hints[1]), Some(1.0));
-    // A worker takes one only while at most 1/2 above the mean, which ends at 12/4: at most 4.
-    let mut taken = std::collections::BTreeMap::new();
-    for h in &hints {
-        *taken.entry(first(h)).or_insert(0) += 1;
-    }
-    assert!(taken.values().all(|&n| n <= 4), "{taken:?}");
-    assert_eq!(taken.len(), 4, "{taken:?}");
-    // A prompt that matches what a worker runs is not a new prefix: no counts read.
+    assert_eq!(weighed(&hints[3]), Some(3.0));
+    let taken = at_home.iter().filter(|&&t| t).count() as f64;
+    assert!(
+        taken <= 1.25 * 12.0 / 4.0 + 2.0 + 1.0,
+        "{taken} of 12 at one home"
+    );
+    // A prompt that matches what a worker runs is not a new prefix's home: no counts read.
     let mut warm = request(100);
     warm.hashes.push(PrefixHash(101));
     let running = bounded.hint(&warm, now).unwrap();
@@ -219,14 +222,14 @@ fn a_cold_prompts_home_that_took_more_than_its_share_is_passed_over() {
         .decision
         .candidates
         .iter()
-        .all(|c| c.recent_homes.is_some()));
+        .all(|c| c.recent_hints.is_some()));
     let again = bounded.hint(&warm, now).unwrap();
     assert!(
         again
             .decision
             .candidates
             .iter()
-            .all(|c| c.recent_homes.is_none()),
+            .all(|c| c.recent_hints.is_none()),
         "{:?}",
         again.decision.candidates
     );
