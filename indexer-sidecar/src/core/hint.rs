@@ -79,8 +79,11 @@ impl Core {
             .chain(workers.iter().map(|w| w.in_flight_blocks as usize))
             .max()
             .unwrap_or(0);
-        // A prompt nothing matches goes to a home balanced by the workers' recent hints.
-        if longest < self.routing.min_matched_blocks.max(1) as usize {
+        // A prompt nothing matches goes to a home balanced by the workers' recent hints, where
+        // the balance is on.
+        if self.routing.home_balance.is_finite()
+            && longest < self.routing.min_matched_blocks.max(1) as usize
+        {
             for w in &mut workers {
                 w.recent_hints = self.fleet.get(w.id).map(|f| f.hinted.at(now));
             }

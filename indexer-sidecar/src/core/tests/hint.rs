@@ -214,7 +214,8 @@ fn a_cold_prompts_home_that_took_more_than_its_share_is_passed_over() {
         taken <= 1.25 * 12.0 / 4.0 + 2.0 + 1.0,
         "{taken} of 12 at one home"
     );
-    // A prompt that matches what a worker runs is not a new prefix's home: no counts read.
+    // A new prompt's first request is cold and reads the counts; the next matches the first,
+    // still running there: not a new prefix, no counts read. With the balance off, none are.
     let mut warm = request(100);
     warm.hashes.push(PrefixHash(101));
     let running = bounded.hint(&warm, now).unwrap();
@@ -233,4 +234,10 @@ fn a_cold_prompts_home_that_took_more_than_its_share_is_passed_over() {
         "{:?}",
         again.decision.candidates
     );
+    let off = unbounded.hint(&request(200), now).unwrap();
+    assert!(off
+        .decision
+        .candidates
+        .iter()
+        .all(|c| c.recent_hints.is_none()));
 }
