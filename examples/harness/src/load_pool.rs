@@ -83,8 +83,8 @@ impl Fleet {
 /// `ttft_p90_ms`, `ttft_p99_ms`, `hit_rate`, Envoy's split (`held_p50_us`, `held_p90_us`,
 /// `upstream_p50_ms`, `upstream_p90_ms`; 0 without it), and per fleet, in the order of the runs
 /// given, `run_ttft_p90_ms`, `run_order` (0: it ran first at that rate) and
-/// `run_groups_per_engine` (records with a `group`: how that fleet placed the groups of users,
-/// [`Fleet::groups_per_engine`]).
+/// `run_groups_per_engine` (records with a `group`: how many groups of users each engine
+/// served most of, most first).
 pub fn pool(runs: &[(String, Vec<Value>)]) -> Value {
     // Keyed by the rate's bits: the same rate in every run is one cell.
     let mut cells: BTreeMap<(String, u64, String), Cell> = BTreeMap::new();
