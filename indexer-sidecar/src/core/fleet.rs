@@ -14,7 +14,6 @@ use crate::config::WorkerConfig;
 use crate::core::cursor::Cursor;
 use crate::core::digest::CacheLog;
 use crate::core::load::{Load, WorkerLoad};
-use crate::core::recent::Recent;
 use crate::core::truth::Truth;
 use crate::core::DiscoveredInstance;
 
@@ -140,9 +139,6 @@ pub struct Worker {
     /// Hints it received since its last applied event (or ever, if none): the `silent_worker`
     /// and `worker_quiet` alarms.
     pub hints_since_event: u64,
-    /// Hints it received lately, fading: its share of the traffic, by which a new prefix's
-    /// home is balanced.
-    pub hinted: Recent,
     /// The Dynamo component (`namespace/component`) whose subjects carry its events: from its
     /// discovery record, `[[workers]] dynamo_component`, or the first subject it was seen on.
     pub component: Option<String>,
@@ -175,7 +171,6 @@ impl Worker {
             cursors: BTreeMap::new(),
             last_event: None,
             hints_since_event: 0,
-            hinted: Recent::default(),
             component: None,
             capacity: None,
             logs: BTreeMap::new(),

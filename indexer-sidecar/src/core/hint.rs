@@ -1,6 +1,8 @@
 //! The hint: a request's matches and the fleet's load into workers, best first, and how the
 //! request is steered to them.
 
+use kvroute_protocol::PrefixHash;
+
 use super::*;
 
 /// A hint, decided.
@@ -67,7 +69,7 @@ impl Core {
                 },
                 survival: w.load.survival(),
                 prefix_in_flight: 0,
-                recent_hints: None,
+                homes: None,
                 prefill: w.role == Role::Prefill,
             })
             .collect::<Vec<_>>();
@@ -79,13 +81,25 @@ impl Core {
             .chain(workers.iter().map(|w| w.in_flight_blocks as usize))
             .max()
             .unwrap_or(0);
-        // A prompt nothing matches goes to a home balanced by the workers' recent hints, where
-        // the balance is on.
+        // A prompt nothing matches goes to a home balanced by the prefixes each worker is
+        // home to, where the balance is on.
         if self.routing.home_balance.is_finite()
             && longest < self.routing.min_matched_blocks.max(1) as usize
         {
+            let mut held: HashMap<WorkerId, usize> = HashMap::new();
+            for (worker, n) in index.homes() {
+                *held.entry(worker).or_default() += n;
+            }
+            let depth = self.routing.home_key_blocks;
             for w in &mut workers {
-                w.recent_hints = self.fleet.get(w.id).map(|f| f.hinted.at(now));
+                let running = self.fleet.get(w.id).map_or(0, |f| {
+                    f.load
+                        .in_flight_prefixes(depth)
+                        .into_iter()
+                        .filter(|&p| !index.holds(w.id, PrefixHash(p)))
+                        .count()
+                });
+                w.homes = Some((held.get(&w.id).copied().unwrap_or(0) + running) as f64);
             }
         }
         // The prefix's own requests on each worker: one lookup each.
@@ -135,7 +149,6 @@ impl Core {
                     w.load.open(seq, now, expected, blocks());
                 }
                 w.hints_since_event += 1;
-                w.hinted.add(now);
             }
             if let Some(w) = self.fleet.get(first) {
                 target = match (w.pinned(), w.role, w.instance_id) {

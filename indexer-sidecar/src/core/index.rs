@@ -27,6 +27,7 @@ use crate::core::block_map::{BlockMap, Entry};
 use crate::core::event::{EngineHash, KvEvent, KvEventKind};
 use crate::core::fleet::WorkerId;
 use crate::core::holders::{Holders, Slot};
+use crate::core::homes::Homes;
 
 /// One KV cache: a data-parallel rank of a worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -62,6 +63,8 @@ struct Cache {
     /// Order-independent digest of `blocks` (a wrapping sum of [`entry_digest`]): two replicas
     /// that applied the same events hold the same digest.
     digest: u64,
+    /// The prefixes of the home depth it holds.
+    homes: Homes,
 }
 
 /// One (engine hash, node) entry's share of a cache digest.
@@ -75,11 +78,12 @@ pub fn entry_digest(engine: EngineHash, node: PrefixHash) -> u64 {
 }
 
 impl Cache {
-    fn new(id: CacheId) -> Self {
+    fn new(id: CacheId, home_depth: usize) -> Self {
         Cache {
             id,
             blocks: BlockMap::default(),
             digest: 0,
+            homes: Homes::new(home_depth),
         }
     }
 }
@@ -90,9 +94,20 @@ pub struct RadixIndex {
     holders: Holders,
     caches: Vec<Cache>,
     slots: HashMap<CacheId, Slot>,
+    /// The depth, in blocks, of the prefixes each cache counts as home to ([`Homes`]).
+    home_depth: usize,
 }
 
 impl RadixIndex {
+    /// An empty index whose caches count the prefixes `home_depth` blocks deep they hold
+    /// ([`RadixIndex::homes`]; 0: none).
+    pub fn new(home_depth: usize) -> Self {
+        RadixIndex {
+            home_depth,
+            ..RadixIndex::default()
+        }
+    }
+
     fn slot(&mut self, id: CacheId) -> Option<Slot> {
         if let Some(&slot) = self.slots.get(&id) {
             return Some(slot);
@@ -100,7 +115,7 @@ impl RadixIndex {
         let slot = Slot::try_from(self.caches.len())
             .ok()
             .filter(|&s| s < Slot::MAX)?;
-        self.caches.push(Cache::new(id));
+        self.caches.push(Cache::new(id, self.home_depth));
         self.slots.insert(id, slot);
         Some(slot)
     }
@@ -131,6 +146,7 @@ impl RadixIndex {
                 let Cache {
                     blocks: cache,
                     digest,
+                    homes,
                     ..
                 } = &mut self.caches[slot as usize];
                 let mut prefix = match parent {
@@ -174,6 +190,7 @@ impl RadixIndex {
                     self.holders.hold(node, slot);
                     out.stored += 1;
                 }
+                homes.stored(*parent, blocks.iter().map(|b| b.engine_hash));
                 if let Some(p) = parent {
                     cache.touch(*p);
                 }
@@ -185,6 +202,7 @@ impl RadixIndex {
                     match cache.blocks.remove(*h) {
                         Some(node) => {
                             cache.digest = cache.digest.wrapping_sub(entry_digest(*h, node));
+                            cache.homes.removed(*h);
                             self.holders.unhold(node, slot);
                             out.removed += 1;
                         }
@@ -209,6 +227,7 @@ impl RadixIndex {
         for engine in &victims {
             if let Some(node) = cache.blocks.remove(*engine) {
                 cache.digest = cache.digest.wrapping_sub(entry_digest(*engine, node));
+                cache.homes.removed(*engine);
                 self.holders.unhold(node, slot);
             }
         }
@@ -218,6 +237,7 @@ impl RadixIndex {
     fn clear_cache(&mut self, slot: Slot) -> usize {
         let cache = &mut self.caches[slot as usize];
         cache.digest = 0;
+        cache.homes.clear();
         let blocks = std::mem::take(&mut cache.blocks);
         for Entry { node, .. } in blocks.iter() {
             self.holders.unhold(node, slot);
@@ -309,6 +329,7 @@ impl RadixIndex {
             c.digest = c.digest.wrapping_add(entry_digest(engine, node));
             self.holders.hold(node, slot);
         }
+        self.caches[slot as usize].homes.rebuild(entries);
         Some(self.caches[slot as usize].blocks.len())
     }
 
@@ -327,6 +348,21 @@ impl RadixIndex {
             .filter(|c| c.id.worker == worker)
             .map(|c| c.blocks.len())
             .sum()
+    }
+
+    /// Per cache, its worker and the prefixes of the home depth it holds: the cold prompts
+    /// it is home to, as every replica's index says once they agree.
+    pub fn homes(&self) -> impl Iterator<Item = (WorkerId, usize)> + '_ {
+        self.caches.iter().map(|c| (c.id.worker, c.homes.count()))
+    }
+
+    /// Whether some cache of `worker` holds `node`.
+    pub fn holds(&self, worker: WorkerId, node: PrefixHash) -> bool {
+        self.holders.get(node).is_some_and(|slots| {
+            slots
+                .iter()
+                .any(|&s| self.caches[s as usize].id.worker == worker)
+        })
     }
 
     /// Distinct prefixes (tree nodes) in the index.
@@ -615,7 +651,7 @@ mod tests {
         assert_eq!(two.cache_state(cache), (0, 0));
     }
 
-    /// A snapshot installed elsewhere holds the same blocks, digest and matches.
+    /// A snapshot installed elsewhere holds the same blocks, digest, matches and homes.
     #[test]
     fn a_snapshot_installs_the_same_cache() {
         let cache = CacheId {
@@ -623,15 +659,29 @@ mod tests {
             dp_rank: 0,
         };
         let (a, b) = (locals(0, 4), locals(100, 2));
-        let mut one = RadixIndex::default();
+        let homes = |idx: &RadixIndex| idx.homes().map(|(_, n)| n).sum::<usize>();
+        let mut one = RadixIndex::new(3);
         one.apply(W0, &stored(None, &a, 1));
         one.apply(W0, &stored(Some(a[1].0 ^ 1), &b, 1));
+        assert_eq!(homes(&one), 2, "a's third block and b's first, three deep");
         let snap = one.snapshot(cache);
         assert_eq!(snap.len(), 6);
-        let mut two = RadixIndex::default();
+        let mut two = RadixIndex::new(3);
         two.apply(W0, &stored(None, &locals(900, 3), 1));
+        assert_eq!(homes(&two), 1);
         assert_eq!(two.install(cache, &snap), Some(6));
         assert_eq!(one.cache_state(cache), two.cache_state(cache));
+        assert_eq!(homes(&two), 2);
+        let removed = KvEvent {
+            dp_rank: 0,
+            kind: KvEventKind::Removed {
+                blocks: vec![EngineHash(a[3].0 ^ 1), EngineHash(a[2].0 ^ 1)],
+            },
+        };
+        one.apply(W0, &removed);
+        assert_eq!(homes(&one), 1);
+        assert_eq!(one.remove_worker(W0), 4);
+        assert_eq!(homes(&one), 0);
         assert_eq!(two.find_matches(&prefix_hashes(&a), 8), vec![(W0, 4)]);
         assert!(two
             .find_matches(&prefix_hashes(&locals(900, 3)), 8)

@@ -289,6 +289,25 @@ impl WorkerLoad {
         u32::try_from(n).unwrap_or(u32::MAX)
     }
 
+    /// The prefix `depth` blocks deep of each request running here (hinted by this replica or
+    /// a peer), once each: the cold prompts whose home it is becoming before their events say
+    /// so.
+    pub fn in_flight_prefixes(&self, depth: usize) -> Vec<u64> {
+        let Some(i) = depth.checked_sub(1) else {
+            return Vec::new();
+        };
+        let mut prefixes: Vec<u64> = self
+            .open
+            .values()
+            .map(|t| &t.blocks)
+            .chain(self.peer_tickets.values().flat_map(|p| p.blocks.values()))
+            .filter_map(|blocks| blocks.get(i).copied())
+            .collect();
+        prefixes.sort_unstable();
+        prefixes.dedup();
+        prefixes
+    }
+
     /// Requests running here (hinted by this replica or a peer) whose prompts have `block`: with
     /// a prefix's [`sharing_block`], that prefix's own requests here.
     pub fn in_flight_sharing(&self, block: u64) -> u32 {

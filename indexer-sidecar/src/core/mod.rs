@@ -17,6 +17,7 @@
 //! - [`digest`]: per cache, its blocks' digest after each message: what replicas compare.
 //! - [`event`]: [`event::KvEvent`], an engine's cache event whatever its wire format.
 //! - [`holders`]: node → the caches holding it, inline for all but crowded nodes.
+//! - [`homes`]: per cache, the prefixes of the home depth it holds (the home balance).
 //! - [`index`]: [`index::RadixIndex`], prefix → caches holding it, one per model.
 //! - [`load`]: a worker's load (open tickets, scrapes, Dynamo `kv_metrics`, Envoy).
 //! - [`policy`]: the routing rule: matches and load → workers, best first.
@@ -30,6 +31,7 @@ pub mod digest;
 pub mod event;
 pub mod fleet;
 pub mod holders;
+pub mod homes;
 pub mod index;
 mod ledger;
 pub mod load;
@@ -119,7 +121,12 @@ impl Core {
             indexes: config
                 .models
                 .iter()
-                .map(|m| (m.name.clone(), RadixIndex::default()))
+                .map(|m| {
+                    (
+                        m.name.clone(),
+                        RadixIndex::new(config.routing.home_key_blocks),
+                    )
+                })
                 .collect(),
             block_sizes: config
                 .models

@@ -53,10 +53,10 @@ pub struct Candidate {
     /// Requests running there whose prompts have the longest match too: the prefix's own
     /// queue there.
     pub prefix_in_flight: u32,
-    /// Hints it received lately ([`crate::core::recent`]): its share of the traffic, where the
-    /// home balance weighed it (a prompt nothing matches).
+    /// The prefixes it is home to ([`Worker::homes`]), where the home balance weighed it (a
+    /// prompt nothing matches).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub recent_hints: Option<f64>,
+    pub homes: Option<f64>,
     /// Its load as the rule weighed it (shown field by field).
     #[serde(flatten)]
     pub load: Load,
@@ -126,9 +126,9 @@ fn mean_busy(candidates: &[Candidate]) -> f64 {
     candidates.iter().map(|c| c.load.busy()).sum::<f64>() / candidates.len() as f64
 }
 
-/// Hints a home may take beyond `home_balance` × the mean: a Poisson count's noise where counts
-/// are small.
-const HOME_BALANCE_SLACK: f64 = 2.0;
+/// Prefixes a home may hold beyond `home_balance` × the mean: with the default 1, a worker at
+/// the fleet's mean takes one more, one above it none.
+const HOME_BALANCE_SLACK: f64 = 0.5;
 
 /// A cold prompt's home score on `address`: rendezvous hashing, the same on every replica.
 fn home_score(key: u64, address: &str) -> u64 {
@@ -165,9 +165,11 @@ pub struct Worker<'a> {
     /// Requests running there (hinted by any replica) whose prompts have the request's longest
     /// match too ([`crate::core::load::WorkerLoad::in_flight_sharing`]).
     pub prefix_in_flight: u32,
-    /// Hints this replica sent it lately ([`crate::core::recent`]), read only for a prompt
-    /// nothing matches (the home balance): a fading count costs an `exp` per worker per hint.
-    pub recent_hints: Option<f64>,
+    /// The prefixes of `home_key_blocks` blocks it is home to: those its caches hold, as the
+    /// index says ([`crate::core::homes`]), and those of requests running there whose events
+    /// have not said so yet. Every replica counts alike once their indexes agree. Read only for
+    /// a prompt nothing matches (the home balance).
+    pub homes: Option<f64>,
     /// A disaggregated fleet's prefill worker (which `home_slack_blocks` applies to by default).
     pub prefill: bool,
 }
@@ -221,7 +223,7 @@ pub fn choose<'a>(
                     1.0
                 },
                 prefix_in_flight: w.prefix_in_flight,
-                recent_hints: w.recent_hints,
+                homes: w.homes,
                 load: w.load,
                 saturated: false,
                 home_slack_blocks: routing.home_slack_blocks_for(w.prefill),
@@ -277,22 +279,21 @@ pub fn choose<'a>(
             .iter()
             .map(|c| c.load.running_prompt_blocks)
             .fold(f64::INFINITY, f64::min);
-        // Bounded-load rendezvous: a worker that took more than `home_balance` times the mean
-        // of the recent hints (and a couple more, so a fresh fleet's first hints move no home)
-        // is no new prefix's home. A prefix's home is where its later requests stay; by
-        // hashing alone, 32 prefixes on 8 workers put 6 or 7 on one and 2 on another, for
-        // good (docs/benchmarks.md, "Spreading by demand, homes by bounded load").
-        let mean_hints = candidates[..unsaturated]
+        // Bounded-load rendezvous: a worker home to more than `home_balance` times the mean
+        // of the prefixes (and half a prefix) is no new prefix's home. A prefix's home is where
+        // its later requests stay; by hashing alone, 32 prefixes on 8 workers put 6 or 7 on
+        // one and 2 on another, for good (docs/benchmarks.md, "Homes balanced by the index").
+        let mean_homes = candidates[..unsaturated]
             .iter()
-            .map(|c| c.recent_hints.unwrap_or(0.0))
+            .map(|c| c.homes.unwrap_or(0.0))
             .sum::<f64>()
             / unsaturated.max(1) as f64;
         let home = (0..unsaturated)
             .filter(|&i| {
-                // `inf` is off, also where no worker took a hint yet (∞ × 0 is NaN).
+                // `inf` is off, also where no worker is home to anything yet (∞ × 0 is NaN).
                 routing.home_balance == f64::INFINITY
-                    || candidates[i].recent_hints.unwrap_or(0.0)
-                        <= routing.home_balance * mean_hints + HOME_BALANCE_SLACK
+                    || candidates[i].homes.unwrap_or(0.0)
+                        <= routing.home_balance * mean_homes + HOME_BALANCE_SLACK
             })
             .filter(|&i| candidates[i].load.busy() <= least_busy + routing.home_slack)
             .filter(|&i| {
@@ -427,7 +428,7 @@ mod tests {
             in_flight_blocks: 0,
             survival: 1.0,
             prefix_in_flight: 0,
-            recent_hints: None,
+            homes: None,
             prefill: false,
         }
     }
@@ -722,19 +723,16 @@ mod tests {
         assert_eq!(d.candidates.len(), 2);
     }
 
-    /// A home that took more than `home_balance` times the mean of the recent hints is passed
-    /// over for the key's next home: prefixes are placed by hashing with bounded loads.
+    /// A home to more prefixes than `home_balance` times the mean (and half a prefix) is
+    /// passed over for the key's next home: prefixes are placed by hashing with bounded loads.
     #[test]
-    fn a_home_that_took_more_than_its_share_is_passed_over() {
+    fn a_home_to_more_than_its_share_is_passed_over() {
         let reg = registry(4);
-        assert_eq!(RoutingConfig::default().home_balance, f64::INFINITY);
-        let routing = RoutingConfig {
-            home_balance: 1.25,
-            ..RoutingConfig::default()
-        };
-        let decide = |key: u64, hints: [f64; 4], routing: &RoutingConfig| {
+        let routing = RoutingConfig::default();
+        assert_eq!(routing.home_balance, 1.0);
+        let decide = |key: u64, homes: [f64; 4], routing: &RoutingConfig| {
             let workers = reg.iter().enumerate().map(|(i, a)| Worker {
-                recent_hints: Some(hints[i]),
+                homes: Some(homes[i]),
                 ..worker(i, a, Load::default())
             });
             let prompt = Prompt {
@@ -747,11 +745,12 @@ mod tests {
             order(&d)[0].clone()
         };
         let key = (0..64u64)
-            .find(|&k| decide(k, [10.0; 4], &routing) == addr(1))
+            .find(|&k| decide(k, [2.0; 4], &routing) == addr(1))
             .unwrap();
-        // Mean 11.5, bound 16.4; then mean 11.75, bound 16.7.
-        assert_eq!(decide(key, [10.0, 16.0, 10.0, 10.0], &routing), addr(1));
-        let next = decide(key, [10.0, 17.0, 10.0, 10.0], &routing);
+        // Mean 2.75, bound 3.25: at the mean and one ahead of the least, still home.
+        assert_eq!(decide(key, [3.0, 3.0, 3.0, 2.0], &routing), addr(1));
+        // Mean 2.25, bound 2.75: one ahead of all the others.
+        let next = decide(key, [2.0, 3.0, 2.0, 2.0], &routing);
         assert_ne!(next, addr(1));
         let without = choose(10, Some(key), &[], &reg, &routing, idle, |w| w.0 != 1);
         assert_eq!(next, order(&without)[0], "the key's next home");

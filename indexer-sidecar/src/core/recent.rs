@@ -1,5 +1,4 @@
-//! A count of recent events that fades: what a prefix's share of the requests and a worker's
-//! share of the hints are made of. Exponential decay rather than a window: one number per
+//! A count of recent events that fades: what a prefix's share of the requests is made of. Exponential decay rather than a window: one number per
 //! count, no burst falling off a window's edge at once.
 
 use std::time::{Duration, Instant};

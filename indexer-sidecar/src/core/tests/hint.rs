@@ -150,94 +150,180 @@ fn finished_requests_compare_predicted_and_cached_tokens() {
     assert_eq!((truth.exact, truth.over, truth.compared()), (1, 1, 2));
 }
 
-/// Cold prompts whose home is one worker fill it to `home_balance` × the mean of the recent
-/// hints (plus the slack of 2); the next goes to its next home. The hint reads the workers'
-/// counts for a cold prompt only: a warm one shows none.
-#[test]
-fn a_cold_prompts_home_that_took_more_than_its_share_is_passed_over() {
+/// Four vLLM workers at `127.0.0.1:900{i}`, homes two blocks deep, and `routing`.
+fn four_workers(routing: &str) -> Core {
     let four = (0..4)
         .map(|i| format!("[[workers]]\naddress = \"127.0.0.1:900{i}\"\nmodel = \"m\"\n"))
         .collect::<String>();
-    let mut unbounded = Core::new(
-        &config(&format!("{four}[routing]\nhome_balance = inf\n")),
+    Core::new(
+        &config(&format!("{four}[routing]\nhome_key_blocks = 2\n{routing}")),
         7,
-    );
-    let mut bounded = Core::new(
-        &config(&format!("{four}[routing]\nhome_balance = 1.25\n")),
-        7,
-    );
-    let now = Instant::now();
-    let request = |k: u64| HintRequest {
+    )
+}
+
+/// A two-block prompt of its own (`k`): its tokens and its hint request.
+fn prompt(k: u32) -> (Vec<u32>, HintRequest) {
+    let tokens: Vec<u32> = (0..32).map(|t| k * 1000 + t).collect();
+    let req = HintRequest {
         model: "m".into(),
-        hashes: vec![PrefixHash(k)],
+        hashes: token_prefix_hashes(&tokens, 16, HashSeed::default()),
         finished: Vec::new(),
     };
-    // Each request finishes before the next, so no load moves a prompt: only its home does.
-    let route = |core: &mut Core, req: &HintRequest| {
-        let hint = core.hint(req, now).unwrap();
+    (tokens, req)
+}
+
+/// Worker `w`'s engine stores `tokens` as its message `seq` (engine hashes `first..`).
+fn engine_stores(core: &mut Core, w: WorkerId, seq: u64, tokens: &[u32], now: Instant) {
+    let batch = EventBatch {
+        events: vec![VllmEvent::BlockStored {
+            block_hashes: (0..2).map(|b| EngineBlockHash(seq * 10 + b)).collect(),
+            parent: None,
+            token_ids: tokens.iter().copied().collect(),
+            block_size: 16,
+            lora_name: None,
+            medium: None,
+            has_extra_keys: Default::default(),
+            group: None,
+            kind: None,
+        }],
+        ..EventBatch::default()
+    };
+    let address = format!("127.0.0.1:900{}", w.0);
+    core.ingest(
+        Input::Message(Message::vllm(&address, seq, Delivery::Live, &batch)),
+        now,
+    );
+}
+
+/// Cold prompts whose home is one worker are placed with bounded loads: no worker becomes
+/// home to more than the mean of prefixes and half a prefix, counted from the index (what
+/// the engines stored) and from the requests still running whose events are yet to come. A
+/// replica that only read the same events counts the same and names the same homes; a warm
+/// prompt reads no counts, nor does any prompt with the balance off.
+#[test]
+fn cold_prompts_homes_are_bounded_by_the_prefixes_the_index_holds() {
+    let mut unbounded = four_workers("home_balance = inf\n");
+    let mut bounded = four_workers("");
+    let mut listener = four_workers("");
+    let now = Instant::now();
+    let first = |hint: &Hint| hint.decision.workers[0];
+    // Twelve prompts hashing alone puts on the same worker.
+    let home = first(&unbounded.hint(&prompt(1).1, now).unwrap());
+    let same_home: Vec<u32> = [1]
+        .into_iter()
+        .chain((2..).filter(|&k| first(&unbounded.hint(&prompt(k).1, now).unwrap()) == home))
+        .take(12)
+        .collect();
+    let mut seqs = [0u64; 4];
+    let mut placed = Vec::new();
+    let mut late: Option<(WorkerId, Vec<u32>, Hint)> = None;
+    let mut most_ahead: f64 = 0.0;
+    let mut expected: Option<(WorkerId, f64)> = None;
+    let homes = |hint: &Hint| -> Vec<f64> {
+        let mut by_worker: Vec<(WorkerId, f64)> = hint
+            .decision
+            .candidates
+            .iter()
+            .map(|c| (c.id, c.homes.unwrap()))
+            .collect();
+        by_worker.sort_by_key(|c| c.0);
+        by_worker.into_iter().map(|c| c.1).collect()
+    };
+    let finish = |core: &mut Core, hint: &Hint| {
         let done = Finished {
             ticket: hint.ticket.unwrap(),
             usage: Usage::Cached {
-                prompt_tokens: 16,
+                prompt_tokens: 32,
                 cached_tokens: 0,
             },
         };
         core.ingest(Input::Finished(&[done]), now);
-        hint
     };
-    let first = |hint: &Hint| hint.decision.workers[0];
-    // Twelve prompts hashing alone puts on the same worker.
-    let home = first(&route(&mut unbounded, &request(1)));
-    let same_home: Vec<u64> = (2..)
-        .filter(|&k| first(&route(&mut unbounded, &request(k))) == home)
-        .take(11)
-        .chain([1])
-        .collect();
-    let hints: Vec<Hint> = same_home
-        .iter()
-        .map(|&k| route(&mut bounded, &request(k)))
-        .collect();
-    let at_home: Vec<bool> = hints.iter().map(|h| first(h) == home).collect();
-    // The third finds 2 at home against 1.25 × 2/4 + 2 = 2.63: taken. The fourth finds 3
-    // against 1.25 × 3/4 + 2 = 2.94: passed over.
-    assert_eq!(at_home[..4], [true, true, true, false], "{at_home:?}");
-    let weighed = |h: &Hint| {
-        h.decision
-            .candidates
-            .iter()
-            .find(|c| c.id == home)
-            .and_then(|c| c.recent_hints)
-    };
-    assert_eq!(weighed(&hints[3]), Some(3.0));
-    let taken = at_home.iter().filter(|&&t| t).count() as f64;
-    assert!(
-        taken <= 1.25 * 12.0 / 4.0 + 2.0 + 1.0,
-        "{taken} of 12 at one home"
+    for (i, &k) in same_home.iter().enumerate() {
+        let (tokens, req) = prompt(k);
+        let hint = bounded.hint(&req, now).unwrap();
+        let w = first(&hint);
+        let before = homes(&hint);
+        if let Some((w, n)) = expected.take() {
+            assert_eq!(
+                before[w.0 as usize], n,
+                "prompt {i}: the one before runs there"
+            );
+        }
+        // The engine stores the prompt and it finishes; every third prompt's events come
+        // after the next prompt was placed, which counts it as running there meanwhile.
+        let mut arrive = |core_w: (WorkerId, Vec<u32>, Hint)| {
+            let (w, tokens, hint) = core_w;
+            seqs[w.0 as usize] += 1;
+            for core in [&mut bounded, &mut listener] {
+                engine_stores(core, w, seqs[w.0 as usize], &tokens, now);
+            }
+            finish(&mut bounded, &hint);
+        };
+        if let Some(previous) = late.take() {
+            arrive(previous);
+        }
+        if i % 3 == 2 {
+            expected = Some((w, before[w.0 as usize] + 1.0));
+            late = Some((w, tokens, hint));
+        } else {
+            arrive((w, tokens, hint));
+        }
+        // The replica that only listened, asked for the next prompt of the same home, counts
+        // what this one counted once the running requests' events are in.
+        let next = prompt(same_home.get(i + 1).copied().unwrap_or(500)).1;
+        let listened = listener.hint(&next, now).unwrap();
+        if late.is_none() {
+            let asked = bounded.hint(&next, now).unwrap();
+            assert_eq!(homes(&listened), homes(&asked), "prompt {i}");
+            assert_eq!(first(&listened), first(&asked), "prompt {i}");
+            finish(&mut bounded, &asked);
+        }
+        finish(&mut listener, &listened);
+        let least = before.iter().copied().fold(f64::INFINITY, f64::min);
+        let mean = before.iter().sum::<f64>() / 4.0;
+        assert!(
+            before[w.0 as usize] <= mean + 0.5,
+            "prompt {i} went to {w:?} home to {before:?}"
+        );
+        most_ahead = most_ahead.max(before[w.0 as usize] - least);
+        placed.push(w);
+    }
+    assert_eq!(placed[0], home);
+    assert_ne!(
+        placed[1], home,
+        "the second is passed over: 1 against 0.25 + 0.5"
     );
-    // A new prompt's first request is cold and reads the counts; the next matches the first,
-    // still running there: not a new prefix, no counts read. With the balance off, none are.
-    let mut warm = request(100);
-    warm.hashes.push(PrefixHash(101));
+    let per_worker: Vec<usize> = (0..4)
+        .map(|w| placed.iter().filter(|p| p.0 == w).count())
+        .collect();
+    assert!(
+        per_worker.iter().all(|&n| (2..=4).contains(&n)),
+        "{per_worker:?}"
+    );
+    assert!(most_ahead <= 2.0, "a home {most_ahead} ahead of the least");
+    // Running there and stored there, a prefix counts once.
+    let (tokens, req) = prompt(950);
+    let hint = bounded.hint(&req, now).unwrap();
+    let w = first(&hint);
+    seqs[w.0 as usize] += 1;
+    engine_stores(&mut bounded, w, seqs[w.0 as usize], &tokens, now);
+    let next = bounded.hint(&prompt(951).1, now).unwrap();
+    assert_eq!(homes(&next)[w.0 as usize], homes(&hint)[w.0 as usize] + 1.0);
+    // A prompt whose first request is running there matches it: not cold, no counts read.
+    let (_, warm) = prompt(900);
     let running = bounded.hint(&warm, now).unwrap();
     assert!(running
         .decision
         .candidates
         .iter()
-        .all(|c| c.recent_hints.is_some()));
+        .all(|c| c.homes.is_some()));
     let again = bounded.hint(&warm, now).unwrap();
     assert!(
-        again
-            .decision
-            .candidates
-            .iter()
-            .all(|c| c.recent_hints.is_none()),
+        again.decision.candidates.iter().all(|c| c.homes.is_none()),
         "{:?}",
         again.decision.candidates
     );
-    let off = unbounded.hint(&request(200), now).unwrap();
-    assert!(off
-        .decision
-        .candidates
-        .iter()
-        .all(|c| c.recent_hints.is_none()));
+    let off = unbounded.hint(&prompt(901).1, now).unwrap();
+    assert!(off.decision.candidates.iter().all(|c| c.homes.is_none()));
 }
