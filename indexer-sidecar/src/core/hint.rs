@@ -84,6 +84,7 @@ impl Core {
         // A prompt nothing matches goes to a home balanced by the prefixes each worker is
         // home to, where the balance is on.
         if self.routing.home_balance.is_finite()
+            && home_key.is_some()
             && longest < self.routing.min_matched_blocks.max(1) as usize
         {
             let mut held: HashMap<WorkerId, usize> = HashMap::new();
