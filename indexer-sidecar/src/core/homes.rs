@@ -17,8 +17,9 @@ use crate::core::event::EngineHash;
 pub struct Homes {
     /// The home depth (`home_key_blocks`); 0 counts nothing.
     depth: u8,
-    /// Depth of each block held at most `depth` deep.
-    shallow: HashMap<EngineHash, u8>,
+    /// Depth of each block held at most `depth` deep. Engine hashes are chosen by whoever
+    /// publishes events: foldhash seeded per process, as the cache's own map.
+    shallow: HashMap<EngineHash, u8, foldhash::fast::RandomState>,
     /// Blocks held exactly `depth` deep: the prefixes this cache is home to.
     at_depth: usize,
 }
