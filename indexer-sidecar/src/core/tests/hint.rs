@@ -172,22 +172,9 @@ fn prompt(k: u32) -> (Vec<u32>, HintRequest) {
     (tokens, req)
 }
 
-/// Worker `w`'s engine stores `tokens` as its message `seq` (engine hashes `first..`).
+/// Worker `w`'s engine stores `tokens` as its message `seq` (engine hashes `seq * 10..`).
 fn engine_stores(core: &mut Core, w: WorkerId, seq: u64, tokens: &[u32], now: Instant) {
-    let batch = EventBatch {
-        events: vec![VllmEvent::BlockStored {
-            block_hashes: (0..2).map(|b| EngineBlockHash(seq * 10 + b)).collect(),
-            parent: None,
-            token_ids: tokens.iter().copied().collect(),
-            block_size: 16,
-            lora_name: None,
-            medium: None,
-            has_extra_keys: Default::default(),
-            group: None,
-            kind: None,
-        }],
-        ..EventBatch::default()
-    };
+    let batch = store_tokens(None, seq * 10, tokens);
     let address = format!("127.0.0.1:900{}", w.0);
     core.ingest(
         Input::Message(Message::vllm(&address, seq, Delivery::Live, &batch)),

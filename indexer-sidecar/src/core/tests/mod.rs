@@ -83,11 +83,18 @@ fn vllm_core() -> Core {
 }
 
 fn store(parent: Option<u64>, first: u64, blocks: u64) -> EventBatch {
+    let tokens: Vec<u32> = (0..16 * blocks as u32).collect();
+    store_tokens(parent, first, &tokens)
+}
+
+/// A store batch of `tokens` (16 a block) chained after engine hash `parent` (names `first..`).
+fn store_tokens(parent: Option<u64>, first: u64, tokens: &[u32]) -> EventBatch {
+    let blocks = tokens.len() as u64 / 16;
     EventBatch {
         events: vec![VllmEvent::BlockStored {
             block_hashes: (first..first + blocks).map(EngineBlockHash).collect(),
             parent: parent.map(EngineBlockHash),
-            token_ids: (0..16 * blocks as u32).collect(),
+            token_ids: tokens.iter().copied().collect(),
             block_size: 16,
             lora_name: None,
             medium: None,
