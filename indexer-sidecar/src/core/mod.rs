@@ -116,17 +116,18 @@ impl Core {
     /// The configured workers and an empty index per model; tickets sealed with `ticket_key`
     /// (random per process).
     pub fn new(config: &Config, ticket_key: u64) -> Self {
+        // The caches count their home prefixes only for the home balance, which reads them.
+        let home_depth = if config.routing.home_balance.is_finite() {
+            config.routing.home_key_blocks
+        } else {
+            0
+        };
         Core {
             fleet: Fleet::new(&config.workers),
             indexes: config
                 .models
                 .iter()
-                .map(|m| {
-                    (
-                        m.name.clone(),
-                        RadixIndex::new(config.routing.home_key_blocks),
-                    )
-                })
+                .map(|m| (m.name.clone(), RadixIndex::new(home_depth)))
                 .collect(),
             block_sizes: config
                 .models
