@@ -10,7 +10,7 @@ STATIC_SIDECAR := target/static/x86_64-unknown-linux-gnu/release/kvroute-sidecar
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 
 .PHONY: images all build venv venv-peers venv-dynamo venv-vllm toolchain check test test-live lint demo clean \
-	bench-routing bench-routing-quick bench-load bench-load-quick bench-load-trace bench-replicas bench-replicas-quick bench-storm soak bench-datapath bench-dynamo bench-vllm bench-index bench-hint bench-prepare bench-usage fuzz \
+	bench-routing bench-routing-quick bench-load bench-load-quick bench-load-trace bench-replicas bench-replicas-quick bench-storm soak bench-datapath bench-dynamo bench-vllm bench-vllm-shapes bench-index bench-hint bench-prepare bench-usage fuzz \
 	precision-fixtures
 
 all: build
@@ -163,6 +163,19 @@ bench-replicas-quick: venv build
 # chat; docs/benchmarks.md, "Against real vLLM".
 bench-vllm: venv venv-vllm build
 	target/release/kvroute-bench vllm --out target/bench/vllm
+
+# The same against ring hash on chats of other shapes, each at 80- and 512-block caches
+# (about 70 minutes); docs/benchmarks.md, "Chats of other shapes".
+VLLM_SHAPES := \
+	few-apps:--system-prompt-words=300,300,300:--conversations=24:--turns=6:--concurrency=4 \
+	many-apps:--system-prompt-words=100,150,200,250,300,120,180,220:--conversations=32:--turns=3:--concurrency=16:--think-ms=1000:--max-tokens=64 \
+	one-app:--system-prompt-words=400:--conversations=16:--turns=8:--concurrency=8:--think-ms=500:--max-tokens=16
+bench-vllm-shapes: venv venv-vllm build
+	@set -e; for shape in $(VLLM_SHAPES); do name=$${shape%%:*}; args=$$(echo $${shape#*:} | tr ':' ' '); \
+	  for blocks in 80 512; do \
+	    target/release/kvroute-bench vllm --modes kvroute,ring_hash --repeat 4 --capacity-blocks $$blocks \
+	      $$args --out target/bench/vllm-$$name-$$blocks; \
+	  done; done
 
 # kvroute vs Dynamo's own KV router on real Dynamo mocker workers (aggregated on Dynamo's
 # defaults: etcd discovery, ZMQ events; then disaggregated prefill/decode, on the same);

@@ -1,5 +1,6 @@
 //! `kvroute-bench vllm`: kvroute against Envoy's ring hash alone and round robin, on real vLLM
-//! 0.32 engines on CPU (`make venv-vllm`), one multi-turn chat request stream.
+//! 0.32 engines on CPU (`make venv-vllm`), one multi-turn chat request stream whose shape —
+//! system prompts, conversations, turns, think time, output length — the command sets.
 //!
 //! Modes (each on a fresh fleet, so every one starts with empty caches): `kvroute` (hints, ring
 //! hash fallback), `ring_hash` (the filter sets only the fallback key: `hints: false`),
@@ -12,7 +13,7 @@ use std::time::Duration;
 use anyhow::Result;
 use indicatif::ProgressBar;
 
-use crate::client::{run_sessions, Outcome, Target, CLIENT_START_GAP};
+use crate::client::{run_sessions_paced, Outcome, Pace, Target, CLIENT_START_GAP};
 use crate::report::{self, ModeReport};
 use crate::stack::MODEL;
 use crate::vllm::VllmOptions;
@@ -24,10 +25,12 @@ use crate::{Mode, Stack, StackOptions};
 pub struct VllmBench {
     /// The fleet.
     pub fleet: VllmOptions,
-    /// Conversations (users) of the multi-turn chat.
-    pub conversations: usize,
+    /// The multi-turn chat; run `r` uses seed `chat.seed + r`.
+    pub chat: ChatSpec,
     /// Conversations in flight.
     pub concurrency: usize,
+    /// Each turn after a conversation's first waits up to this long (the user thinking).
+    pub think_max: Duration,
     /// Extra sidecar configuration (`[routing]` settings to compare).
     pub sidecar_toml: String,
     /// Only these modes (`kvroute`, `ring_hash`, `round_robin`; empty: all).
@@ -45,9 +48,8 @@ pub async fn run(bench: &VllmBench, out: &Path) -> Result<String> {
     let workloads: Vec<Vec<Session>> = (0..bench.repeat.max(1) as u64)
         .map(|r| {
             ChatWorkload::generate(&ChatSpec {
-                seed: ChatSpec::demo().seed + r,
-                conversations: bench.conversations,
-                ..ChatSpec::demo()
+                seed: bench.chat.seed + r,
+                ..bench.chat.clone()
             })
             .sessions(MODEL)
         })
@@ -92,14 +94,19 @@ pub async fn run(bench: &VllmBench, out: &Path) -> Result<String> {
         eprintln!("{}", r.line());
         reports.push(r);
     }
-    let f = &bench.fleet;
+    let (f, c) = (&bench.fleet, &bench.chat);
     let title = format!(
-        "Real vLLM 0.32 (CPU): {} engines, {}-block caches of {} tokens, multi-turn chat ({} users × 4 turns, {} at a time; {} runs pooled)",
+        "Real vLLM 0.32 (CPU): {} engines, {}-block caches of {} tokens, multi-turn chat ({} system prompts of {:?} words, {} users × {} turns, {} at a time, think time up to {} ms, max_tokens {}; {} runs pooled)",
         f.engines,
         f.capacity_blocks,
         crate::vllm::BLOCK_SIZE,
-        bench.conversations,
+        c.system_prompt_words.len(),
+        c.system_prompt_words,
+        c.conversations,
+        c.turns,
         bench.concurrency,
+        bench.think_max.as_millis(),
+        c.max_tokens,
         bench.repeat.max(1)
     );
     report::write(out, "vllm", &title, &reports)
@@ -124,12 +131,16 @@ async fn run_mode(
     opts.hint_timeout_ms = 1000;
     opts.sidecar_toml = run.sidecar_toml.clone();
     let stack = Stack::start(opts).await?;
-    let outcomes = run_sessions(
+    let pace = Pace {
+        start_gap: CLIENT_START_GAP,
+        think_max: bench.think_max,
+    };
+    let outcomes = run_sessions_paced(
         &stack.http,
         &Target::Router(stack.envoy_url.clone()),
         sessions,
         bench.concurrency,
-        CLIENT_START_GAP,
+        pace,
         &ProgressBar::hidden(),
     )
     .await;

@@ -8,6 +8,7 @@ use anyhow::{Context as _, Result};
 use clap::{Parser, Subcommand};
 use kvroute_harness::bench::Scale;
 use kvroute_harness::client::CLIENT_START_GAP;
+use kvroute_harness::workload::ChatSpec;
 use kvroute_harness::{bench, datapath, paths};
 
 #[derive(Parser)]
@@ -267,12 +268,24 @@ enum Command {
         /// KV cache per engine, in blocks of 32 tokens.
         #[arg(long, default_value_t = 512)]
         capacity_blocks: usize,
-        /// Users of the multi-turn chat (4 turns each).
+        /// Users of the multi-turn chat.
         #[arg(long, default_value_t = 16)]
         conversations: usize,
         /// Users in flight.
         #[arg(long, default_value_t = 16)]
         concurrency: usize,
+        /// The apps' system prompts, one length in words each (user i talks to app i mod apps).
+        #[arg(long, value_delimiter = ',', default_values_t = ChatSpec::demo().system_prompt_words)]
+        system_prompt_words: Vec<usize>,
+        /// Turns per user.
+        #[arg(long, default_value_t = 4)]
+        turns: usize,
+        /// Before each turn after the first, a user thinks up to this long (spread evenly).
+        #[arg(long, default_value_t = 0.0)]
+        think_ms: f64,
+        /// `max_tokens` of each request (the replies kept in the history are the workload's).
+        #[arg(long, default_value_t = ChatSpec::demo().max_tokens)]
+        max_tokens: u32,
         /// Extra sidecar configuration, e.g. `"[routing]\nload_penalty_blocks = 2"`.
         #[arg(long, default_value = "")]
         sidecar_toml: String,
@@ -373,6 +386,10 @@ async fn main() -> Result<()> {
             capacity_blocks,
             conversations,
             concurrency,
+            system_prompt_words,
+            turns,
+            think_ms,
+            max_tokens,
             sidecar_toml,
             modes,
             repeat,
@@ -382,14 +399,23 @@ async fn main() -> Result<()> {
                 .iter()
                 .map(|v| parse_variant(v))
                 .collect::<Result<Vec<_>>>()?;
+            let think_max = Duration::try_from_secs_f64(think_ms / 1e3)
+                .map_err(|e| anyhow::anyhow!("--think-ms {think_ms}: {e}"))?;
             let bench = kvroute_harness::bench_vllm::VllmBench {
                 fleet: kvroute_harness::vllm::VllmOptions {
                     engines,
                     capacity_blocks,
                     ..Default::default()
                 },
-                conversations,
+                chat: ChatSpec {
+                    system_prompt_words,
+                    conversations,
+                    turns,
+                    max_tokens,
+                    ..ChatSpec::demo()
+                },
                 concurrency,
+                think_max,
                 sidecar_toml: sidecar_toml.replace("\\n", "\n"),
                 modes: modes.unwrap_or_default(),
                 repeat,
