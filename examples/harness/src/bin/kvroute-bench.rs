@@ -320,8 +320,7 @@ async fn main() -> Result<()> {
             capacity_blocks,
             max_running,
         } => {
-            let gap = Duration::try_from_secs_f64(start_gap_ms / 1e3)
-                .map_err(|e| anyhow::anyhow!("--start-gap-ms {start_gap_ms}: {e}"))?;
+            let gap = millis("--start-gap-ms", start_gap_ms)?;
             let doc = bench::run(
                 &bench::RoutingBench {
                     scale,
@@ -352,8 +351,7 @@ async fn main() -> Result<()> {
             modes,
             think_ms,
         } => {
-            let think_max = Duration::try_from_secs_f64(think_ms / 1e3)
-                .map_err(|e| anyhow::anyhow!("--think-ms {think_ms}: {e}"))?;
+            let think_max = millis("--think-ms", think_ms)?;
             let bench = kvroute_harness::bench_dynamo::DynamoBench {
                 fleet: kvroute_harness::DynamoOptions {
                     aggregated: workers,
@@ -399,8 +397,7 @@ async fn main() -> Result<()> {
                 .iter()
                 .map(|v| parse_variant(v))
                 .collect::<Result<Vec<_>>>()?;
-            let think_max = Duration::try_from_secs_f64(think_ms / 1e3)
-                .map_err(|e| anyhow::anyhow!("--think-ms {think_ms}: {e}"))?;
+            let think_max = millis("--think-ms", think_ms)?;
             let bench = kvroute_harness::bench_vllm::VllmBench {
                 fleet: kvroute_harness::vllm::VllmOptions {
                     engines,
@@ -653,6 +650,11 @@ async fn main() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A duration flag given in milliseconds.
+fn millis(flag: &str, ms: f64) -> Result<Duration> {
+    Duration::try_from_secs_f64(ms / 1e3).map_err(|e| anyhow::anyhow!("{flag} {ms}: {e}"))
 }
 
 /// A `--variant NAME=TOML` argument: its name and configuration, `\n` for newlines.
