@@ -64,6 +64,7 @@
 //! max_waiting = 8                   # saturation thresholds: queued requests,
 //! max_in_flight = 16                #   requests where the engine reports no queue,
 //! # max_kv_usage = 0.95             #   KV cache usage (unset: not a threshold)
+//! # waiting_kv_usage = 0.9          # a queue saturates only at this KV usage (unset: any)
 //! saturation_slack = 4              # over a threshold counts only 4 requests above the mean
 //! load_penalty_blocks = 2           # one request on a worker costs as much as 2 uncached blocks
 //! scrape_interval_ms = 250          # engines' /metrics (vLLM names) are read this often
@@ -682,6 +683,14 @@ pub struct RoutingConfig {
     /// vLLM and Dynamo this threshold sent warm turns away at the load where their cache
     /// mattered (docs/benchmarks.md).
     pub max_kv_usage: Option<f64>,
+    /// A queue of `max_waiting` saturates a worker only while its KV cache is this full (0..1):
+    /// requests waiting for cache blocks lose their prefixes as they wait (vLLM with a small
+    /// cache), while an engine queueing for compute keeps them, and moving its requests pays
+    /// their prefills for a queue that is only chance (the simulator past saturation). Unset:
+    /// any such queue. An engine whose KV usage the sidecar does not read (Dynamo's workers)
+    /// is then never saturated by its queue. Measured, off by default (docs/benchmarks.md, "A
+    /// larger saturation slack").
+    pub waiting_kv_usage: Option<f64>,
     /// A worker with this many requests (see [`crate::core::load::Load::busy`]) is saturated,
     /// where its engine reports no queue ([`crate::core::policy::saturated`]).
     pub max_in_flight: f64,
@@ -762,6 +771,7 @@ impl Default for RoutingConfig {
             max_hinted_workers: 3,
             max_waiting: 8.0,
             max_kv_usage: None,
+            waiting_kv_usage: None,
             max_in_flight: 16.0,
             saturation_slack: 4.0,
             load_penalty_blocks: 2.0,
@@ -980,6 +990,7 @@ impl Config {
             ("saturation_slack", r.saturation_slack),
             ("max_waiting", r.max_waiting),
             ("max_kv_usage", r.max_kv_usage.unwrap_or(0.0)),
+            ("waiting_kv_usage", r.waiting_kv_usage.unwrap_or(0.0)),
             ("max_in_flight", r.max_in_flight),
         ] {
             if !v.is_finite() || v < 0.0 {
@@ -1204,6 +1215,10 @@ dynamo_worker_id = 18446744073709551615
             (
                 format!("{EXAMPLE}[envoy]\nadmin_url = \"http://a\"\n[[envoy.members]]\nmodel = \"other\"\nevents = \"tcp://{{host}}:5557\"\n"),
                 "not configured",
+            ),
+            (
+                format!("{EXAMPLE}[routing]\nwaiting_kv_usage = -0.5\n"),
+                "waiting_kv_usage",
             ),
         ] {
             let err = toml::from_str::<Config>(&bad)

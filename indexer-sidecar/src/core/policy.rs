@@ -113,7 +113,10 @@ pub struct Decision {
 /// saturation, each paying a prefill that slowed the fleet into more: docs/benchmarks.md, "Under
 /// load").
 pub fn saturated(load: &Load, routing: &RoutingConfig) -> bool {
-    load.waiting.min(load.busy()) >= routing.max_waiting
+    (load.waiting.min(load.busy()) >= routing.max_waiting
+        && routing
+            .waiting_kv_usage
+            .is_none_or(|usage| load.kv_usage >= usage))
         || routing.max_kv_usage.is_some_and(|max| load.kv_usage >= max)
         || (!load.queue_reported && load.busy() >= routing.max_in_flight)
 }
@@ -685,6 +688,35 @@ mod tests {
             ..RoutingConfig::default()
         };
         assert!(saturated(&full, &configured));
+    }
+
+    /// With `waiting_kv_usage`, a queue saturates only an engine whose requests wait for cache
+    /// blocks, not one queueing for compute with its cache to spare.
+    #[test]
+    fn a_queue_saturates_at_the_kv_usage_set() {
+        let queued = |kv_usage: f64| Load {
+            waiting: 8.0,
+            unhinted: 8.0,
+            kv_usage,
+            queue_reported: true,
+            ..Load::default()
+        };
+        let routing = RoutingConfig::default();
+        assert!(saturated(&queued(0.5), &routing), "any queue by default");
+        let set = RoutingConfig {
+            waiting_kv_usage: Some(0.9),
+            ..RoutingConfig::default()
+        };
+        assert!(!saturated(&queued(0.5), &set));
+        assert!(!saturated(&queued(0.0), &set), "usage not read");
+        assert!(saturated(&queued(0.95), &set));
+        assert!(!saturated(
+            &Load {
+                waiting: 7.0,
+                ..queued(1.0)
+            },
+            &set
+        ));
     }
 
     #[test]
