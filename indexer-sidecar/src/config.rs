@@ -69,7 +69,7 @@
 //! load_penalty_blocks = 2           # one request on a worker costs as much as 2 uncached blocks
 //! scrape_interval_ms = 250          # engines' /metrics (vLLM names) are read this often
 //! home_key_blocks = 8               # cold prompts go to the home of their first 8 blocks
-//! home_balance = 1                  # … unless it is home to more than the mean of prefixes (+ 1/2)
+//! home_balance = 1                  # … unless it is home to its share of the prefixes (rounded up)
 //! spread_slack = 4                  # a popular prefix spreads to a worker this many requests less
 //!                                   #   busy, from a holder this many (and 2×) above the mean
 //!                                   #   running this many of the prefix's requests
@@ -714,14 +714,13 @@ pub struct RoutingConfig {
     /// land where another one is running. Unset: [`PREFILL_HOME_SLACK_BLOCKS`] for the prefill
     /// workers of a disaggregated fleet, off for aggregated workers; `inf`: off for all.
     pub home_slack_blocks: Option<f64>,
-    /// A cold prompt's home is also passed over when it is home to more than this many times
-    /// the workers' mean of prefixes (`home_key_blocks` deep: those its caches hold by the
-    /// index, and those of its requests running, whose events are yet to come), and half a
-    /// prefix (consistent hashing with bounded loads): the prefixes that first land by hashing
+    /// A cold prompt's home is also passed over when it is home to this many times its share
+    /// of the prefixes, counting the new one, rounded up (`home_key_blocks` deep: those its
+    /// caches hold by the index, and those of its requests running, whose events are yet to
+    /// come; consistent hashing with bounded loads): the prefixes that first land by hashing
     /// stay there, so hashing alone leaves some workers three times the prefixes of others.
     /// Counted from the index, every replica bounds alike once their indexes agree. 1 (the
-    /// default): a worker above the mean by more than half a prefix takes no new one; `inf`:
-    /// off.
+    /// default): no worker takes a second prefix while another has none; `inf`: off.
     pub home_balance: f64,
     /// A popular prefix (requests lately branched off it in different ways, or several workers hold it)
     /// goes to another worker, which then holds it too, when each holder has this many

@@ -129,10 +129,6 @@ fn mean_busy(candidates: &[Candidate]) -> f64 {
     candidates.iter().map(|c| c.load.busy()).sum::<f64>() / candidates.len() as f64
 }
 
-/// Prefixes a home may hold beyond `home_balance` × the mean: with the default 1, a worker at
-/// the fleet's mean takes one more, one above it none.
-const HOME_BALANCE_SLACK: f64 = 0.5;
-
 /// A cold prompt's home score on `address`: rendezvous hashing, the same on every replica.
 fn home_score(key: u64, address: &str) -> u64 {
     xxh3_64_with_seed(address.as_bytes(), key)
@@ -282,22 +278,21 @@ pub fn choose<'a>(
             .iter()
             .map(|c| c.load.running_prompt_blocks)
             .fold(f64::INFINITY, f64::min);
-        // Bounded-load rendezvous: a worker home to more than `home_balance` times the mean
-        // of the prefixes (and half a prefix) is no new prefix's home. A prefix's home is where
-        // its later requests stay; by hashing alone, 32 prefixes on 8 workers put 6 or 7 on
-        // one and 2 on another, for good (docs/benchmarks.md, "Homes balanced by the index").
-        let mean_homes = candidates[..unsaturated]
+        // Bounded-load rendezvous: a worker is a new prefix's home only while it is home to
+        // fewer than `home_balance` × its share of the prefixes counting this one, rounded up
+        // (consistent hashing with bounded loads). A prefix's home is where its later requests
+        // stay; by hashing alone, 32 prefixes on 8 workers put 6 or 7 on one and 2 on another,
+        // for good, and a bound of the mean and half a prefix still let four prefixes on four
+        // workers share one while another had none (docs/benchmarks.md, "Homes balanced by the
+        // index"). `inf` is off (the capacity is infinite).
+        let total_homes: f64 = candidates[..unsaturated]
             .iter()
             .map(|c| c.homes.unwrap_or(0.0))
-            .sum::<f64>()
-            / unsaturated.max(1) as f64;
+            .sum();
+        let capacity =
+            (routing.home_balance * (total_homes + 1.0) / unsaturated.max(1) as f64).ceil();
         let home = (0..unsaturated)
-            .filter(|&i| {
-                // `inf` is off, also where no worker is home to anything yet (∞ × 0 is NaN).
-                routing.home_balance == f64::INFINITY
-                    || candidates[i].homes.unwrap_or(0.0)
-                        <= routing.home_balance * mean_homes + HOME_BALANCE_SLACK
-            })
+            .filter(|&i| candidates[i].homes.unwrap_or(0.0) < capacity)
             .filter(|&i| candidates[i].load.busy() <= least_busy + routing.home_slack)
             .filter(|&i| {
                 let c = &candidates[i];
@@ -755,10 +750,10 @@ mod tests {
         assert_eq!(d.candidates.len(), 2);
     }
 
-    /// A home to more prefixes than `home_balance` times the mean (and half a prefix) is
-    /// passed over for the key's next home: prefixes are placed by hashing with bounded loads.
+    /// A worker home to its share of the prefixes (counting the new one, rounded up) is passed
+    /// over for the key's next home: prefixes are placed by hashing with bounded loads.
     #[test]
-    fn a_home_to_more_than_its_share_is_passed_over() {
+    fn a_home_to_its_share_is_passed_over() {
         let reg = registry(4);
         let routing = RoutingConfig::default();
         assert_eq!(routing.home_balance, 1.0);
@@ -779,9 +774,11 @@ mod tests {
         let key = (0..64u64)
             .find(|&k| decide(k, [2.0; 4], &routing) == addr(1))
             .unwrap();
-        // Mean 2.75, bound 3.25: at the mean and one ahead of the least, still home.
-        assert_eq!(decide(key, [3.0, 3.0, 3.0, 2.0], &routing), addr(1));
-        // Mean 2.25, bound 2.75: one ahead of all the others.
+        // Four prefixes on four workers: the fourth goes where there is none (seen on Dynamo's
+        // mockers: two apps shared a worker while another had no home).
+        assert_eq!(decide(key, [1.0, 1.0, 1.0, 0.0], &routing), addr(3));
+        assert_eq!(decide(key, [3.0, 3.0, 3.0, 2.0], &routing), addr(3));
+        // 10 counting this one: up to 3 each, so the key's home with 3 is passed over.
         let next = decide(key, [2.0, 3.0, 2.0, 2.0], &routing);
         assert_ne!(next, addr(1));
         let without = choose(10, Some(key), &[], &reg, &routing, idle, |w| w.0 != 1);
