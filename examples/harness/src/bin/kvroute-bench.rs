@@ -278,7 +278,7 @@ enum Command {
         #[arg(long, value_delimiter = ',', default_values_t = ChatSpec::demo().system_prompt_words)]
         system_prompt_words: Vec<usize>,
         /// Turns per user.
-        #[arg(long, default_value_t = 4)]
+        #[arg(long, default_value_t = ChatSpec::demo().turns)]
         turns: usize,
         /// Before each turn after the first, a user thinks up to this long (spread evenly).
         #[arg(long, default_value_t = 0.0)]
