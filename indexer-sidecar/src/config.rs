@@ -687,9 +687,8 @@ pub struct RoutingConfig {
     /// requests waiting for cache blocks lose their prefixes as they wait (vLLM with a small
     /// cache), while an engine queueing for compute keeps them, and moving its requests pays
     /// their prefills for a queue that is only chance (the simulator past saturation). Unset:
-    /// any such queue. An engine whose KV usage the sidecar does not read (Dynamo's workers)
-    /// is then never saturated by its queue. Measured, off by default (docs/benchmarks.md, "A
-    /// larger saturation slack").
+    /// any such queue. Off by default: it also cost a chat workload below saturation
+    /// (docs/benchmarks.md, "A larger saturation slack").
     pub waiting_kv_usage: Option<f64>,
     /// A worker with this many requests (see [`crate::core::load::Load::busy`]) is saturated,
     /// where its engine reports no queue ([`crate::core::policy::saturated`]).

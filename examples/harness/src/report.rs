@@ -23,6 +23,9 @@ pub struct ModeReport {
     pub ttft_p50_ms: f64,
     /// 95th percentile time to first token, ms.
     pub ttft_p95_ms: f64,
+    /// Mean time to first token, ms: where one engine idles while another queues, the median
+    /// falls among the idle engine's requests and only the mean shows the fleet's total wait.
+    pub ttft_mean_ms: f64,
     /// Requests served by each engine.
     pub requests_per_engine: Vec<usize>,
 }
@@ -72,6 +75,11 @@ impl ModeReport {
             },
             ttft_p50_ms: quantile(&ttfts, 0.5),
             ttft_p95_ms: quantile(&ttfts, 0.95),
+            ttft_mean_ms: if ttfts.is_empty() {
+                0.0
+            } else {
+                ttfts.iter().sum::<f64>() / ttfts.len() as f64
+            },
             requests_per_engine: per_engine,
         }
     }
@@ -79,11 +87,12 @@ impl ModeReport {
     /// One line for a benchmark's progress output.
     pub fn line(&self) -> String {
         format!(
-            "{}: hit rate {:.3}, TTFT p50 {:.1} ms p95 {:.1} ms, errors {}, per engine {:?}",
+            "{}: hit rate {:.3}, TTFT p50 {:.1} ms p95 {:.1} ms mean {:.1} ms, errors {}, per engine {:?}",
             self.mode,
             self.hit_rate,
             self.ttft_p50_ms,
             self.ttft_p95_ms,
+            self.ttft_mean_ms,
             self.errors,
             self.requests_per_engine
         )
@@ -93,7 +102,7 @@ impl ModeReport {
 /// A markdown table of the reports.
 pub fn markdown(title: &str, reports: &[ModeReport]) -> String {
     let mut out = format!(
-        "## {title}\n\n| mode | hit rate | TTFT p50 (ms) | TTFT p95 (ms) | requests | errors | requests per engine |\n|---|---|---|---|---|---|---|\n"
+        "## {title}\n\n| mode | hit rate | TTFT p50 (ms) | TTFT p95 (ms) | TTFT mean (ms) | requests | errors | requests per engine |\n|---|---|---|---|---|---|---|---|\n"
     );
     for r in reports {
         let per: Vec<String> = r
@@ -102,11 +111,12 @@ pub fn markdown(title: &str, reports: &[ModeReport]) -> String {
             .map(|n| n.to_string())
             .collect();
         out.push_str(&format!(
-            "| {} | {:.1}% | {:.1} | {:.1} | {} | {} | {} |\n",
+            "| {} | {:.1}% | {:.1} | {:.1} | {:.1} | {} | {} | {} |\n",
             r.mode,
             r.hit_rate * 100.0,
             r.ttft_p50_ms,
             r.ttft_p95_ms,
+            r.ttft_mean_ms,
             r.requests,
             r.errors,
             per.join(" / ")
@@ -164,6 +174,8 @@ mod tests {
         assert_eq!((r.requests, r.errors), (3, 1));
         assert!((r.hit_rate - 0.75).abs() < 1e-9);
         assert_eq!(r.requests_per_engine, vec![1, 1]);
+        // The failed request's zero TTFT is not averaged in.
+        assert!((r.ttft_mean_ms - 10.0).abs() < 1e-9);
         assert!(markdown("t", &[r]).contains("| x | 75.0% |"));
     }
 }
