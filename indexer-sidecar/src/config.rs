@@ -979,20 +979,29 @@ impl Config {
         if r.max_hinted_workers == 0 {
             bail!("[routing] max_hinted_workers must be at least 1");
         }
+        // A weight multiplies a load that can be 0 (`inf` × 0 is NaN) and a KV usage is a
+        // fraction: those must be finite. A slack or a threshold is only compared, so `inf`
+        // means "never", as for `home_balance`.
         for (name, v) in [
             ("load_penalty_blocks", r.load_penalty_blocks),
+            ("max_kv_usage", r.max_kv_usage.unwrap_or(0.0)),
+            ("waiting_kv_usage", r.waiting_kv_usage.unwrap_or(0.0)),
+        ] {
+            if !v.is_finite() || v < 0.0 {
+                bail!("[routing] {name} = {v}: must be a finite number >= 0");
+            }
+        }
+        for (name, v) in [
             ("home_slack", r.home_slack),
             ("spread_slack", r.spread_slack),
             ("spread_idle_slack", r.spread_idle_slack),
             ("spread_demand", r.spread_demand),
             ("saturation_slack", r.saturation_slack),
             ("max_waiting", r.max_waiting),
-            ("max_kv_usage", r.max_kv_usage.unwrap_or(0.0)),
-            ("waiting_kv_usage", r.waiting_kv_usage.unwrap_or(0.0)),
             ("max_in_flight", r.max_in_flight),
         ] {
-            if !v.is_finite() || v < 0.0 {
-                bail!("[routing] {name} = {v}: must be a finite number >= 0");
+            if v.is_nan() || v < 0.0 {
+                bail!("[routing] {name} = {v}: must be a number >= 0, or inf (never)");
             }
         }
         if r.home_balance.is_nan() || r.home_balance < 1.0 {
@@ -1148,6 +1157,15 @@ dynamo_worker_id = 18446744073709551615
         assert!(bad.to_string().contains("home_slack_blocks"), "{bad}");
     }
 
+    /// A slack or a threshold set to `inf` turns its rule off, as `home_balance = inf` does.
+    #[test]
+    fn slacks_and_thresholds_take_inf_as_never() {
+        let toml = format!("{EXAMPLE}[routing]\nspread_slack = inf\nspread_idle_slack = inf\nsaturation_slack = inf\nmax_in_flight = inf\n");
+        let c: Config = toml::from_str(&toml).unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.routing.spread_slack, f64::INFINITY);
+    }
+
     #[test]
     fn parses_and_resolves_dirs() {
         let dir = tempfile::tempdir().unwrap();
@@ -1217,6 +1235,14 @@ dynamo_worker_id = 18446744073709551615
             (
                 format!("{EXAMPLE}[routing]\nwaiting_kv_usage = -0.5\n"),
                 "waiting_kv_usage",
+            ),
+            (
+                format!("{EXAMPLE}[routing]\nload_penalty_blocks = inf\n"),
+                "load_penalty_blocks",
+            ),
+            (
+                format!("{EXAMPLE}[routing]\nspread_slack = nan\n"),
+                "spread_slack",
             ),
         ] {
             let err = toml::from_str::<Config>(&bad)
