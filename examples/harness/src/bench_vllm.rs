@@ -145,15 +145,13 @@ async fn run_mode(
     )
     .await;
     tokio::time::sleep(Duration::from_millis(200)).await;
-    // Each request's session, turn, engine and cache, to split a mode's hit rate and wait by
-    // turn, app and engine.
+    // Each request's session, turn and cache, to split a mode's hit rate by turn and app.
     let requests: Vec<serde_json::Value> = outcomes
         .iter()
         .map(|o| {
             serde_json::json!({
                 "session": o.session,
                 "turn": o.turn,
-                "engine": o.engine,
                 "status": o.status,
                 "prompt_tokens": o.prompt_tokens,
                 "cached_tokens": o.cached_tokens,
